@@ -1,0 +1,154 @@
+"""Parameter pytrees: registered dataclasses, layers stacked on a leading axis.
+
+Every weight is declared once, in :data:`LAYER_SPECS` / :data:`TARGET_SPECS` / :data:`DRAFT_SPECS`, as
+(shape, logical axes). Shapes, random initialisation, checkpoint conversion and sharding all read these
+tables, so a weight's layout is written in exactly one place. Logical axis names:
+
+    layers    stacked decoder layers             embed     the residual width D
+    heads     query heads H                      kv_heads  key/value heads K
+    head_dim  per-head width hd                  mlp       the SwiGLU width F
+    vocab     the vocabulary V                   taps      the drafter's concatenated target features
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from ddtree_jax.config import DraftConfig, ModelConfig
+
+Array = jax.Array
+Spec = tuple[Callable[[ModelConfig], tuple[int, ...]], tuple[str, ...]]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerWeights:
+    """One decoder layer's weights, each stacked to [L, ...] (L = number of layers)."""
+
+    attn_norm: Array  # [L, D]
+    wq: Array  # [L, D, H, hd]
+    wk: Array  # [L, D, K, hd]
+    wv: Array  # [L, D, K, hd]
+    wo: Array  # [L, H, hd, D]
+    q_norm: Array | None  # [L, hd] (Qwen3 only)
+    k_norm: Array | None  # [L, hd] (Qwen3 only)
+    mlp_norm: Array  # [L, D]
+    w_gate: Array  # [L, D, F]
+    w_up: Array  # [L, D, F]
+    w_down: Array  # [L, F, D]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TargetParams:
+    embed: Array  # [V, D]
+    layers: LayerWeights
+    final_norm: Array  # [D]
+    lm_head: Array | None  # [D, V]; None when tied to embed
+
+    def head(self) -> Array:
+        """The output projection [D, V] (the transposed embedding when tied)."""
+        return self.embed.T if self.lm_head is None else self.lm_head
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DraftParams:
+    """A DFlash drafter: no embedding or lm_head of its own (it uses the target's)."""
+
+    fc: Array  # [taps * D, D]
+    hidden_norm: Array  # [D]
+    layers: LayerWeights
+    final_norm: Array  # [D]
+
+
+LAYER_SPECS: dict[str, Spec] = {
+    "attn_norm": (lambda c: (c.num_layers, c.hidden_size), ("layers", "embed")),
+    "wq": (lambda c: (c.num_layers, c.hidden_size, c.num_heads, c.head_dim), ("layers", "embed", "heads", "head_dim")),
+    "wk": (
+        lambda c: (c.num_layers, c.hidden_size, c.num_kv_heads, c.head_dim),
+        ("layers", "embed", "kv_heads", "head_dim"),
+    ),
+    "wv": (
+        lambda c: (c.num_layers, c.hidden_size, c.num_kv_heads, c.head_dim),
+        ("layers", "embed", "kv_heads", "head_dim"),
+    ),
+    "wo": (lambda c: (c.num_layers, c.num_heads, c.head_dim, c.hidden_size), ("layers", "heads", "head_dim", "embed")),
+    "q_norm": (lambda c: (c.num_layers, c.head_dim), ("layers", "head_dim")),
+    "k_norm": (lambda c: (c.num_layers, c.head_dim), ("layers", "head_dim")),
+    "mlp_norm": (lambda c: (c.num_layers, c.hidden_size), ("layers", "embed")),
+    "w_gate": (lambda c: (c.num_layers, c.hidden_size, c.intermediate_size), ("layers", "embed", "mlp")),
+    "w_up": (lambda c: (c.num_layers, c.hidden_size, c.intermediate_size), ("layers", "embed", "mlp")),
+    "w_down": (lambda c: (c.num_layers, c.intermediate_size, c.hidden_size), ("layers", "mlp", "embed")),
+}
+TARGET_SPECS: dict[str, Spec] = {
+    "embed": (lambda c: (c.vocab_size, c.hidden_size), ("vocab", "embed")),
+    "final_norm": (lambda c: (c.hidden_size,), ("embed",)),
+    "lm_head": (lambda c: (c.hidden_size, c.vocab_size), ("embed", "vocab")),
+}
+DRAFT_SPECS: dict[str, Spec] = {
+    "fc": (lambda c: (c.num_taps * c.layers.hidden_size, c.layers.hidden_size), ("taps", "embed")),
+    "hidden_norm": (lambda c: (c.layers.hidden_size,), ("embed",)),
+    "final_norm": (lambda c: (c.layers.hidden_size,), ("embed",)),
+}
+NORMS = ("attn_norm", "q_norm", "k_norm", "mlp_norm", "final_norm", "hidden_norm")
+
+
+def _has(cfg: ModelConfig, name: str) -> bool:
+    return cfg.qk_norm or name not in ("q_norm", "k_norm")
+
+
+def layer_shapes(cfg: ModelConfig, dtype=jnp.bfloat16) -> LayerWeights:
+    """A LayerWeights of jax.ShapeDtypeStruct (None for absent weights)."""
+    return LayerWeights(
+        **{n: jax.ShapeDtypeStruct(f(cfg), dtype) if _has(cfg, n) else None for n, (f, _) in LAYER_SPECS.items()}
+    )
+
+
+def target_shapes(cfg: ModelConfig, dtype=jnp.bfloat16) -> TargetParams:
+    s = {n: jax.ShapeDtypeStruct(f(cfg), dtype) for n, (f, _) in TARGET_SPECS.items()}
+    if cfg.tie_word_embeddings:
+        s["lm_head"] = None
+    return TargetParams(layers=layer_shapes(cfg, dtype), **s)
+
+
+def draft_shapes(cfg: DraftConfig, dtype=jnp.bfloat16) -> DraftParams:
+    s = {n: jax.ShapeDtypeStruct(f(cfg), dtype) for n, (f, _) in DRAFT_SPECS.items()}
+    return DraftParams(layers=layer_shapes(cfg.layers, dtype), **s)
+
+
+def logical_axes(params: TargetParams | DraftParams) -> TargetParams | DraftParams:
+    """The same pytree with each array replaced by its tuple of logical axis names."""
+    specs = {**LAYER_SPECS, **TARGET_SPECS, **DRAFT_SPECS}
+
+    def axes(obj):
+        fields = {}
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            fields[f.name] = axes(v) if isinstance(v, LayerWeights) else (None if v is None else specs[f.name][1])
+        return type(obj)(**fields)
+
+    return axes(params)
+
+
+def init_random(shapes, key: Array, scale: float = 0.02):
+    """Random parameters for a shape tree: norms near 1, matrices N(0, scale^2). For tests and benchmarks."""
+    leaves, treedef = jax.tree.flatten_with_path(shapes)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for (path, s), k in zip(leaves, keys):
+        name = getattr(path[-1], "name", "")
+        if name in NORMS:
+            out.append((1.0 + 0.1 * jax.random.normal(k, s.shape)).astype(s.dtype))
+        else:
+            out.append((scale * jax.random.normal(k, s.shape)).astype(s.dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def cast(params, dtype):
+    """Cast every floating leaf to ``dtype``."""
+    return jax.tree.map(lambda x: x.astype(dtype), params)
