@@ -1,11 +1,40 @@
-"""(stub, being written) The round and the on-device loop: methods ar / dflash / ddtree."""
+"""The speculative round and the on-device loop of rounds: methods ar, dflash and ddtree.
+
+One round, for a batch of sequences, all on device:
+
+    draft   the DFlash drafter proposes logits for the bs-1 positions after the last token
+    tree    DDTree's best-first tree (ddtree), the argmax chain (dflash) or the bare root (ar)
+    verify  one target forward over [root + tree nodes] with the ancestor-only mask
+    accept  the target's choice at every node, then the walk down the agreeing path
+    commit  accepted K/V moved next to the prefix, tokens appended, hidden taps kept for the drafter
+
+The loop runs rounds under ``lax.while_loop`` until every sequence is done (or a round count is
+reached, so a host can stream every few rounds); no host synchronisation inside.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import time
 from typing import Callable
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax import accept, draft as dflash, model, tree as trees
+from ddtree_jax import cache as kvcache
+from ddtree_jax.config import DraftConfig, ModelConfig, check_pair
+from ddtree_jax.params import DraftParams, TargetParams
+from pallas_kernels.bitmask import causal_bits
+
+Array = jax.Array
+
 DEFAULT_TREE_BUDGET = 64
+METHODS = ("ar", "dflash", "ddtree")
+MAX_STOP_IDS = 8
+NEVER = np.iinfo(np.int32).max
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,10 +61,390 @@ class GenerateResult:
     decode_s: float
 
 
-def generate(target, prompts: list[list[int]], options: GenerateOptions, *, draft=None,
-             on_tokens: Callable[[list[list[int]]], None] | None = None) -> GenerateResult:
-    """target: (ModelConfig, TargetParams); draft: (DraftConfig, DraftParams) or None.
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """Everything static about a decoding run: what the jitted functions specialise on."""
 
-    on_tokens, when given, is called every few rounds with the tokens each sequence gained since the last call.
+    target: ModelConfig
+    draft: DraftConfig | None
+    method: str
+    budget: int  # tree nodes besides the root (0 for ar)
+    max_rounds: int  # per-sequence statistics buffer length
+    attention: str = "xla"
+    trace: bool = False
+    prefill_chunk: int = 512
+
+    @property
+    def max_depth(self) -> int:
+        return 0 if self.method == "ar" else self.draft.block_size - 1
+
+    @property
+    def path_len(self) -> int:
+        return self.max_depth + 1
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return () if self.draft is None or self.method == "ar" else self.draft.target_layer_ids
+
+
+def make_spec(target_cfg: ModelConfig, draft_cfg: DraftConfig | None, options: GenerateOptions, **kw) -> Spec:
+    if options.method not in METHODS:
+        raise ValueError(f"unknown method {options.method!r} (choose from {', '.join(METHODS)})")
+    if options.method != "ar":
+        if draft_cfg is None:
+            raise ValueError(f"method {options.method} needs a drafter (--draft PATH)")
+        check_pair(target_cfg, draft_cfg)
+    if options.method == "ddtree" and options.tree_budget < 1:
+        raise ValueError(f"tree budget must be at least 1, got {options.tree_budget}")
+    budget = {"ar": 0, "dflash": (draft_cfg.block_size - 1) if draft_cfg else 0, "ddtree": options.tree_budget}
+    return Spec(
+        target=target_cfg,
+        draft=draft_cfg if options.method != "ar" else None,
+        method=options.method,
+        budget=budget[options.method],
+        max_rounds=options.max_new_tokens,
+        attention=resolve_attention(options.attention),
+        trace=options.trace,
+        **kw,
+    )
+
+
+def resolve_attention(choice: str) -> str:
+    """'auto' -> Pallas kernels on GPU, XLA elsewhere; 'pallas' on CPU runs them in interpret mode."""
+    on_gpu = jax.default_backend() == "gpu"
+    if choice == "auto":
+        return "pallas" if on_gpu else "xla"
+    if choice == "pallas":
+        return "pallas" if on_gpu else "pallas-interpret"
+    if choice == "xla":
+        return "xla"
+    raise ValueError(f"unknown attention {choice!r} (choose auto, pallas or xla)")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class State:
+    """Per-batch decoding state; every leaf but the caches has the batch on axis 0."""
+
+    cache: kvcache.KVCache  # target; length = committed tokens
+    dcache: kvcache.KVCache | None  # drafter context K/V (None for ar)
+    context: Array | None  # [B, P, taps*D] hidden taps of the last accepted path, the drafter's next context
+    context_count: Array  # [B] valid rows of context
+    bonus: Array  # [B] last emitted token: the root of the next tree, not yet in the cache
+    out: Array  # [B, S_out] prompt + generated tokens
+    n_out: Array  # [B] tokens in out
+    prompt_len: Array  # [B]
+    limit: Array  # [B] prompt_len + max_new_tokens: the output is cut here
+    stop_ids: Array  # [B, MAX_STOP_IDS] stop tokens, -1 padded
+    stop_at: Array  # [B] index in out of the first stop token (NEVER if none)
+    done: Array  # [B] bool
+    keys: Array  # [B] PRNG keys, one per sequence
+    temperature: Array  # [B] f32 (0 = greedy)
+    top_p: Array  # [B] f32
+    top_k: Array  # [B] int32 (0 = off)
+    n_rounds: Array  # [B] rounds taken
+    accept_hist: Array  # [B, R] acceptance length of each round (accepted nodes incl. the root)
+    trace: dict | None  # with Spec.trace: per round trees and paths, [B, R, ...]
+
+
+# ----------------------------------------------------------------------------------------- round
+
+
+def draft_step(spec: Spec, target: TargetParams, drafter: DraftParams | None, state: State):
+    """draft + tree: (tree, drafter cache with the last accepted context appended)."""
+    b = state.bonus.shape[0]
+    if spec.method == "ar":
+        return trees.root_only(b), None
+    dcache = dflash.extend(drafter, spec.draft, state.dcache, state.context, state.context_count)
+    logits = dflash.propose(drafter, spec.draft, target, dcache, state.bonus, attention=spec.attention)
+    tree = trees.chain(logits) if spec.method == "dflash" else trees.best_first(logits, spec.budget)
+    return tree, dcache
+
+
+def verify(spec: Spec, target: TargetParams, state: State, tree: trees.Tree):
+    """Target forward over [root + nodes] at positions length + depth: (logits [B, 1+N, V], cache, taps)."""
+    tokens = jnp.concatenate([state.bonus[:, None], jnp.maximum(tree.tokens, 0)], axis=1)
+    depths = jnp.concatenate([jnp.zeros_like(state.bonus)[:, None], tree.depths], axis=1)
+    positions = state.cache.length[:, None] + depths
+    hidden, cache, taps = model.forward(
+        target, spec.target, tokens, positions, state.cache, tree.bits, taps=spec.taps, attention=spec.attention
+    )
+    return model.logits(target, hidden), cache, taps, tokens
+
+
+def round_step(spec: Spec, target: TargetParams, drafter: DraftParams | None, state: State) -> State:
+    active = ~state.done
+    b = state.bonus.shape[0]
+
+    tree, dcache = draft_step(spec, target, drafter, state)
+    logits, cache, taps, tokens = verify(spec, target, state, tree)
+
+    keys = accept.node_keys(state.keys, state.cache.length, 1 + spec.budget)
+    choice = accept.choose(logits, keys, state.temperature, state.top_p, state.top_k)
+    path, length, bonus = accept.walk(tree, choice, spec.max_depth)
+
+    count = jnp.where(active, length, 0)
+    cache = kvcache.compact(cache, path, count)
+    emitted = jnp.take_along_axis(tokens, path, axis=1)
+    emitted = jnp.concatenate([emitted[:, 1:], bonus[:, None]], axis=1)  # [B, P]: path tokens after the root
+    emitted = jnp.where(jnp.arange(spec.path_len)[None] < (length - 1)[:, None], emitted, bonus[:, None])
+    rows = jnp.arange(b)[:, None]
+    cols = state.n_out[:, None] + jnp.arange(spec.path_len)[None]
+    cols = jnp.where((jnp.arange(spec.path_len)[None] < count[:, None]), cols, state.out.shape[1])
+    out = state.out.at[rows, cols].set(emitted, mode="drop")
+    n_out = state.n_out + count
+
+    stop_at = first_stop(out, state, n_out)
+    done = state.done | (cache.length >= state.limit) | (stop_at < NEVER)
+
+    hist = state.accept_hist.at[jnp.arange(b), jnp.where(active, state.n_rounds, spec.max_rounds)].set(
+        length, mode="drop"
+    )
+    trace = state.trace
+    if spec.trace:
+        at = jnp.where(active, state.n_rounds, spec.max_rounds)
+        new = {"tokens": tree.tokens, "depths": tree.depths, "parents": tree.parents, "path": path, "length": length}
+        trace = {k: v.at[jnp.arange(b), at].set(new[k], mode="drop") for k, v in state.trace.items()}
+
+    context = None
+    if spec.method != "ar":
+        context = jnp.take_along_axis(taps, path[:, :, None], axis=1)
+    return dataclasses.replace(
+        state,
+        cache=cache,
+        dcache=dcache,
+        context=context,
+        context_count=count,
+        bonus=jnp.where(active, bonus, state.bonus),
+        out=out,
+        n_out=n_out,
+        stop_at=stop_at,
+        done=done,
+        n_rounds=state.n_rounds + active.astype(jnp.int32),
+        accept_hist=hist,
+        trace=trace,
+    )
+
+
+def first_stop(out: Array, state: State, n_out: Array) -> Array:
+    """The first stop token among the generated tokens that count (before the limit), or NEVER."""
+    idx = jnp.arange(out.shape[1])[None, :]
+    in_range = (idx >= state.prompt_len[:, None]) & (idx < jnp.minimum(n_out, state.limit)[:, None])
+    is_stop = jnp.any(out[:, :, None] == state.stop_ids[:, None, :], axis=-1) & in_range
+    found = jnp.min(jnp.where(is_stop, idx, NEVER), axis=1)
+    return jnp.minimum(state.stop_at, found)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
+def run_rounds(spec: Spec, target: TargetParams, drafter: DraftParams | None, state: State, max_rounds: Array):
+    """Run rounds until every sequence is done or ``max_rounds`` more rounds have run."""
+
+    def cond(carry):
+        state, i = carry
+        return jnp.any(~state.done) & (i < max_rounds)
+
+    def body(carry):
+        state, i = carry
+        return round_step(spec, target, drafter, state), i + 1
+
+    state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
+    return state
+
+
+# ----------------------------------------------------------------------------------------- prefill
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
+def prefill(spec: Spec, target: TargetParams, drafter: DraftParams | None, state: State, tokens: Array) -> State:
+    """Run the prompts [B, P_pad] (P_pad a multiple of the chunk) through the target chunk by chunk,
+    fill both caches, and choose the first token. ``state`` comes from :func:`init_state`."""
+    b, p_pad = tokens.shape
+    chunk = min(spec.prefill_chunk, p_pad)
+    lengths = state.prompt_len
+    bits = causal_bits(b, chunk)
+
+    def step(carry, c):
+        cache, dcache, last = carry
+        start = c * chunk
+        toks = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
+        positions = start + jnp.broadcast_to(jnp.arange(chunk), (b, chunk))
+        cache = dataclasses.replace(cache, length=jnp.full((b,), start, jnp.int32))
+        hidden, cache, taps = model.forward(
+            target, spec.target, toks, positions, cache, bits, taps=spec.taps, attention=spec.attention
+        )
+        if dcache is not None:
+            dcache = dataclasses.replace(dcache, length=jnp.full((b,), start, jnp.int32))
+            dcache = dflash.extend(drafter, spec.draft, dcache, taps, jnp.clip(lengths - start, 0, chunk))
+        here = (lengths - 1 >= start) & (lengths - 1 < start + chunk)
+        pick = jnp.take_along_axis(hidden, jnp.clip(lengths - 1 - start, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
+        last = jnp.where(here[:, None], pick, last)
+        return (cache, dcache, last), None
+
+    last0 = jnp.zeros((b, spec.target.hidden_size), target.embed.dtype)
+    (cache, dcache, last), _ = jax.lax.scan(step, (state.cache, state.dcache, last0), jnp.arange(p_pad // chunk))
+    cache = dataclasses.replace(cache, length=lengths)
+    if dcache is not None:
+        dcache = dataclasses.replace(dcache, length=lengths)
+
+    logits = model.logits(target, last)[:, None]
+    keys = accept.node_keys(state.keys, lengths - 1, 1)
+    first = accept.choose(logits, keys, state.temperature, state.top_p, state.top_k)[:, 0]
+    out = state.out.at[:, :p_pad].set(tokens).at[jnp.arange(b), lengths].set(first)
+    return dataclasses.replace(state, cache=cache, dcache=dcache, bonus=first, out=out, n_out=lengths + 1)
+
+
+def init_state(spec: Spec, prompt_lens, options_per_seq, capacity: int, out_len: int, dtype) -> State:
+    """Empty caches and per-sequence settings for a batch. options_per_seq: list of GenerateOptions."""
+    b = len(prompt_lens)
+    tc = spec.target
+    cache = kvcache.init(tc.num_layers, b, capacity, tc.num_kv_heads, tc.head_dim, dtype)
+    dcache = context = None
+    if spec.draft is not None:
+        dc = spec.draft.layers
+        dcache = kvcache.init(dc.num_layers, b, capacity, dc.num_kv_heads, dc.head_dim, dtype)
+        context = jnp.zeros((b, spec.path_len, spec.draft.num_taps * tc.hidden_size), dtype)
+    stop = np.full((b, MAX_STOP_IDS), -1, np.int32)
+    for i, o in enumerate(options_per_seq):
+        if len(o.stop_token_ids) > MAX_STOP_IDS:
+            raise ValueError(f"at most {MAX_STOP_IDS} stop token ids are supported, got {len(o.stop_token_ids)}")
+        stop[i, : len(o.stop_token_ids)] = o.stop_token_ids
+    prompt_len = jnp.asarray(prompt_lens, jnp.int32)
+    trace = None
+    if spec.trace:
+        r, n = spec.max_rounds, spec.budget
+        trace = {
+            "tokens": jnp.zeros((b, r, n), jnp.int32),
+            "depths": jnp.zeros((b, r, n), jnp.int32),
+            "parents": jnp.zeros((b, r, n + 1), jnp.int32),
+            "path": jnp.zeros((b, r, spec.path_len), jnp.int32),
+            "length": jnp.zeros((b, r), jnp.int32),
+        }
+    return State(
+        cache=cache,
+        dcache=dcache,
+        context=context,
+        context_count=jnp.zeros((b,), jnp.int32),
+        bonus=jnp.zeros((b,), jnp.int32),
+        out=jnp.zeros((b, out_len), jnp.int32),
+        n_out=prompt_len,
+        prompt_len=prompt_len,
+        limit=prompt_len + jnp.asarray([o.max_new_tokens for o in options_per_seq], jnp.int32),
+        stop_ids=jnp.asarray(stop),
+        stop_at=jnp.full((b,), NEVER, jnp.int32),
+        done=jnp.zeros((b,), bool),
+        keys=jax.vmap(jax.random.key)(jnp.asarray([o.seed for o in options_per_seq], jnp.uint32)),
+        temperature=jnp.asarray([o.temperature for o in options_per_seq], jnp.float32),
+        top_p=jnp.asarray([o.top_p for o in options_per_seq], jnp.float32),
+        top_k=jnp.asarray([o.top_k for o in options_per_seq], jnp.int32),
+        n_rounds=jnp.zeros((b,), jnp.int32),
+        accept_hist=jnp.zeros((b, spec.max_rounds), jnp.int32),
+        trace=trace,
+    )
+
+
+# ----------------------------------------------------------------------------------------- host API
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def layout(spec: Spec, prompt_lens: list[int], max_new_tokens: int) -> tuple[int, int, int]:
+    """(padded prompt length, cache capacity, output buffer length) for a batch."""
+    longest = max(prompt_lens)
+    chunk = min(spec.prefill_chunk, round_up(longest, 16))
+    p_pad = round_up(longest, chunk)
+    block = 1 + spec.budget + (spec.draft.block_size if spec.draft else 0)
+    capacity = round_up(max(p_pad, longest + max_new_tokens + block), 64)
+    return p_pad, capacity, max(p_pad, longest + max_new_tokens + spec.path_len + 1)
+
+
+def final_length(state: State) -> np.ndarray:
+    n_out, limit, stop_at = (np.asarray(x) for x in (state.n_out, state.limit, state.stop_at))
+    return np.minimum(np.minimum(n_out, limit), np.where(stop_at < NEVER, stop_at + 1, n_out))
+
+
+def trace_rounds(spec: Spec, state: State, b: int) -> list[dict]:
+    t = {k: np.asarray(v[b]) for k, v in state.trace.items()}
+    rounds = []
+    for r in range(int(state.n_rounds[b])):
+        rounds.append(
+            {
+                "tree": {
+                    "node_token_ids": t["tokens"][r].tolist(),
+                    "node_depths": t["depths"][r].tolist(),
+                    "parents": t["parents"][r].tolist(),
+                },
+                "accepted_indices": t["path"][r][: t["length"][r]].tolist(),
+            }
+        )
+    return rounds
+
+
+def generate(
+    target,
+    prompts: list[list[int]],
+    options: GenerateOptions,
+    *,
+    draft=None,
+    on_tokens: Callable[[list[list[int]]], None] | None = None,
+    stream_every: int = 4,
+) -> GenerateResult:
+    """Generate for a batch of prompts. target: (ModelConfig, TargetParams); draft: (DraftConfig, DraftParams).
+
+    on_tokens, when given, is called every ``stream_every`` rounds with the tokens each sequence gained.
     """
-    raise NotImplementedError
+    tcfg, tparams = target
+    dcfg, dparams = draft if draft is not None else (None, None)
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if options.max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be at least 1")
+    for p in prompts:
+        bad = [t for t in p if not 0 <= t < tcfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} outside the vocabulary (size {tcfg.vocab_size})")
+    spec = make_spec(tcfg, dcfg, options)
+    if spec.method == "ar":
+        dparams = None
+    lens = [len(p) for p in prompts]
+    p_pad, capacity, out_len = layout(spec, lens, options.max_new_tokens)
+    spec = dataclasses.replace(spec, prefill_chunk=min(spec.prefill_chunk, p_pad))
+    tokens = np.zeros((len(prompts), p_pad), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    dtype = tparams.embed.dtype
+    state = init_state(spec, lens, [options] * len(prompts), capacity, out_len, dtype)
+
+    t0 = time.perf_counter()
+    state = prefill(spec, tparams, dparams, state, jnp.asarray(tokens))
+    jax.block_until_ready(state.bonus)
+    prefill_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    budget_rounds = jnp.int32(stream_every if on_tokens else options.max_new_tokens + 1)
+    emitted = np.asarray(lens)
+    while True:
+        state = run_rounds(spec, tparams, dparams, state, budget_rounds)
+        if on_tokens is not None:
+            ends = final_length(state)
+            out = np.asarray(state.out)
+            on_tokens([out[i, emitted[i] : ends[i]].tolist() for i in range(len(prompts))])
+            emitted = np.maximum(emitted, ends)
+        if bool(jnp.all(state.done)):
+            break
+    jax.block_until_ready(state.out)
+    decode_s = time.perf_counter() - t0
+
+    ends = final_length(state)
+    out = np.asarray(state.out)
+    hist = np.asarray(state.accept_hist)
+    n_rounds = np.asarray(state.n_rounds)
+    return GenerateResult(
+        output_ids=[out[i, : ends[i]].tolist() for i in range(len(prompts))],
+        num_generated=[int(ends[i] - lens[i]) for i in range(len(prompts))],
+        acceptance_lengths=[[] if spec.method == "ar" else hist[i, : n_rounds[i]].tolist() for i in range(len(prompts))],
+        rounds=[trace_rounds(spec, state, i) for i in range(len(prompts))] if spec.trace else None,
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+    )

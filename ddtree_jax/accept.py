@@ -1,0 +1,88 @@
+"""The target's choice at every tree node, and the walk down the tree it agrees with.
+
+Losslessness: every emitted token is the target's own choice (argmax, or an independent sample) at the
+node whose path is the emitted prefix, so the output has exactly the target's distribution.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ddtree_jax.tree import Tree
+
+Array = jax.Array
+
+
+def node_keys(seq_keys: Array, position: Array, nodes: int) -> Array:
+    """Independent keys [B, nodes] from per-sequence keys [B] and the round's first position [B].
+
+    A sequence's keys depend only on its own seed and position, never on its batch neighbours.
+    """
+
+    def one(key, pos):
+        k = jax.random.fold_in(key, pos)
+        return jax.vmap(lambda n: jax.random.fold_in(k, n))(jnp.arange(nodes))
+
+    return jax.vmap(one)(seq_keys, position)
+
+
+def filter_logits(logits: Array, temperature: Array, top_p: Array, top_k: Array) -> Array:
+    """Tempered logits [B, T, V] with top-k (0 = off) and top-p (1 = off) applied per sequence [B]."""
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None, None]
+
+    def filtered(x):
+        vocab = x.shape[-1]
+        srt = jnp.sort(x, axis=-1)[..., ::-1]
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+        kth = jnp.take_along_axis(srt, (k - 1)[:, None, None].astype(jnp.int32), axis=-1)
+        probs = jax.nn.softmax(srt, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
+        keep_sorted = (before < top_p[:, None, None]) & (jnp.arange(vocab) < k[:, None, None])
+        cutoff = jnp.min(jnp.where(keep_sorted, srt, jnp.inf), axis=-1, keepdims=True)
+        return jnp.where((x >= cutoff) & (x >= kth), x, -jnp.inf)
+
+    needed = jnp.any((top_k > 0) | (top_p < 1.0))
+    return jax.lax.cond(needed, filtered, lambda x: x, scaled)
+
+
+def choose(logits: Array, keys: Array, temperature: Array, top_p: Array, top_k: Array) -> Array:
+    """The target's token at every node [B, T]: argmax where temperature == 0, else a sample.
+
+    logits [B, T, V] f32; keys [B, T] (one independent key per node); temperature/top_p/top_k [B].
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sampled(_):
+        filt = filter_logits(logits, temperature, top_p, top_k)
+        gumbel = jax.vmap(jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],))))(keys)
+        return jnp.argmax(filt + gumbel, axis=-1).astype(jnp.int32)
+
+    draw = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
+    return jnp.where(temperature[:, None] > 0, draw, greedy)
+
+
+def walk(tree: Tree, choice: Array, max_depth: int) -> tuple[Array, Array, Array]:
+    """Follow the target's choices from the root, batched and loop-free.
+
+    choice [B, 1+N] = the target's token at every tree index. Node j is accepted iff its token equals
+    the choice at its parent and its parent is accepted; the accepted nodes form one path.
+    Returns (path [B, max_depth+1] tree indices root-first, padded with the last accepted index;
+    length [B] accepted nodes including the root; bonus [B] = the choice at the path's end).
+    """
+    b, m = tree.parents.shape
+    up = jnp.maximum(tree.parents, 0)
+    tokens = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), tree.tokens], axis=1)
+    ok = (tokens == jnp.take_along_axis(choice, up, axis=1)).at[:, 0].set(True)
+    accepted = ok
+    for _ in range(max_depth):  # an ancestor chain is at most max_depth long
+        accepted = ok & jnp.take_along_axis(accepted, up, axis=1)
+    depth = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), tree.depths], axis=1)
+    length = jnp.max(jnp.where(accepted, depth, 0), axis=1) + 1
+    slot = jnp.where(accepted, depth, max_depth + 1)  # one accepted node per depth
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, m))
+    path = jnp.zeros((b, max_depth + 2), jnp.int32).at[rows, slot].set(jnp.arange(m, dtype=jnp.int32))[:, :-1]
+    last = jnp.take_along_axis(path, (length - 1)[:, None], axis=1)
+    path = jnp.where(jnp.arange(max_depth + 1)[None] < length[:, None], path, last)
+    bonus = jnp.take_along_axis(choice, last, axis=1)[:, 0]
+    return path, length, bonus

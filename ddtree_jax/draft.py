@@ -1,0 +1,103 @@
+"""The DFlash block-diffusion drafter (z-lab), as pure functions over a context-only KV cache.
+
+Every drafter layer attends, without a mask, from the block [bonus, mask x (bs-1)] to
+[context ; block]. The context is the target's tapped hidden states projected once (``fc`` then
+``hidden_norm``) and fed to every layer's k/v projections (with k_norm and RoPE at the tokens'
+positions). Only the context K/V persists: :func:`extend` appends it as tokens are committed;
+:func:`propose` writes the block's K/V in scratch slots past the committed length and drops it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ddtree_jax import cache as kvcache
+from ddtree_jax import model
+from ddtree_jax.config import DraftConfig
+from ddtree_jax.params import DraftParams, TargetParams
+from pallas_kernels.bitmask import full_bits
+
+Array = jax.Array
+
+
+def extend(
+    params: DraftParams, cfg: DraftConfig, dcache: kvcache.KVCache, features: Array, count: Array
+) -> kvcache.KVCache:
+    """Append context: features [B, C, taps*D] of the next C tokens (the first count[b] valid).
+
+    Their positions are dcache.length[b] + c. Returns the cache with length += count.
+    """
+    lc = cfg.layers
+    b, c, _ = features.shape
+    ctx = jnp.einsum("bcf,fd->bcd", features.astype(params.fc.dtype), params.fc)
+    ctx = model.rms_norm(ctx, params.hidden_norm, lc.rms_norm_eps)
+    positions = dcache.length[:, None] + jnp.arange(c)[None, :]
+    cos, sin = model.rope_tables(lc, positions)
+    w = params.layers
+
+    def kv(wk, wv, k_norm):  # one layer's context K/V, vmapped over the stacked layers below
+        k = model.rms_norm(jnp.einsum("bcd,dhk->bchk", ctx, wk), k_norm, lc.rms_norm_eps)
+        return model.apply_rope(k, cos, sin), jnp.einsum("bcd,dhk->bchk", ctx, wv)
+
+    k, v = jax.vmap(kv)(w.wk, w.wv, w.k_norm)  # [L, B, C, K, hd]
+    return kvcache.KVCache(
+        kvcache.write_all(dcache.k, k, dcache.length),
+        kvcache.write_all(dcache.v, v, dcache.length),
+        dcache.length + count,
+    )
+
+
+def window_mask(cfg: DraftConfig, positions: Array, capacity: int) -> Array | None:
+    """[B, T, S] bool for sliding-window layers (key slot s visible iff pos - s < window)."""
+    if cfg.sliding_window is None or "sliding_attention" not in cfg.layer_types:
+        return None
+    slot = jnp.arange(capacity)[None, None, :]
+    return positions[:, :, None] - slot < cfg.sliding_window
+
+
+def propose(
+    params: DraftParams,
+    cfg: DraftConfig,
+    target: TargetParams,
+    dcache: kvcache.KVCache,
+    bonus: Array,
+    *,
+    attention: str = "xla",
+) -> Array:
+    """Draft logits [B, bs-1, V] (f32) for the bs-1 positions after ``bonus`` [B].
+
+    The block [bonus, mask x (bs-1)] sits at positions dcache.length[b] + i. The cache is read, not
+    changed: the block's K/V go to scratch slots that the next :func:`extend` overwrites.
+    """
+    lc, bs = cfg.layers, cfg.block_size
+    b = bonus.shape[0]
+    tokens = jnp.concatenate([bonus[:, None], jnp.full((b, bs - 1), cfg.mask_token_id, bonus.dtype)], axis=1)
+    positions = dcache.length[:, None] + jnp.arange(bs)[None, :]
+    cos, sin = model.rope_tables(lc, positions)
+    x = jnp.take(target.embed, tokens, axis=0).astype(params.fc.dtype)
+    bits = full_bits(b, bs)
+    start = dcache.length
+    window = window_mask(cfg, positions, dcache.capacity)
+    sliding = jnp.asarray([t == "sliding_attention" for t in (cfg.layer_types or ("full_attention",) * lc.num_layers)])
+    attend = model.attention_fn(attention)
+
+    def layer(carry, inputs):
+        x, k_all, v_all = carry
+        w, i = inputs
+        h = model.rms_norm(x, w.attn_norm, lc.rms_norm_eps)
+        q, k, v = model.qkv(h, w, lc.rms_norm_eps, cos, sin)
+        k_all = kvcache.write_layer(k_all, i, k, start)
+        v_all = kvcache.write_layer(v_all, i, v, start)
+        if window is None:
+            o = attend(q, k_all[i], v_all[i], start, bits)
+        else:
+            extra = jnp.where(sliding[i], window, True)
+            o = model.tree_attention_lib.tree_attention_reference(q, k_all[i], v_all[i], start, bits, extra_mask=extra)
+        x = x + jnp.einsum("bthk,hkd->btd", o, w.wo)
+        x = x + model.mlp(model.rms_norm(x, w.mlp_norm, lc.rms_norm_eps), w)
+        return (x, k_all, v_all), None
+
+    (x, _, _), _ = jax.lax.scan(layer, (x, dcache.k, dcache.v), (params.layers, jnp.arange(lc.num_layers)))
+    hidden = model.rms_norm(x, params.final_norm, lc.rms_norm_eps)
+    return model.logits(target, hidden[:, 1:].astype(target.embed.dtype))

@@ -1,0 +1,135 @@
+"""The target transformer (Qwen3 and Llama) as pure functions: ``lax.scan`` over stacked layers.
+
+One forward serves prefill chunks, autoregressive steps and DDTree verification: the T new tokens sit
+at arbitrary positions, their K/V are written into the cache at slots ``cache.length ..`` (not yet
+committed), and the attention sees the committed prefix plus the block slots allowed by a bit-packed
+mask (causal for prefill/AR, ancestor-only for a tree). See ``pallas_kernels.tree_attention``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ddtree_jax import cache as kvcache
+from ddtree_jax.config import ModelConfig
+from ddtree_jax.params import LayerWeights, TargetParams
+from ddtree_jax.sharding import constrain
+from pallas_kernels import tree_attention as tree_attention_lib
+
+Array = jax.Array
+
+
+def rms_norm(x: Array, w: Array, eps: float) -> Array:
+    """RMSNorm in f32, scaled in the input dtype (as transformers does)."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return w * y.astype(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, positions: Array) -> tuple[Array, Array]:
+    """cos, sin [B, T, hd] (f32) for integer positions [B, T]."""
+    inv = jnp.asarray(cfg.rope.inv_freq(cfg.head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+    """x [B, T, heads, hd] rotated by cos/sin [B, T, hd]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+def attention_fn(impl: str):
+    """The tree attention implementation: 'xla' (jnp reference) or 'pallas' / 'pallas-interpret'."""
+    if impl == "xla":
+        return tree_attention_lib.tree_attention_reference
+    if impl in ("pallas", "pallas-interpret"):
+        return functools.partial(tree_attention_lib.tree_attention, interpret=impl == "pallas-interpret")
+    raise ValueError(f"unknown attention implementation {impl!r}")
+
+
+def mlp(x: Array, w: LayerWeights) -> Array:
+    gate = jnp.einsum("btd,df->btf", x, w.w_gate)
+    up = jnp.einsum("btd,df->btf", x, w.w_up)
+    h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+    return jnp.einsum("btf,fd->btd", h, w.w_down)
+
+
+def qkv(x: Array, w: LayerWeights, eps: float, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
+    """Project x [B, T, D] to q [B, T, H, hd], k, v [B, T, K, hd] with optional q/k norm and RoPE."""
+    q = jnp.einsum("btd,dhk->bthk", x, w.wq)
+    k = jnp.einsum("btd,dhk->bthk", x, w.wk)
+    v = jnp.einsum("btd,dhk->bthk", x, w.wv)
+    if w.q_norm is not None:
+        q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def forward(
+    params: TargetParams,
+    cfg: ModelConfig,
+    tokens: Array,
+    positions: Array,
+    cache: kvcache.KVCache,
+    tree_bits: Array,
+    *,
+    taps: tuple[int, ...] = (),
+    attention: str = "xla",
+) -> tuple[Array, kvcache.KVCache, Array | None]:
+    """Run the target over T new tokens per sequence.
+
+    tokens, positions [B, T] int32; tree_bits [B, T, ceil(T/32)] uint32 (block visibility, see
+    pallas_kernels.tree_attention). Returns (hidden [B, T, D] after the final norm, the cache with the
+    block's K/V written at slots cache.length .. cache.length + T - 1 (length unchanged), and the tapped
+    hidden states [B, T, len(taps) * D] or None). ``taps`` are transformers' layer ids: tap i reads
+    hidden_states[i + 1], the output of decoder layer i (the last layer's is taken after the final norm).
+    """
+    attend = attention_fn(attention)
+    b, t = tokens.shape
+    x = constrain(jnp.take(params.embed, tokens, axis=0), ("batch", "seq", "embed"))
+    cos, sin = rope_tables(cfg, positions)
+    start = cache.length
+    n_taps = len(taps)
+    slot_of_layer = [n_taps] * cfg.num_layers  # n_taps = "not tapped" (dropped by the scatter)
+    for j, layer in enumerate(taps):
+        slot_of_layer[layer] = j
+    slot_of_layer = jnp.asarray(slot_of_layer, jnp.int32)
+
+    def layer(carry, inputs):
+        x, k_all, v_all, tapped = carry
+        w, i = inputs
+        h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
+        q, k, v = qkv(h, w, cfg.rms_norm_eps, cos, sin)
+        k_all = kvcache.write_layer(k_all, i, k, start)
+        v_all = kvcache.write_layer(v_all, i, v, start)
+        o = attend(q, k_all[i], v_all[i], start, tree_bits)
+        x = x + jnp.einsum("bthk,hkd->btd", o, w.wo)
+        x = x + mlp(rms_norm(x, w.mlp_norm, cfg.rms_norm_eps), w)
+        x = constrain(x, ("batch", "seq", "embed"))
+        if n_taps:
+            tapped = tapped.at[slot_of_layer[i]].set(x, mode="drop")
+        return (x, k_all, v_all, tapped), None
+
+    tapped = jnp.zeros((n_taps, b, t, cfg.hidden_size), x.dtype) if n_taps else None
+    (x, k_all, v_all, tapped), _ = jax.lax.scan(
+        layer, (x, cache.k, cache.v, tapped), (params.layers, jnp.arange(cfg.num_layers))
+    )
+    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    features = None
+    if n_taps:
+        if cfg.num_layers - 1 in taps:  # hidden_states[L] is reported after the final norm
+            tapped = tapped.at[taps.index(cfg.num_layers - 1)].set(x)
+        features = jnp.concatenate(list(tapped), axis=-1)
+    return x, kvcache.KVCache(k_all, v_all, cache.length), features
+
+
+def logits(params: TargetParams, hidden: Array) -> Array:
+    """[..., D] -> [..., V] float32."""
+    out = jnp.einsum("...d,dv->...v", hidden, params.head(), preferred_element_type=jnp.float32)
+    return constrain(out, ("batch", "seq", "vocab")[-out.ndim :])

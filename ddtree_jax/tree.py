@@ -1,0 +1,133 @@
+"""Draft trees with static shapes: DDTree's best-first tree, the DFlash chain, and the bare root (AR).
+
+Tree index 0 is the root (the last emitted token, not yet in the cache); node k of ``tokens`` /
+``depths`` is tree index k + 1, as in the reference. Parents come before children.
+
+DDTree (Ringel & Romano, Algorithm 1) pops a heap of paths by cumulative draft log-probability until
+``budget`` nodes are taken. A child never scores above its parent, so the result is the top-``budget``
+paths over all depths, ancestor-closed. We compute that with a ``lax.scan`` over depths carrying a
+width-``budget`` frontier (the best paths of the current depth): the paths of depth d+1 in the
+answer extend frontier paths of depth d. Frontier and per-depth top-k lists are sorted, so candidate
+(i, j) = frontier i + token rank j has at least (i+1)(j+1)-1 candidates above it; only pairs with
+(i+1)(j+1) <= budget can make the cut (about budget * ln(budget) pairs instead of budget^2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.bitmask import pack_bits
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Tree:
+    tokens: Array  # [B, N] int32 node tokens (-1 marks an unused slot, never accepted)
+    depths: Array  # [B, N] int32, 1-based
+    parents: Array  # [B, 1 + N] int32 tree indices; parents[:, 0] == -1
+    bits: Array  # [B, 1 + N, ceil((1+N)/32)] uint32 ancestor-or-self visibility
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _candidate_pairs(budget: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Static (frontier slot, token rank) pairs that can reach the top ``budget``."""
+    ii, jj = [], []
+    for i in range(budget):
+        for j in range(min(k, budget // (i + 1))):
+            ii.append(i)
+            jj.append(j)
+    return np.asarray(ii, np.int32), np.asarray(jj, np.int32)
+
+
+def ancestor_bits(parents: Array, max_depth: int) -> Array:
+    """parents [B, M] (root -1) -> packed ancestor-or-self mask [B, M, ceil(M/32)]."""
+    m = parents.shape[1]
+    up = jnp.maximum(parents, 0)
+    eye = jnp.eye(m, dtype=bool)
+    cur = jnp.broadcast_to(jnp.arange(m), parents.shape)
+    vis = jnp.broadcast_to(eye, (parents.shape[0], m, m))
+    for _ in range(max_depth):
+        cur = jnp.take_along_axis(up, cur, axis=1)
+        vis = vis | jax.nn.one_hot(cur, m, dtype=bool)
+    return pack_bits(vis)
+
+
+def _best_first_one(log_probs: Array, token_ids: Array, budget: int):
+    """One sequence. log_probs, token_ids [Dp, K] sorted descending per depth."""
+    depth_count, k = log_probs.shape
+    width = budget
+    ii, jj = (jnp.asarray(a) for a in _candidate_pairs(budget, k))
+
+    first = jnp.full((width,), -jnp.inf).at[: min(k, width)].set(log_probs[0, :width])
+    first_tok = jnp.full((width,), -1, jnp.int32).at[: min(k, width)].set(token_ids[0, :width])
+    first_parent = jnp.full((width,), -1, jnp.int32)
+
+    def step(frontier, row):
+        lp, ids = row
+        scores = frontier[ii] + lp[jj]
+        best, pick = jax.lax.top_k(scores, width)
+        return best, (best, ids[jj[pick]], ii[pick])
+
+    _, (scores, toks, parent_slot) = jax.lax.scan(step, first, (log_probs[1:], token_ids[1:]))
+    scores = jnp.concatenate([first[None], scores])  # [Dp, W]
+    toks = jnp.concatenate([first_tok[None], toks])
+    parent_slot = jnp.concatenate([first_parent[None], parent_slot])
+
+    flat_scores = scores.reshape(-1)
+    top_scores, chosen = jax.lax.top_k(flat_scores, budget)  # ties: shallower first, so parents precede
+    depth = chosen // width
+    valid = top_scores > -jnp.inf
+    rank_of = jnp.full((depth_count * width,), -1, jnp.int32).at[chosen].set(jnp.arange(budget, dtype=jnp.int32))
+    parent_flat = (depth - 1) * width + parent_slot.reshape(-1)[chosen]
+    parent = jnp.where(depth == 0, 0, rank_of[jnp.maximum(parent_flat, 0)] + 1)
+    parent = jnp.where(valid, parent, 0)
+    tokens = jnp.where(valid, toks.reshape(-1)[chosen], -1)
+    depths = jnp.where(valid, depth + 1, 1)
+    return tokens, depths.astype(jnp.int32), parent.astype(jnp.int32)
+
+
+def top_log_probs(draft_logits: Array, k: int) -> tuple[Array, Array]:
+    """Per-depth top-k of the log-softmax: ([B, Dp, k] f32, [B, Dp, k] int32), sorted descending."""
+    logits = draft_logits.astype(jnp.float32)
+    vals, ids = jax.lax.top_k(logits, k)
+    return vals - jax.nn.logsumexp(logits, axis=-1, keepdims=True), ids.astype(jnp.int32)
+
+
+def best_first(draft_logits: Array, budget: int) -> Tree:
+    """DDTree's tree of ``budget`` nodes from draft logits [B, Dp, V] (untempered, as the reference)."""
+    b, depth_count, vocab = draft_logits.shape
+    lp, ids = top_log_probs(draft_logits, min(budget, vocab))
+    tokens, depths, parents = jax.vmap(_best_first_one, in_axes=(0, 0, None))(lp, ids, budget)
+    parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parents], axis=1)
+    return Tree(tokens, depths, parents, ancestor_bits(parents, depth_count))
+
+
+def chain(draft_logits: Array) -> Tree:
+    """Chain DFlash: one path of the draft argmax tokens, depths 1..Dp."""
+    b, depth_count, _ = draft_logits.shape
+    tokens = jnp.argmax(draft_logits, axis=-1).astype(jnp.int32)
+    depths = jnp.broadcast_to(jnp.arange(1, depth_count + 1, dtype=jnp.int32), (b, depth_count))
+    parents = jnp.broadcast_to(jnp.arange(-1, depth_count, dtype=jnp.int32), (b, depth_count + 1))
+    bits = pack_bits(jnp.tril(jnp.ones((depth_count + 1, depth_count + 1), bool)))
+    return Tree(tokens, depths, parents, jnp.broadcast_to(bits, (b, *bits.shape)))
+
+
+def root_only(batch: int) -> Tree:
+    """Autoregressive decoding: the tree is the root alone."""
+    return Tree(
+        jnp.zeros((batch, 0), jnp.int32),
+        jnp.zeros((batch, 0), jnp.int32),
+        jnp.full((batch, 1), -1, jnp.int32),
+        jnp.ones((batch, 1, 1), jnp.uint32),
+    )
