@@ -73,6 +73,7 @@ class Spec:
     attention: str = "xla"
     trace: bool = False
     prefill_chunk: int = 512
+    proposer: Callable | None = None  # replaces the DFlash drafter's propose (same signature), e.g. an oracle
 
     @property
     def max_depth(self) -> int:
@@ -156,7 +157,8 @@ def draft_step(spec: Spec, target: TargetParams, drafter: DraftParams | None, st
     if spec.method == "ar":
         return trees.root_only(b), None
     dcache = dflash.extend(drafter, spec.draft, state.dcache, state.context, state.context_count)
-    logits = dflash.propose(drafter, spec.draft, target, dcache, state.bonus, attention=spec.attention)
+    propose = spec.proposer or dflash.propose
+    logits = propose(drafter, spec.draft, target, dcache, state.bonus, attention=spec.attention)
     tree = trees.chain(logits) if spec.method == "dflash" else trees.best_first(logits, spec.budget)
     return tree, dcache
 
@@ -389,10 +391,12 @@ def generate(
     draft=None,
     on_tokens: Callable[[list[list[int]]], None] | None = None,
     stream_every: int = 4,
+    proposer: Callable | None = None,
 ) -> GenerateResult:
     """Generate for a batch of prompts. target: (ModelConfig, TargetParams); draft: (DraftConfig, DraftParams).
 
     on_tokens, when given, is called every ``stream_every`` rounds with the tokens each sequence gained.
+    proposer, when given, replaces ``draft.propose`` (same signature): a research hook for other drafters.
     """
     tcfg, tparams = target
     dcfg, dparams = draft if draft is not None else (None, None)
@@ -404,7 +408,7 @@ def generate(
         bad = [t for t in p if not 0 <= t < tcfg.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} outside the vocabulary (size {tcfg.vocab_size})")
-    spec = make_spec(tcfg, dcfg, options)
+    spec = make_spec(tcfg, dcfg, options, proposer=proposer)
     if spec.method == "ar":
         dparams = None
     lens = [len(p) for p in prompts]

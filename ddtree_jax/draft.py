@@ -30,7 +30,7 @@ def extend(
     """
     lc = cfg.layers
     b, c, _ = features.shape
-    ctx = jnp.einsum("bcf,fd->bcd", features.astype(params.fc.dtype), params.fc)
+    ctx = jnp.einsum("bcf,fd->bcd", features.astype(params.fc.dtype), params.fc, preferred_element_type=jnp.float32)
     ctx = model.rms_norm(ctx, params.hidden_norm, lc.rms_norm_eps)
     positions = dcache.length[:, None] + jnp.arange(c)[None, :]
     cos, sin = model.rope_tables(lc, positions)
@@ -75,7 +75,7 @@ def propose(
     tokens = jnp.concatenate([bonus[:, None], jnp.full((b, bs - 1), cfg.mask_token_id, bonus.dtype)], axis=1)
     positions = dcache.length[:, None] + jnp.arange(bs)[None, :]
     cos, sin = model.rope_tables(lc, positions)
-    x = jnp.take(target.embed, tokens, axis=0).astype(params.fc.dtype)
+    x = jnp.take(target.embed, tokens, axis=0).astype(jnp.float32)  # f32 residual stream, as the target
     bits = full_bits(b, bs)
     start = dcache.length
     window = window_mask(cfg, positions, dcache.capacity)
@@ -94,10 +94,10 @@ def propose(
         else:
             extra = jnp.where(sliding[i], window, True)
             o = model.tree_attention_lib.tree_attention_reference(q, k_all[i], v_all[i], start, bits, extra_mask=extra)
-        x = x + jnp.einsum("bthk,hkd->btd", o, w.wo)
+        x = x + jnp.einsum("bthk,hkd->btd", o, w.wo, preferred_element_type=jnp.float32)
         x = x + model.mlp(model.rms_norm(x, w.mlp_norm, lc.rms_norm_eps), w)
         return (x, k_all, v_all), None
 
     (x, _, _), _ = jax.lax.scan(layer, (x, dcache.k, dcache.v), (params.layers, jnp.arange(lc.num_layers)))
     hidden = model.rms_norm(x, params.final_norm, lc.rms_norm_eps)
-    return model.logits(target, hidden[:, 1:].astype(target.embed.dtype))
+    return model.logits(target, hidden[:, 1:])

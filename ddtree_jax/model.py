@@ -23,10 +23,10 @@ Array = jax.Array
 
 
 def rms_norm(x: Array, w: Array, eps: float) -> Array:
-    """RMSNorm in f32, scaled in the input dtype (as transformers does)."""
+    """RMSNorm computed in f32, returned in the weight's dtype (the matmul operand dtype)."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return w * y.astype(x.dtype)
+    return (w.astype(jnp.float32) * y).astype(w.dtype)
 
 
 def rope_tables(cfg: ModelConfig, positions: Array) -> tuple[Array, Array]:
@@ -55,10 +55,11 @@ def attention_fn(impl: str):
 
 
 def mlp(x: Array, w: LayerWeights) -> Array:
-    gate = jnp.einsum("btd,df->btf", x, w.w_gate)
-    up = jnp.einsum("btd,df->btf", x, w.w_up)
-    h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-    return jnp.einsum("btf,fd->btd", h, w.w_down)
+    """SwiGLU; x [B, T, D] in the weights' dtype, f32 result."""
+    gate = jnp.einsum("btd,df->btf", x, w.w_gate, preferred_element_type=jnp.float32)
+    up = jnp.einsum("btd,df->btf", x, w.w_up, preferred_element_type=jnp.float32)
+    h = constrain((jax.nn.silu(gate) * up).astype(x.dtype), ("batch", "seq", "mlp"))
+    return jnp.einsum("btf,fd->btd", h, w.w_down, preferred_element_type=jnp.float32)
 
 
 def qkv(x: Array, w: LayerWeights, eps: float, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
@@ -92,7 +93,8 @@ def forward(
     """
     attend = attention_fn(attention)
     b, t = tokens.shape
-    x = constrain(jnp.take(params.embed, tokens, axis=0), ("batch", "seq", "embed"))
+    # The residual stream stays in f32; matmul operands are in the weights' dtype.
+    x = constrain(jnp.take(params.embed, tokens, axis=0).astype(jnp.float32), ("batch", "seq", "embed"))
     cos, sin = rope_tables(cfg, positions)
     start = cache.length
     n_taps = len(taps)
@@ -109,18 +111,19 @@ def forward(
         k_all = kvcache.write_layer(k_all, i, k, start)
         v_all = kvcache.write_layer(v_all, i, v, start)
         o = attend(q, k_all[i], v_all[i], start, tree_bits)
-        x = x + jnp.einsum("bthk,hkd->btd", o, w.wo)
+        x = x + jnp.einsum("bthk,hkd->btd", o, w.wo, preferred_element_type=jnp.float32)
         x = x + mlp(rms_norm(x, w.mlp_norm, cfg.rms_norm_eps), w)
         x = constrain(x, ("batch", "seq", "embed"))
         if n_taps:
             tapped = tapped.at[slot_of_layer[i]].set(x, mode="drop")
         return (x, k_all, v_all, tapped), None
 
-    tapped = jnp.zeros((n_taps, b, t, cfg.hidden_size), x.dtype) if n_taps else None
+    tapped = jnp.zeros((n_taps, b, t, cfg.hidden_size), jnp.float32) if n_taps else None
     (x, k_all, v_all, tapped), _ = jax.lax.scan(
         layer, (x, cache.k, cache.v, tapped), (params.layers, jnp.arange(cfg.num_layers))
     )
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    tapped = tapped.astype(x.dtype) if n_taps else None
     features = None
     if n_taps:
         if cfg.num_layers - 1 in taps:  # hidden_states[L] is reported after the final norm

@@ -1,0 +1,82 @@
+"""Layer-level parity of the target and drafter with transformers (fixtures from the reference code)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax import cache as kvcache
+from ddtree_jax import decode, draft, model, params as P
+from pallas_kernels.bitmask import causal_bits
+from tests.conftest import fixture_path
+
+
+def run_chunked(cfg, params, tokens, chunk, taps=()):
+    """Prefill [T] tokens chunk by chunk through the cache; returns logits [T, V] and taps [T, F]."""
+    t = len(tokens)
+    cache = kvcache.init(cfg.num_layers, 1, decode.round_up(t, chunk), cfg.num_kv_heads, cfg.head_dim, params.embed.dtype)
+    toks = np.zeros(decode.round_up(t, chunk), np.int32)
+    toks[:t] = tokens
+    outs, feats = [], []
+    for s in range(0, t, chunk):
+        cache.length = jnp.asarray([s], jnp.int32)
+        h, cache, f = model.forward(
+            params, cfg, jnp.asarray(toks[None, s : s + chunk]), jnp.arange(s, s + chunk)[None], cache,
+            causal_bits(1, chunk), taps=taps,
+        )
+        outs.append(model.logits(params, h)[0])
+        feats.append(f[0] if taps else None)
+    lg = np.concatenate(outs)[:t]
+    return lg, (np.concatenate(feats)[:t] if taps else None)
+
+
+def test_qwen3_logits_and_every_hidden_state(target, logits_npz):
+    cfg, params = target
+    lg, feats = run_chunked(cfg, params, logits_npz["prompt"], chunk=8, taps=tuple(range(cfg.num_layers)))
+    assert np.abs(lg - logits_npz["target_logits"]).max() < 1e-4
+    hs = logits_npz["target_hidden_states"]  # [L+1, T, D]; index 0 is the embedding output
+    d = cfg.hidden_size
+    emb = np.asarray(params.embed)[logits_npz["prompt"]]
+    assert np.abs(emb - hs[0]).max() < 1e-6
+    for layer in range(cfg.num_layers):
+        assert np.abs(feats[:, layer * d : (layer + 1) * d] - hs[layer + 1]).max() < 1e-4, layer
+
+
+def test_drafter_hidden_and_logits(target, drafter, logits_npz):
+    cfg, params = target
+    dcfg, dparams = drafter
+    _, feats = run_chunked(cfg, params, logits_npz["prompt"], chunk=32, taps=dcfg.target_layer_ids)
+    assert np.abs(feats - logits_npz["draft_context_features"]).max() < 1e-4
+    t = len(logits_npz["prompt"])
+    dc = dcfg.layers
+    dcache = kvcache.init(dc.num_layers, 1, 64, dc.num_kv_heads, dc.head_dim, jnp.float32)
+    dcache = draft.extend(dparams, dcfg, dcache, jnp.asarray(feats[None]), jnp.asarray([t]))
+    assert int(dcache.length[0]) == t
+    block = logits_npz["draft_block"]
+    assert block[0] != dcfg.mask_token_id and (block[1:] == dcfg.mask_token_id).all()
+    lg = draft.propose(dparams, dcfg, params, dcache, jnp.asarray(block[:1], jnp.int32))
+    assert np.abs(np.asarray(lg[0]) - logits_npz["draft_logits"]).max() < 1e-4
+
+
+def test_llama3_rope_sharded_tied_logits(llama):
+    cfg, params = llama
+    assert cfg.rope.kind == "llama3" and cfg.tie_word_embeddings and params.lm_head is None
+    ref = np.load(fixture_path("llama_logits.npz"))
+    lg, _ = run_chunked(cfg, params, ref["prompt"], chunk=64)  # 300 tokens in 5 chunks
+    assert np.abs(lg - ref["logits"]).max() < 1e-4
+
+
+def test_llama_greedy_equals_transformers(llama):
+    ref = np.load(fixture_path("llama_logits.npz"))
+    prompt = ref["greedy_prompt"].tolist()
+    n = len(ref["greedy_output"]) - len(prompt)
+    res = decode.generate(llama, [prompt], decode.GenerateOptions(max_new_tokens=n))
+    assert res.output_ids[0] == ref["greedy_output"].tolist()
+
+
+def test_bfloat16_first_tokens_agree(target, reference_runs):
+    cfg, params = target
+    bf16 = (cfg, P.cast(params, jnp.bfloat16))
+    res = decode.generate(bf16, [r["prompt"] for r in reference_runs], decode.GenerateOptions(max_new_tokens=8))
+    for r, out in zip(reference_runs, res.output_ids):
+        n = len(r["prompt"]) + 8
+        assert out == r["ar"][:n]
