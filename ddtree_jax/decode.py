@@ -452,3 +452,28 @@ def generate(
         prefill_s=prefill_s,
         decode_s=decode_s,
     )
+
+
+# ----------------------------------------------------------------------------------------- slots
+
+
+def _batch_axis(path) -> int:
+    """KV arrays [L, B, ...] carry the batch on axis 1; every other State leaf on axis 0."""
+    names = [getattr(p, "name", None) for p in path]
+    return 1 if names[-1] in ("k", "v") else 0
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def insert(batch: State, slot: Array, one: State) -> State:
+    """Put a prefilled single-sequence state (batch 1, same shapes otherwise) into slot ``slot``."""
+
+    def put(path, big, small):
+        return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, axis=_batch_axis(path))
+
+    return jax.tree.map_with_path(put, batch, one)
+
+
+def empty_slots(spec: Spec, batch: int, capacity: int, out_len: int, dtype) -> State:
+    """A batch state whose every slot is done (free): the engine's starting point for serving."""
+    state = init_state(spec, [1] * batch, [GenerateOptions(max_new_tokens=1)] * batch, capacity, out_len, dtype)
+    return dataclasses.replace(state, done=jnp.ones((batch,), bool))

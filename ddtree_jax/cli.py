@@ -1,0 +1,166 @@
+"""Helpers shared by the command-line entry points (generate, bench, serve, train).
+
+The contract every entry point keeps: a bad input is ONE line on stderr (``error: ...``) and exit status 2,
+never a traceback; Ctrl-C is exit 130; machine-readable output on stdout stays clean (see
+:func:`stdout_to_stderr`). Use it as::
+
+    def main(argv=None) -> int:
+        return cli.run(_main, argv)
+
+``DDTREE_JAX_DEBUG=1`` in the environment re-raises instead, to get the traceback while debugging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from typing import Callable, Iterator, Sequence, TextIO
+
+EXIT_OK = 0
+EXIT_INTERNAL = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+DEBUG_ENV = "DDTREE_JAX_DEBUG"
+
+
+class UsageError(ValueError):
+    """A bad command line or input file: reported as one line, exit status 2."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports errors as one line (through :func:`run`) instead of usage + message."""
+
+    def error(self, message: str):  # argparse calls this for every parse error
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def one_line(message: object) -> str:
+    text = " ".join(str(message).split())
+    return text or type(message).__name__
+
+
+def error(message: object, code: int = EXIT_USAGE) -> int:
+    """Print ``error: message`` on one line of stderr and return ``code``."""
+    sys.stderr.write(f"error: {one_line(message)}\n")
+    sys.stderr.flush()
+    return code
+
+
+def warn(message: object) -> None:
+    sys.stderr.write(f"warning: {one_line(message)}\n")
+    sys.stderr.flush()
+
+
+def info(message: object) -> None:
+    sys.stderr.write(f"{message}\n")
+    sys.stderr.flush()
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean bad input. ConfigError/WeightsError/TokenizerError subclass ValueError."""
+    return (UsageError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+def run(fn: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> int:
+    """Call ``fn(argv)`` and turn every failure into one stderr line and an exit status."""
+    debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    try:
+        code = fn(argv)
+        return EXIT_OK if code is None else int(code)
+    except SystemExit as e:  # argparse --help / --version
+        return e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else error(e.code))
+    except BrokenPipeError:  # stdout closed early (`| head`): stop quietly
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        return EXIT_INTERNAL
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        return error("interrupted", EXIT_INTERRUPTED)
+    except _user_errors() as e:
+        if debug:
+            raise
+        return error(e, EXIT_USAGE)
+    except Exception as e:  # a bug, not bad input: still one line, but say how to get the traceback
+        if debug:
+            raise
+        return error(f"internal error: {type(e).__name__}: {e} (set {DEBUG_ENV}=1 for the traceback)",
+                     EXIT_INTERNAL)
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[TextIO]:
+    """Keep stdout for the program's own output: inside the block, anything else written to stdout goes
+    to stderr, both Python prints and (through a dup of file descriptor 1) C/C++ writes from XLA or absl.
+    Yields the stream that still reaches the real stdout; write the program's output there.
+    """
+    real = sys.stdout
+    real.flush()
+    try:
+        real_on_fd1 = real.fileno() == 1
+    except (AttributeError, OSError, ValueError):  # stdout replaced (pytest capture, a notebook)
+        real_on_fd1 = False
+    saved = out = None
+    try:
+        saved = os.dup(1)
+        os.dup2(2, 1)
+        if real_on_fd1:  # fd 1 now leads to stderr: reach the real stdout through the saved descriptor
+            out = os.fdopen(os.dup(saved), "w", encoding=real.encoding or "utf-8", errors="replace")
+    except OSError:  # no usable fd 1 (embedded interpreter): the Python-level redirect still applies
+        pass
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield out if out is not None else real
+    finally:
+        sys.stderr.flush()
+        if out is not None:
+            with contextlib.suppress(OSError):
+                out.close()  # flushes
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+# ---------------------------------------------------------------------------- argparse value types
+def _typed(name: str, convert: Callable[[str], object], check: Callable[[object], bool], what: str):
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not check(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+
+    parse.__name__ = name  # argparse names the type in messages
+    return parse
+
+
+positive_int = _typed("positive_int", int, lambda v: v >= 1, "an integer >= 1")
+nonneg_int = _typed("nonneg_int", int, lambda v: v >= 0, "an integer >= 0")
+nonneg_float = _typed("nonneg_float", float, lambda v: v >= 0 and v == v and v != float("inf"), "a number >= 0")
+probability = _typed("probability", float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+
+
+def int_list(text: str) -> list[int]:
+    """``"1,2, 3"`` -> [1, 2, 3] (argparse type). Empty entries and non-integers are errors."""
+    parts = [p.strip() for p in text.split(",")]
+    if not text.strip() or any(not p for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r} has a negative token id")
+    return values
+
+
+def existing_dir(what: str, path: str) -> str:
+    if not os.path.exists(path):
+        raise UsageError(f"{what}: no such directory: {path}")
+    if not os.path.isdir(path):
+        raise UsageError(f"{what}: not a directory: {path}")
+    return path
