@@ -198,7 +198,7 @@ def test_json_schema_ar(capsys, monkeypatch):
     assert r0 == {"output_ids": [1, 2, 3, 104, 195, 169, 33], "generated_text": "hé!", "num_generated": 4,
                   "acceptance_lengths": [], "mean_acceptance_length": None}
     assert r1["output_ids"] == [4, 5, 104, 195, 169, 33]
-    assert doc["timing"] == {"prefill_s": 0.25, "decode_s": 0.5, "decode_tokens_per_s": 16.0}
+    assert doc["timing"] == {"compile_s": 0.0, "prefill_s": 0.25, "decode_s": 0.5, "decode_tokens_per_s": 16.0}
     assert seen["target"] == (TARGET, "float32")
     assert seen["options"] == decode.GenerateOptions(method="ar", max_new_tokens=7, stop_token_ids=())
     assert seen["draft_arg"] is None
