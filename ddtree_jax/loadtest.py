@@ -1,0 +1,254 @@
+"""``python -m ddtree_jax.loadtest``: throughput and latency of a running server at several concurrencies.
+
+For each concurrency c (default 1, 2, 4, 8, 16, 32), c clients send streamed ``/v1/completions`` requests
+back to back (closed loop) until ``--requests`` requests have finished; every request has a random
+token-id prompt of ``--prompt-len`` tokens and generates exactly ``--max-tokens`` tokens (``ignore_eos``),
+so runs of ar, dflash and ddtree servers do the same work. Reported per level:
+
+    output tok/s         generated tokens of the level / its wall time
+    req/s                finished requests / wall time
+    latency p50/p90/p99  submission to last token, seconds
+    ttft p50/p90/p99     submission to first token, seconds
+    tpot p50             (latency - ttft) / (tokens - 1): time per output token after the first
+    acceptance           committed tokens per sequence round over the level, from the server's /metrics
+
+Example (start the server first, e.g. with random Qwen3-8B-shaped weights):
+    python -m ddtree_jax.loadtest --url http://127.0.0.1:8000 --concurrency 1,2,4,8,16,32 --json > load.json
+
+Needs ``httpx`` (installed with the ``test`` extra, or ``pip install httpx``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import random
+import sys
+import time
+from typing import Any, Sequence
+
+from ddtree_jax import cli
+
+
+@dataclasses.dataclass
+class Sample:
+    latency: float
+    ttft: float | None
+    tokens: int
+    error: str | None = None
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile, q in [0, 100]; None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+async def _one(client, url: str, body: dict) -> Sample:
+    t0 = time.perf_counter()
+    ttft = None
+    tokens = 0
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")
+                return Sample(time.perf_counter() - t0, None, 0, f"HTTP {r.status_code}: {text[:200]}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    return Sample(time.perf_counter() - t0, ttft, tokens, str(chunk["error"].get("message")))
+                for c in chunk.get("choices", []):
+                    n = len(c.get("token_ids") or [])
+                    if n and ttft is None:
+                        ttft = time.perf_counter() - t0
+                    tokens += n
+    except Exception as e:  # noqa: BLE001 - a failed request is a data point, not the end of the run
+        return Sample(time.perf_counter() - t0, ttft, tokens, f"{type(e).__name__}: {e}")
+    return Sample(time.perf_counter() - t0, ttft, tokens)
+
+
+def _scrape(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            try:
+                out[name] = float(value)
+            except ValueError:
+                pass
+    return out
+
+
+async def _metrics(client, url: str) -> dict[str, float]:
+    try:
+        r = await client.get(f"{url}/metrics")
+        return _scrape(r.text) if r.status_code == 200 else {}
+    except Exception:  # noqa: BLE001 - metrics are optional
+        return {}
+
+
+async def run_level(url: str, model: str | None, concurrency: int, requests: int, prompt_len: int, max_tokens: int,
+                    *, temperature: float = 0.0, vocab: tuple[int, int] = (100, 1000), seed: int = 0,
+                    timeout: float = 600.0) -> dict[str, Any]:
+    """One concurrency level: ``requests`` requests from ``concurrency`` closed-loop clients."""
+    import httpx
+
+    rng = random.Random(seed * 1000 + concurrency)
+    bodies = []
+    for i in range(requests):
+        body = {"prompt": [rng.randrange(*vocab) for _ in range(prompt_len)], "max_tokens": max_tokens,
+                "temperature": temperature, "seed": seed + i, "stream": True, "ignore_eos": True,
+                "return_token_ids": True}
+        if model:
+            body["model"] = model
+        bodies.append(body)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        before = await _metrics(client, url)
+        queue = list(reversed(bodies))
+        samples: list[Sample] = []
+
+        async def worker():
+            while queue:
+                samples.append(await _one(client, url, queue.pop()))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+        after = await _metrics(client, url)
+
+    ok = [s for s in samples if s.error is None]
+    tokens = sum(s.tokens for s in ok)
+    lat = [s.latency for s in ok]
+    ttft = [s.ttft for s in ok if s.ttft is not None]
+    tpot = [(s.latency - s.ttft) / (s.tokens - 1) for s in ok if s.ttft is not None and s.tokens > 1]
+    rounds = after.get("ddtree_sequence_rounds_total", 0) - before.get("ddtree_sequence_rounds_total", 0)
+    committed = after.get("ddtree_committed_tokens_total", 0) - before.get("ddtree_committed_tokens_total", 0)
+    return {
+        "concurrency": concurrency,
+        "requests": len(samples),
+        "errors": len(samples) - len(ok),
+        "first_error": next((s.error for s in samples if s.error), None),
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / wall if wall > 0 else None,
+        "requests_per_s": len(ok) / wall if wall > 0 else None,
+        "latency_s": {f"p{q}": percentile(lat, q) for q in (50, 90, 99)},
+        "ttft_s": {f"p{q}": percentile(ttft, q) for q in (50, 90, 99)},
+        "tpot_s": {"p50": percentile(tpot, 50)},
+        "mean_acceptance_length": committed / rounds if rounds else None,
+    }
+
+
+def run_load(url: str, *, model: str | None = None, concurrency: Sequence[int] = (1, 2, 4, 8, 16, 32),
+             requests: int | None = None, prompt_len: int = 128, max_tokens: int = 128, temperature: float = 0.0,
+             vocab: tuple[int, int] = (100, 1000), seed: int = 0, warmup: int = 1,
+             progress=None) -> list[dict[str, Any]]:
+    """Every level in turn (after ``warmup`` untimed requests); a list of run_level results.
+    ``requests`` defaults to max(4 * c, 16) per level."""
+    url = url.rstrip("/")
+    if warmup:
+        asyncio.run(run_level(url, model, 1, warmup, prompt_len, max_tokens, temperature=temperature, vocab=vocab,
+                              seed=seed + 99))
+    results = []
+    for c in concurrency:
+        n = requests if requests is not None else max(4 * c, 16)
+        res = asyncio.run(run_level(url, model, c, n, prompt_len, max_tokens, temperature=temperature,
+                                    vocab=vocab, seed=seed))
+        results.append(res)
+        if progress is not None:
+            progress(res)
+    return results
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    """A Markdown table of run_load results (for the README)."""
+    def f(x, spec=".3f"):
+        return "-" if x is None else format(x, spec)
+
+    lines = ["| concurrency | requests | errors | output tok/s | req/s | latency p50 / p90 / p99 (s) | "
+             "TTFT p50 / p90 / p99 (s) | TPOT p50 (ms) | acceptance |",
+             "|---:|---:|---:|---:|---:|---|---|---:|---:|"]
+    for r in results:
+        lat, ttft = r["latency_s"], r["ttft_s"]
+        tpot = r["tpot_s"]["p50"]
+        lines.append(
+            f"| {r['concurrency']} | {r['requests']} | {r['errors']} | {f(r['output_tokens_per_s'], '.1f')} | "
+            f"{f(r['requests_per_s'], '.2f')} | {f(lat['p50'])} / {f(lat['p90'])} / {f(lat['p99'])} | "
+            f"{f(ttft['p50'])} / {f(ttft['p90'])} / {f(ttft['p99'])} | "
+            f"{f(tpot * 1000 if tpot is not None else None, '.2f')} | {f(r['mean_acceptance_length'], '.2f')} |")
+    return "\n".join(lines)
+
+
+def build_parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(prog="python -m ddtree_jax.loadtest",
+                           description="Load-test a running ddtree_jax server (or any OpenAI-compatible server "
+                                       "that accepts token-id prompts, ignore_eos and return_token_ids): "
+                                       "throughput and latency percentiles per concurrency level.",
+                           epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default: %(default)s)")
+    p.add_argument("--model", default=None, help="model id to send (default: none, the server's own)")
+    p.add_argument("--concurrency", type=cli.int_list, default=[1, 2, 4, 8, 16, 32], metavar="LIST",
+                   help="comma-separated concurrency levels (default: 1,2,4,8,16,32)")
+    p.add_argument("--requests", type=cli.positive_int, default=None, metavar="N",
+                   help="requests per level (default: max(4 x concurrency, 16))")
+    p.add_argument("--prompt-len", type=cli.positive_int, default=128, metavar="N",
+                   help="prompt tokens per request (default: 128)")
+    p.add_argument("--max-tokens", type=cli.positive_int, default=128, metavar="N",
+                   help="generated tokens per request (default: 128)")
+    p.add_argument("--temperature", type=cli.nonneg_float, default=0.0, help="sampling temperature (default: 0)")
+    p.add_argument("--vocab", type=cli.int_list, default=[100, 1000], metavar="LO,HI",
+                   help="prompt token ids are drawn from [LO, HI) (default: 100,1000)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the requests (default: 0)")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON list instead of a table")
+    return p
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    if len(args.vocab) != 2 or args.vocab[0] >= args.vocab[1]:
+        raise cli.UsageError(f"--vocab wants LO,HI with LO < HI, got {args.vocab}")
+    if any(c < 1 for c in args.concurrency):
+        raise cli.UsageError("--concurrency levels must be >= 1")
+    try:
+        import httpx
+    except ImportError:
+        raise cli.UsageError("the load test needs httpx: pip install httpx") from None
+    url = args.url.rstrip("/")
+    try:
+        health = httpx.get(f"{url}/health", timeout=10)
+    except httpx.HTTPError as e:
+        raise cli.UsageError(f"no server at {url}: {e}") from None
+    if health.status_code != 200:
+        raise cli.UsageError(f"the server at {url} is not ready: /health says {health.status_code} {health.text}")
+
+    def progress(r):
+        cli.info(f"concurrency {r['concurrency']}: {r['output_tokens_per_s'] or 0:.1f} tok/s, "
+                 f"p50 latency {r['latency_s']['p50'] or 0:.3f}s, {r['errors']} errors"
+                 + (f" (first: {r['first_error']})" if r["errors"] else ""))
+
+    results = run_load(url, model=args.model, concurrency=args.concurrency, requests=args.requests,
+                       prompt_len=args.prompt_len, max_tokens=args.max_tokens, temperature=args.temperature,
+                       vocab=(args.vocab[0], args.vocab[1]), seed=args.seed, progress=progress)
+    print(json.dumps(results, indent=1) if args.json else format_table(results))
+    return cli.EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return cli.run(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

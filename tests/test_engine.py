@@ -1,0 +1,247 @@
+"""The continuous-batching engine on the fixture pair (dflash, 3 slots): outputs equal the reference and
+do not depend on what else is in the batch; stop strings, stop tokens, cancellation, queue limits."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+
+from ddtree_jax import engine as engines
+from ddtree_jax.tokenizer import load_tokenizer
+from tests.conftest import fixture_path
+
+SLOTS = 3
+MAX_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(fixture_path("target"))
+
+
+@pytest.fixture(scope="module")
+def engine(target, drafter, tokenizer):
+    cfg = engines.EngineConfig(method="dflash", max_batch=SLOTS, max_len=MAX_LEN, rounds_per_step=3)
+    eng = engines.Engine(target, drafter, cfg, tokenizer=tokenizer).start()
+    yield eng
+    eng.stop()
+
+
+def greedy(max_tokens, **kw):
+    return engines.SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def run_concurrently(engine, requests):
+    """[(prompt, params)] -> [Completion], all submitted at once from threads."""
+    out = [None] * len(requests)
+
+    def go(i):
+        out[i] = engine.generate(*requests[i], timeout=120)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_layout_buckets_and_capacity(engine):
+    lay = engine.layout
+    assert lay.bucket(1) == lay.bucket(64) == 64 and lay.bucket(65) == 128 == lay.top_bucket
+    assert lay.buckets() == [64, 128]
+    assert lay.capacity >= MAX_LEN + 2 * 8 and lay.out_len >= MAX_LEN + 8
+    big = engines.Layout.of(engine.spec, 3000)
+    assert big.bucket(600) == 1024 and big.bucket(2999) == big.top_bucket == 3072
+    assert big.buckets() == [64, 128, 256, 512, 1024, 2048, 3072]
+
+
+def test_greedy_equals_reference_alone_and_batched(engine, reference_runs):
+    for run in reference_runs:
+        n = len(run["prompt"])
+        res = engine.generate(run["prompt"], greedy(run["max_new_tokens"]), timeout=120)
+        assert res.token_ids == run["ar"][n:] and res.finish_reason == "length"
+    # more requests than slots, different lengths: they queue, join between rounds, free slots when done
+    reqs = [(r["prompt"], greedy(min(5 + 7 * i, r["max_new_tokens"]))) for i, r in enumerate(reference_runs * 3)]
+    for (prompt, params), res in zip(reqs, run_concurrently(engine, reqs)):
+        ref = next(r["ar"] for r in reference_runs if r["prompt"] == prompt)
+        assert res.token_ids == ref[len(prompt): len(prompt) + params.max_tokens]
+    assert engine.active_slots == 0 and engine.queue_length == 0
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(engine, reference_runs):
+    prompt = reference_runs[1]["prompt"]
+    params = engines.SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, seed=1234)
+    alone = engine.generate(prompt, params, timeout=120)
+    assert engine.generate(prompt, params, timeout=120).token_ids == alone.token_ids
+    other = engine.generate(prompt, dataclasses.replace(params, seed=99), timeout=120)
+    assert other.token_ids != alone.token_ids
+    neighbours = [(r["prompt"], engines.SamplingParams(max_tokens=20 + i, temperature=1.0, top_k=5 * i, seed=i))
+                  for i, r in enumerate(reference_runs * 2)]
+    results = run_concurrently(engine, neighbours[:3] + [(prompt, params)] + neighbours[3:])
+    assert results[3].token_ids == alone.token_ids
+
+
+def test_events_stream_every_token_once_and_text_decodes(engine, tokenizer, reference_runs):
+    run = reference_runs[2]
+    events, done = [], threading.Event()
+
+    def sink(ev):
+        events.append(ev)
+        if ev.finish_reason:
+            done.set()
+
+    engine.submit(run["prompt"], greedy(40), sink)
+    assert done.wait(120)
+    assert [e.finish_reason for e in events[:-1]] == [None] * (len(events) - 1)
+    assert len(events) > 2  # streamed every few rounds, not at the end only
+    tokens = [t for e in events for t in e.token_ids]
+    n = len(run["prompt"])
+    assert tokens == run["ar"][n: n + 40]
+    assert "".join(e.text for e in events) == tokenizer.decode(tokens)
+    assert events[-1].completion_tokens == 40 and events[-1].prompt_tokens == n
+
+
+def test_stop_token_ids_and_max_tokens(engine, reference_runs):
+    run = reference_runs[2]
+    n = len(run["prompt"])
+    gen = run["ar"][n:]
+    stop = gen[5]
+    res = engine.generate(run["prompt"], greedy(40, stop_token_ids=(stop,)), timeout=120)
+    assert res.token_ids == gen[: gen.index(stop) + 1] and res.finish_reason == "stop"
+    res = engine.generate(run["prompt"], greedy(3), timeout=120)
+    assert res.token_ids == gen[:3] and res.finish_reason == "length"
+    res = engine.generate(run["prompt"], greedy(40, stop_token_ids=(stop,)), ignore_eos=True, timeout=120)
+    assert res.finish_reason == "stop"  # ignore_eos drops the model's eos ids only
+
+
+def test_stop_strings_cut_the_text(engine, tokenizer, reference_runs):
+    run = reference_runs[0]
+    full = engine.generate(run["prompt"], greedy(40), timeout=120)
+    text = full.text
+    # a stop string from the middle of the text (avoiding replacement characters of split bytes)
+    start = next(i for i in range(10, len(text) - 3) if "\ufffd" not in text[i: i + 3] and text[i: i + 3].strip())
+    stop = text[start: start + 3]
+    cut = text.index(stop)
+    res = engine.generate(run["prompt"], greedy(40, stop=(stop, "never-in-the-output")), timeout=120)
+    assert res.finish_reason == "stop"
+    assert res.text == text[:cut]
+    # the tokens end at the one that completed the stop string
+    assert res.token_ids == full.token_ids[: len(res.token_ids)]
+    assert stop in tokenizer.decode(res.token_ids) and stop not in tokenizer.decode(res.token_ids[:-1])
+    assert engine.active_slots == 0
+
+
+def test_cancel_frees_the_slot(engine, reference_runs):
+    run = reference_runs[0]
+    events, done = [], threading.Event()
+
+    def sink(ev):  # runs in the engine thread: cancel right after the first delivery, deterministically
+        events.append(ev)
+        if len(events) == 1:
+            engine.cancel(job)
+        if ev.finish_reason:
+            done.set()
+
+    job = engine.submit(run["prompt"], greedy(100), sink)
+    assert done.wait(120)
+    assert events[-1].finish_reason == "cancelled"
+    assert 0 < sum(len(e.token_ids) for e in events) < 100
+    assert engine.active_slots == 0
+    # a cancelled request's slot serves the next one normally
+    n = len(run["prompt"])
+    assert engine.generate(run["prompt"], greedy(10), timeout=120).token_ids == run["ar"][n: n + 10]
+
+
+def test_cancel_while_waiting_or_running_always_answers(engine, reference_runs):
+    finals = []
+    jobs = [engine.submit(r["prompt"], greedy(60), lambda ev: ev.finish_reason and finals.append(ev.finish_reason))
+            for r in reference_runs * 2]  # 6 requests for 3 slots: some are still waiting
+    for job in jobs:
+        engine.cancel(job)
+    deadline = threading.Event()
+    for _ in range(200):
+        if len(finals) == len(jobs):
+            break
+        deadline.wait(0.05)
+    assert len(finals) == len(jobs) and set(finals) <= {"cancelled", "length"}
+    assert engine.active_slots == 0 and engine.queue_length == 0
+
+
+def test_bad_requests_and_full_queue(engine):
+    with pytest.raises(engines.RequestError, match="maximum context length") as e:
+        engine.submit([1] * 120, greedy(20), print)
+    assert e.value.param == "max_tokens"
+    with pytest.raises(engines.RequestError, match="maximum context length"):
+        engine.submit([1] * MAX_LEN, greedy(1), print)
+    for params, field in [(greedy(0), "max_tokens"), (engines.SamplingParams(4, top_p=0.0), "top_p"),
+                          (engines.SamplingParams(4, temperature=-1.0), "temperature"),
+                          (engines.SamplingParams(4, seed=2**32), "seed"), (greedy(4, stop=("",)), "stop"),
+                          (greedy(4, stop_token_ids=(300,)), "stop_token_ids"),
+                          (greedy(4, stop_token_ids=tuple(range(9))), "stop_token_ids")]:
+        with pytest.raises(engines.RequestError) as e:
+            engine.submit([1, 2, 3], params, print)
+        assert e.value.param == field
+    with pytest.raises(engines.RequestError, match="vocabulary"):
+        engine.submit([1, 256], greedy(4), print)
+
+
+
+def test_full_queue_is_refused_and_the_rest_complete(engine, reference_runs):
+    """max_queue 0: requests are taken while slots are free, refused once every slot is spoken for."""
+    saved = engine.config
+    engine.config = dataclasses.replace(saved, max_queue=0)
+    results, refused, done = [], [], threading.Event()
+
+    def collect(ev):
+        if ev.finish_reason:
+            results.append(ev.finish_reason)
+            if len(results) == SLOTS:
+                done.set()
+
+    def first(ev):  # in the engine thread, which admits nothing meanwhile: deterministic
+        if not refused:
+            refused.append(None)
+            for _ in range(SLOTS - 1):  # the free slots
+                engine.submit([1, 2, 3], greedy(4), collect)
+            with pytest.raises(engines.QueueFull):
+                engine.submit([1, 2, 3], greedy(4), collect)
+            refused[0] = True
+        collect(ev)
+
+    try:
+        engine.submit(reference_runs[0]["prompt"], greedy(30), first)
+        assert done.wait(120)
+    finally:
+        engine.config = saved
+    assert refused == [True] and results == ["length"] * SLOTS
+
+
+def test_a_broken_sink_cancels_only_its_request(engine, reference_runs):
+    def broken(ev):
+        raise RuntimeError("client gone")
+
+    engine.submit(reference_runs[0]["prompt"], greedy(50), broken)
+    run = reference_runs[1]
+    n = len(run["prompt"])
+    assert engine.generate(run["prompt"], greedy(20), timeout=120).token_ids == run["ar"][n: n + 20]
+    for _ in range(100):
+        if engine.active_slots == 0:
+            break
+        threading.Event().wait(0.05)
+    assert engine.active_slots == 0 and engine.alive
+
+
+def test_stop_answers_every_pending_request(target, drafter, engine, reference_runs):
+    # same shapes as the module's engine: everything is compiled already
+    eng = engines.Engine(target, drafter, engine.config, tokenizer=engine.tokenizer).start(warmup=False)
+    finals = []
+    for r in reference_runs * 3:
+        eng.submit(r["prompt"], greedy(60), lambda ev: ev.finish_reason and finals.append(ev))
+    eng.stop()
+    assert len(finals) == 9 and all(f.finish_reason in ("error", "length") for f in finals)
+    assert any(f.finish_reason == "error" and "shutting down" in f.error for f in finals)
+    with pytest.raises(engines.EngineClosed):
+        eng.submit([1, 2], greedy(2), print)
