@@ -9,7 +9,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ddtree_jax import sharding
 from ddtree_jax.tree import Tree
+from pallas_kernels import tree_accept as tree_accept_lib
 
 Array = jax.Array
 
@@ -32,13 +34,16 @@ def filter_logits(logits: Array, temperature: Array, top_p: Array, top_k: Array)
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None, None]
 
     def filtered(x):
+        split = sharding.filter_logits(x, top_p, top_k)  # vocabulary-parallel under a mesh
+        if split is not None:
+            return split
         vocab = x.shape[-1]
         srt = jnp.sort(x, axis=-1)[..., ::-1]
         k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
         kth = jnp.take_along_axis(srt, (k - 1)[:, None, None].astype(jnp.int32), axis=-1)
         probs = jax.nn.softmax(srt, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
-        keep_sorted = (before < top_p[:, None, None]) & (jnp.arange(vocab) < k[:, None, None])
+        keep_sorted = ((before < top_p[:, None, None]) | (top_p[:, None, None] >= 1.0)) & (jnp.arange(vocab) < k[:, None, None])
         cutoff = jnp.min(jnp.where(keep_sorted, srt, jnp.inf), axis=-1, keepdims=True)
         return jnp.where((x >= cutoff) & (x >= kth), x, -jnp.inf)
 
@@ -62,27 +67,21 @@ def choose(logits: Array, keys: Array, temperature: Array, top_p: Array, top_k: 
     return jnp.where(temperature[:, None] > 0, draw, greedy)
 
 
-def walk(tree: Tree, choice: Array, max_depth: int) -> tuple[Array, Array, Array]:
-    """Follow the target's choices from the root, batched and loop-free.
+def walk(tree: Tree, choice: Array, max_depth: int, impl: str = "xla") -> tuple[Array, Array, Array]:
+    """Follow the target's choices from the root (see ``pallas_kernels.tree_accept``), batched, on device.
 
     choice [B, 1+N] = the target's token at every tree index. Node j is accepted iff its token equals
     the choice at its parent and its parent is accepted; the accepted nodes form one path.
     Returns (path [B, max_depth+1] tree indices root-first, padded with the last accepted index;
     length [B] accepted nodes including the root; bonus [B] = the choice at the path's end).
+    impl: "xla" (the jnp reference), "pallas" or "pallas-interpret" (the kernel).
     """
-    b, m = tree.parents.shape
-    up = jnp.maximum(tree.parents, 0)
+    b = choice.shape[0]
+    if tree.size == 0:  # autoregressive: the root alone
+        return jnp.zeros((b, max_depth + 1), jnp.int32), jnp.ones((b,), jnp.int32), choice[:, 0]
     tokens = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), tree.tokens], axis=1)
-    ok = (tokens == jnp.take_along_axis(choice, up, axis=1)).at[:, 0].set(True)
-    accepted = ok
-    for _ in range(max_depth):  # an ancestor chain is at most max_depth long
-        accepted = ok & jnp.take_along_axis(accepted, up, axis=1)
-    depth = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), tree.depths], axis=1)
-    length = jnp.max(jnp.where(accepted, depth, 0), axis=1) + 1
-    slot = jnp.where(accepted, depth, max_depth + 1)  # one accepted node per depth
-    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, m))
-    path = jnp.zeros((b, max_depth + 2), jnp.int32).at[rows, slot].set(jnp.arange(m, dtype=jnp.int32))[:, :-1]
-    last = jnp.take_along_axis(path, (length - 1)[:, None], axis=1)
-    path = jnp.where(jnp.arange(max_depth + 1)[None] < length[:, None], path, last)
-    bonus = jnp.take_along_axis(choice, last, axis=1)[:, 0]
-    return path, length, bonus
+    if impl == "xla":
+        return tree_accept_lib.tree_accept_reference(tokens, tree.parents, choice, max_depth=max_depth)
+    return tree_accept_lib.tree_accept(
+        tokens, tree.parents, choice, max_depth=max_depth, interpret=impl == "pallas-interpret"
+    )

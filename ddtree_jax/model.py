@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from ddtree_jax import cache as kvcache
 from ddtree_jax.config import ModelConfig
 from ddtree_jax.params import LayerWeights, TargetParams
-from ddtree_jax.sharding import constrain
+from ddtree_jax.sharding import constrain, per_device_attention
 from pallas_kernels import tree_attention as tree_attention_lib
 
 Array = jax.Array
@@ -49,8 +49,18 @@ def attention_fn(impl: str):
     """The tree attention implementation: 'xla' (jnp reference) or 'pallas' / 'pallas-interpret'."""
     if impl == "xla":
         return tree_attention_lib.tree_attention_reference
-    if impl in ("pallas", "pallas-interpret"):
-        return functools.partial(tree_attention_lib.tree_attention, interpret=impl == "pallas-interpret")
+    if impl in ("pallas", "pallas-interpret"):  # per device under shard_map when a mesh is active
+        kernel = functools.partial(tree_attention_lib.tree_attention, interpret=impl == "pallas-interpret")
+        sharded = per_device_attention(kernel)
+
+        def attend(q, k, v, prefix_len, tree_bits, **kw):
+            # The kernel takes 16-bit floats and head_dim 64/128; anything else (e.g. an f32 model on
+            # GPU) takes the reference path, decided at trace time from the static dtype and shape.
+            if tree_attention_lib.supports(q, k) and not kw:
+                return sharded(q, k, v, prefix_len, tree_bits)
+            return tree_attention_lib.tree_attention_reference(q, k, v, prefix_len, tree_bits, **kw)
+
+        return attend
     raise ValueError(f"unknown attention implementation {impl!r}")
 
 
@@ -119,9 +129,13 @@ def forward(
         return (x, k_all, v_all, tapped), None
 
     tapped = jnp.zeros((n_taps, b, t, cfg.hidden_size), jnp.float32) if n_taps else None
-    (x, k_all, v_all, tapped), _ = jax.lax.scan(
-        layer, (x, cache.k, cache.v, tapped), (params.layers, jnp.arange(cfg.num_layers))
-    )
+    carry = (x, cache.k, cache.v, tapped)
+    if isinstance(params.layers, (tuple, list)):  # unstacked (params.unstack_layers): an unrolled loop
+        for i, w in enumerate(params.layers):
+            carry, _ = layer(carry, (w, i))
+    else:
+        carry, _ = jax.lax.scan(layer, carry, (params.layers, jnp.arange(cfg.num_layers)))
+    x, k_all, v_all, tapped = carry
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
     tapped = tapped.astype(x.dtype) if n_taps else None
     features = None
@@ -135,4 +149,4 @@ def forward(
 def logits(params: TargetParams, hidden: Array) -> Array:
     """[..., D] -> [..., V] float32."""
     out = jnp.einsum("...d,dv->...v", hidden, params.head(), preferred_element_type=jnp.float32)
-    return constrain(out, ("batch", "seq", "vocab")[-out.ndim :])
+    return constrain(out, ("batch",) + (None,) * (out.ndim - 2) + ("vocab",))

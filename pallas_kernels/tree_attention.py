@@ -44,3 +44,380 @@ def tree_attention_reference(q, k, v, prefix_len, tree_bits, *, scale: float | N
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, h, hd).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Pallas kernel (Mosaic GPU backend: TMA + wgmma, warp-specialised; Hopper sm_90a)
+# ----------------------------------------------------------------------------------------------------
+#
+# Rows. The G = H // K query heads that share KV head kh are packed with the T tokens into R = T * G
+# rows (row r = t * G + g), so one K/V tile brought into SMEM serves all of them (GQA packing). A
+# compute warpgroup owns BQ = 64 rows (the wgmma M); a CTA holds ``wgs`` compute warpgroups and one
+# memory warpgroup that streams K/V tiles by TMA through a ring of ``stages`` SMEM slots.
+#
+# Key tiles. TMA into the swizzled wgmma layout needs row offsets that are multiples of 8, so with
+# prefix p, off = p % 8 and base = p - off, a sequence's key tiles are: ceil(base / BKV) prefix
+# tiles at slots i * BKV (the last one masked to slots < base), then ceil((off + T) / BKV) tree
+# tiles at slots base + j * BKV. Tree column jj = j * BKV + c (slot base + jj) is visible iff
+# jj < off + T and bit jj of the row's shifted mask is set; the wrapper shifts every mask row left
+# by off and sets its low off bits (those columns are prefix slots base .. p - 1). Full prefix tiles
+# run unmasked; slots >= p + T are never visible (the tail of the last tile is masked, and reads
+# past the end of the cache are zero-filled by TMA).
+#
+# Split-K. With ``splits`` > 1 each CTA takes a contiguous share of its sequence's key tiles and
+# writes its normalised f32 partial output and log2-sum-exp; an XLA epilogue merges the shares. The
+# partials are staged in SMEM that aliases the K/V ring (plgpu.RefUnion), after a barrier that both
+# compute warpgroups pass once their last matmul has retired.
+#
+# Schedule. Two compute warpgroups alternate (FA3's ping-pong): one's softmax runs under the other's
+# matmuls. The scale is folded into the exp2 argument (one FMA per logit).
+#
+# Interpret mode (CPU) runs the same code except the PV product: the interpreter has no pl.run_state
+# and takes wgmma operands from SMEM only, so there P goes through SMEM into a scratch accumulator.
+# Measurements, versions and the calibration of ``default_config``: benchmarks/KERNELS.md.
+
+_BQ = 64  # rows per compute warpgroup (the wgmma M)
+_ALIGN = 8  # TMA row-offset granule for the (8, 64)-tiled SMEM layout
+_LOG2E = 1.4426950408889634
+_NUM_SMS = 132  # H100 / H200
+_M_INIT = -1e30  # finite running-max start: a fully masked tile gives p = 0, never NaN
+_PINGPONG = True  # alternate the two compute warpgroups' matmuls and softmaxes (FA3's schedule)
+_SPLIT_PARTIALS_IN_RING = True  # f32 split-K partials reuse the K/V ring, so BKV = 128 splits too
+
+
+def _tree_tiles(t: int, bkv: int) -> int:
+    """Static upper bound on the number of tree key tiles (off + T columns, off < 8)."""
+    return -(-(t + _ALIGN - 1) // bkv)
+
+
+# A cost model of the kernel, calibrated on an H200 (benchmarks/KERNELS.md): one CTA per SM; a
+# 128-key tile costs a CTA ~2.1 us with two compute warpgroups (128 rows), ~1.5 us with one;
+# ~3 us fixed per CTA; HBM at ~3.4 TB/s; split-K partials (f32) are written and read once.
+_TILE_US = {1: 1.5, 2: 2.1}
+_CTA_US = 3.0
+_HBM_BYTES_PER_US = 3.4e6
+
+
+def default_config(b: int, t: int, h: int, kv: int, s: int, hd: int) -> tuple[int, int, int, int]:
+    """(wgs, block_kv, stages, splits) for a problem shape (all static; S stands in for p + T)."""
+    rows = t * (h // kv)
+    wgs = 1 if rows <= _BQ else 2
+    rows_pad = -(-rows // (_BQ * wgs)) * _BQ * wgs
+    ctas = b * kv * rows_pad // (_BQ * wgs)
+    tiles = -(-s // 128)
+    hbm_us = 2 * b * s * kv * hd * 2 / _HBM_BYTES_PER_US
+    best = None
+    for splits in range(1, 33):
+        waves = -(-ctas * splits // _NUM_SMS)
+        per_cta = -(-tiles // splits) * _TILE_US[wgs] + _CTA_US
+        partial_us = 0.0 if splits == 1 else splits * b * kv * rows_pad * (hd + 1) * 8 / _HBM_BYTES_PER_US
+        active = min(ctas * splits, _NUM_SMS)
+        cost = max(waves * per_cta, hbm_us * max(1.0, 100 / active)) + partial_us  # few CTAs: less BW
+        if best is None or cost < best[0] - 1e-9:
+            best = (cost, splits)
+    if best[1] > 1 and not _SPLIT_PARTIALS_IN_RING:
+        return wgs, 64, 3, best[1]  # separate f32 partial buffers: a smaller K/V ring
+    return wgs, 128, 2, best[1]
+
+
+def _pack_rows(x: jax.Array, kv: int) -> jax.Array:
+    """[B, T, H, d] -> [B, K, T * G, d]: row t * G + g holds head kh * G + g."""
+    b, t, h, d = x.shape
+    return x.reshape(b, t, kv, h // kv, d).transpose(0, 2, 1, 3, 4).reshape(b, kv, t * (h // kv), d)
+
+
+def _shifted_bits(tree_bits: jax.Array, prefix_len: jax.Array, t: int, words: int) -> jax.Array:
+    """[B, T, W] -> [B, T, words]: each row shifted left by off = p % 8, low off bits set."""
+    b, _, w_in = tree_bits.shape
+    # Clear the bits at or past T (never visible), pad to the kernel's word count.
+    valid = jnp.arange(32 * w_in, dtype=jnp.int32).reshape(w_in, 32) < t
+    keep = jnp.sum(valid.astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
+    x = tree_bits.astype(jnp.uint32) & keep
+    x = jnp.pad(x, [(0, 0), (0, 0), (0, max(0, words - w_in))])[..., :words]
+    off = (prefix_len % _ALIGN).astype(jnp.uint32)[:, None, None]
+    prev = jnp.pad(x, [(0, 0), (0, 0), (1, 0)])[..., :words]
+    carry = jnp.where(off == 0, jnp.uint32(0), prev >> (jnp.uint32(32) - off))
+    y = (x << off) | carry
+    low = (jnp.uint32(1) << off) - jnp.uint32(1)  # [B, 1, 1]
+    return y.at[..., 0].set(y[..., 0] | low[..., 0])
+
+
+def supports(q, k) -> bool:
+    """Whether the kernel handles these shapes and dtypes (head_dim 64/128, 16-bit floats, GQA)."""
+    return q.shape[-1] in (64, 128) and q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and (
+        q.shape[2] % k.shape[2] == 0
+    )
+
+
+def tree_attention(q, k, v, prefix_len, tree_bits, *, scale: float | None = None, interpret=False,
+                   config: tuple[int, int, int, int] | None = None):
+    """Pallas (Mosaic GPU) tree attention with the semantics of ``tree_attention_reference``.
+
+    q [B, T, H, hd] bf16 or f16; k, v [B, S, K, hd] same dtype; prefix_len [B] int32 with
+    prefix_len + T <= S; tree_bits [B, T, ceil(T/32)] uint32. Returns [B, T, H, hd] in q.dtype.
+    hd must be 64 or 128. The cache is read in place when S % 8 == 0 (else it is padded: a copy).
+    ``interpret=True`` runs the kernel in the Mosaic GPU interpreter (CPU).
+    ``config`` = (wgs, block_kv, stages, splits[, pingpong]) overrides ``default_config``.
+    """
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax import lax
+
+    b, t, h, hd = q.shape
+    s, kv = k.shape[1], k.shape[2]
+    if h % kv:
+        raise ValueError(f"{h=} must be a multiple of {kv=}")
+    if hd not in (64, 128):
+        raise ValueError(f"head_dim {hd} not supported (64 or 128)")
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share a 16-bit float dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    g = h // kv
+    dtype = q.dtype
+    scale = hd**-0.5 if scale is None else scale
+    wgs, bkv, stages, splits, *rest = config or default_config(b, t, h, kv, s, hd)
+    pingpong = wgs == 2 and (rest[0] if rest else _PINGPONG)
+    rows = t * g
+    rows_cta = _BQ * wgs
+    q_tiles = -(-rows // rows_cta)
+    rows_pad = q_tiles * rows_cta
+    n_tree_max = _tree_tiles(t, bkv)
+    words = n_tree_max * bkv // 32  # mask words per row, whole tiles
+    wpt = bkv // 32  # mask words per key tile
+
+    # Kernel layouts. K/V are read in place, with no copy, when S is a multiple of 8 and at least one
+    # tile (the TMA descriptor tiles the slot axis by 8); otherwise they are padded (a full copy).
+    s_pad = max(-(-s // _ALIGN) * _ALIGN, bkv)
+    if s_pad != s:
+        pad = [(0, 0), (0, s_pad - s), (0, 0), (0, 0)]
+        k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+    prefix_len = prefix_len.astype(jnp.int32)
+    qp = jnp.pad(_pack_rows(q, kv), [(0, 0), (0, 0), (0, rows_pad - rows), (0, 0)])
+    bits = jnp.repeat(_shifted_bits(tree_bits, prefix_len, t, words), g, axis=1)  # [B, R, words]
+    bits = jnp.pad(bits, [(0, 0), (0, rows_pad - rows), (0, 0)]).transpose(0, 2, 1)  # [B, words, R_pad]
+    qk_scale = float(scale) * _LOG2E
+
+    tiling = plgpu.TilingTransform((8, 64))
+    swizzle = plgpu.SwizzleTransform(128)
+    use_run_state = not interpret  # the interpreter lacks pl.run_state: accumulate via a scratch ACC
+
+    def kernel(q_ref, k_ref, v_ref, p_ref, bits_ref, *rest):
+        if splits > 1:
+            o_ref, lse_ref, scratch, barriers = rest
+        else:
+            (o_ref, scratch, barriers), lse_ref = rest, None
+        q_smem2, kv_union, bits_smem2, p_smem2 = scratch
+        if splits > 1:  # the f32 partial output reuses the K/V ring once the loop is over
+            (k_smem, v_smem), (o32_smem2, lse_smem2) = kv_union
+        else:
+            ((k_smem, v_smem),) = kv_union
+        q_bars, bits_bars, k_bars, v_bars, k_free, v_free, loop_done, sched = barriers
+
+        def schedule():
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
+
+        qt = lax.axis_index("q")
+        split = lax.axis_index("split")
+        bk = lax.axis_index("bk")
+        bi = lax.div(bk, jnp.int32(kv))
+        kh = lax.rem(bk, jnp.int32(kv))
+        wg = lax.axis_index("wg")
+
+        p = p_ref[bi]
+        off = lax.rem(p, jnp.int32(_ALIGN))
+        base = pl.multiple_of(p - off, _ALIGN)
+        n_pre = lax.div(base + (bkv - 1), jnp.int32(bkv))
+        n_full = lax.div(base, jnp.int32(bkv))
+        n_tree = lax.div(off + (t + bkv - 1), jnp.int32(bkv))
+        total = n_pre + n_tree
+        per = lax.div(total + (splits - 1), jnp.int32(splits))
+        lo = jnp.minimum(split * per, total)
+        hi = jnp.minimum(lo + per, total)
+        steps = hi - lo
+
+        def tile_start(i):
+            start = jnp.where(i < n_pre, i * bkv, base + (i - n_pre) * bkv)
+            return pl.multiple_of(start, _ALIGN)
+
+        @pl.when(wg < wgs)
+        def _compute():
+            plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+            q_smem = q_smem2.at[wg]
+            bits_smem = bits_smem2.at[wg]
+            row0 = qt * rows_cta + wg * _BQ
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, kh, pl.ds(row0, _BQ)], q_smem, q_bars.at[wg])
+            plgpu.copy_gmem_to_smem(bits_ref.at[bi, :, pl.ds(row0, _BQ)], bits_smem, bits_bars.at[wg])
+            plgpu.barrier_wait(q_bars.at[wg])
+            plgpu.barrier_wait(bits_bars.at[wg])
+
+            m_i = plgpu.layout_cast(jnp.full((_BQ,), _M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.full((_BQ,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.full((_BQ, hd), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+            def mask_for(i):
+                cols = plgpu.broadcasted_iota(jnp.int32, (_BQ, bkv), 1, layout=plgpu.Layout.WGMMA)
+                pre_vis = (cols + i * bkv) < base  # all False on tree tiles (i * bkv >= base)
+                jt = jnp.maximum(i - n_pre, 0)
+                word = None
+                for kk in reversed(range(wpt)):
+                    wv = plgpu.load(bits_smem.at[jt * wpt + kk], layout=plgpu.Layout.WGMMA.reduce(1))
+                    wv = lax.broadcast_in_dim(wv, (_BQ, bkv), [0])
+                    word = wv if word is None else jnp.where(cols < 32 * (kk + 1), wv, word)
+                bit = lax.shift_right_logical(word, (cols & 31).astype(jnp.uint32)) & jnp.uint32(1)
+                lim = jnp.where(i < n_pre, 0, off + t)  # a prefix tile sees no tree columns
+                tree_vis = (bit != jnp.uint32(0)) & ((cols + jt * bkv) < lim)
+                return pre_vis | tree_vis
+
+            def body(i, carry, masked):
+                acc, m_i, l_i = carry
+                slot = lax.rem(i - lo, jnp.int32(stages))
+                plgpu.barrier_wait(k_bars.at[slot])
+
+                def qk_fn(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                    if pingpong:  # let the other warpgroup's softmax run under this matmul
+                        schedule()
+                    return acc_ref[...]
+
+                s_ij = pl.run_scoped(qk_fn, plgpu.ACC((_BQ, bkv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                if masked:
+                    s_ij = jnp.where(mask_for(i), s_ij, -jnp.inf)
+                # Running max in log2 units; the scale folds into the exponent's FMA.
+                m_new = jnp.maximum(m_i, s_ij.max(axis=1) * qk_scale)
+                alpha = jnp.exp2(m_i - m_new)
+                p_ij = jnp.exp2(s_ij * qk_scale - lax.broadcast_in_dim(m_new, s_ij.shape, [0]))
+                l_i = l_i * alpha + p_ij.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p16 = p_ij.astype(dtype)
+                if pingpong:
+                    plgpu.barrier_arrive(sched)  # softmax done
+                    plgpu.barrier_wait(v_bars.at[slot])
+                    plgpu.barrier_wait(sched)  # the tensor cores are ours again
+                else:
+                    plgpu.barrier_wait(v_bars.at[slot])
+                if use_run_state:
+                    def pv_fn(acc_ref):
+                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+                    acc = pl.run_state(pv_fn)(plgpu.ACC.init(acc))
+                else:  # the interpreter's wgmma takes both operands from SMEM
+                    p_smem = p_smem2.at[wg]
+                    p_smem[...] = p16
+                    plgpu.commit_smem()
+
+                    def pv_scoped(acc_ref):
+                        plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                        return acc_ref[...]
+
+                    acc = acc + pl.run_scoped(pv_scoped, plgpu.ACC((_BQ, hd), jnp.float32))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l_i
+
+            if pingpong:  # warpgroup 1 starts half a step behind warpgroup 0 (FA3's ping-pong)
+                pl.when(wg == 1)(schedule)
+            mid = jnp.clip(n_full, lo, hi)
+            carry = lax.fori_loop(lo, mid, lambda i, c: body(i, c, False), (acc, m_i, l_i))
+            acc, m_i, l_i = lax.fori_loop(mid, hi, lambda i, c: body(i, c, True), carry)
+            if pingpong:
+                pl.when(wg == 0)(schedule)
+
+            l_safe = jnp.maximum(l_i, 1e-30)  # l >= 1 unless the row saw nothing
+            out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+            if splits > 1:
+                # Every compute warpgroup must be done reading K/V before either overwrites the ring.
+                plgpu.barrier_arrive(loop_done)
+                plgpu.barrier_wait(loop_done)
+                o32_smem = o32_smem2.at[wg]
+                lse_smem = lse_smem2.at[wg]
+                o32_smem[...] = out
+                lse_smem[...] = m_i + jnp.log2(l_safe) + jnp.where(l_i > 0.0, 0.0, -jnp.inf)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o32_smem, o_ref.at[split, bi, kh, pl.ds(row0, _BQ)])
+                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, bi, kh, pl.ds(row0, _BQ)])
+            else:
+                q_smem[...] = out.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(q_smem, o_ref.at[bi, kh, pl.ds(row0, _BQ)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == wgs)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def issue(i, slot):
+                start = tile_start(i)
+                plgpu.copy_gmem_to_smem(k_ref.at[bi, pl.ds(start, bkv), kh], k_smem.at[slot], k_bars.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[bi, pl.ds(start, bkv), kh], v_smem.at[slot], v_bars.at[slot])
+
+            for st in range(stages):
+                @pl.when(st < steps)
+                def _():
+                    issue(lo + st, st)
+
+            @pl.loop(lo + stages, jnp.maximum(hi, lo + stages))
+            def _(i):
+                slot = lax.rem(i - lo, jnp.int32(stages))
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+                issue(i, slot)
+
+            # Observe the consumers' last releases too, so that every barrier phase is waited on.
+            @pl.loop(jnp.maximum(lo, hi - stages), hi)
+            def _(i):
+                slot = lax.rem(i - lo, jnp.int32(stages))
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+
+    q_scr = plgpu.SMEM((wgs, _BQ, hd), dtype, transforms=(tiling, swizzle))
+    k_scr = plgpu.SMEM((stages, bkv, hd), dtype, transforms=(tiling, swizzle))
+    v_scr = plgpu.SMEM((stages, bkv, hd), dtype, transforms=(tiling, swizzle))
+    bits_scr = plgpu.SMEM((wgs, words, _BQ), jnp.uint32)
+    p_scr = None if use_run_state else plgpu.SMEM((wgs, _BQ, bkv), dtype, transforms=(tiling, swizzle))
+    if splits > 1:
+        o32_scr = plgpu.SMEM((wgs, _BQ, hd), jnp.float32)
+        lse_scr = plgpu.SMEM((wgs, _BQ), jnp.float32)
+        if _SPLIT_PARTIALS_IN_RING:
+            kv_union = plgpu.RefUnion((k_scr, v_scr), (o32_scr, lse_scr))
+        else:
+            kv_union = ((k_scr, v_scr), (o32_scr, lse_scr))
+        out_type = (
+            jax.ShapeDtypeStruct((splits, b, kv, rows_pad, hd), jnp.float32),
+            jax.ShapeDtypeStruct((splits, b, kv, rows_pad), jnp.float32),
+        )
+    else:
+        kv_union = plgpu.RefUnion((k_scr, v_scr))
+        out_type = jax.ShapeDtypeStruct((b, kv, rows_pad, hd), dtype)
+    barriers = (
+        plgpu.Barrier(num_barriers=wgs),  # Q landed
+        plgpu.Barrier(num_barriers=wgs),  # mask words landed
+        plgpu.Barrier(num_barriers=stages),  # K slot landed
+        plgpu.Barrier(num_barriers=stages),  # V slot landed
+        plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),  # K slot free
+        plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),  # V slot free
+        plgpu.Barrier(num_arrivals=wgs),  # every compute warpgroup left the loop
+        plgpu.Barrier(num_arrivals=wgs),  # ping-pong schedule between the compute warpgroups
+    )
+    if interpret is True:
+        interpret = plgpu.InterpretGPUParams()
+    call = plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        scratch_types=((q_scr, kv_union, bits_scr, p_scr), barriers),
+        grid=(q_tiles, splits, b * kv),
+        grid_names=("q", "split", "bk"),
+        num_threads=wgs + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret or None,
+    )
+    res = call(qp, k, v, prefix_len, bits)
+    if splits > 1:
+        o_part, lse = res
+        mx = jnp.max(lse, axis=0)
+        wts = jnp.exp2(lse - mx[None])
+        out = jnp.sum(wts[..., None] * o_part, axis=0) / jnp.sum(wts, axis=0)[..., None]
+    else:
+        out = res
+    out = out[:, :, :rows].reshape(b, kv, t, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd)
+    return out.astype(dtype)

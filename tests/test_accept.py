@@ -1,0 +1,232 @@
+"""The target's choice at every node (argmax / filtered sample) and the tree walk (tree_walk.npz)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax import accept
+from ddtree_jax.tree import Tree, ancestor_bits
+from tests.conftest import fixture_path
+
+
+def depths_from_parents(parents):
+    depths = np.zeros(len(parents), np.int32)
+    for j in range(1, len(parents)):
+        depths[j] = depths[parents[j]] + 1
+    return depths
+
+
+def make_tree(cases, size):
+    """Batch trees padded to ``size`` nodes with unused slots (token -1, parent 0, depth 1)."""
+    b = len(cases)
+    tokens = np.full((b, size), -1, np.int32)
+    depths = np.ones((b, size), np.int32)
+    parents = np.zeros((b, size + 1), np.int32)
+    choice = np.zeros((b, size + 1), np.int32)
+    for i, c in enumerate(cases):
+        n = len(c["node_token_ids"])
+        tokens[i, :n] = c["node_token_ids"]
+        parents[i, : n + 1] = c["parents"]
+        depths[i, :n] = depths_from_parents(c["parents"])[1:]
+        choice[i, : n + 1] = c["posterior"]
+    max_depth = int(depths.max())
+    parents = jnp.asarray(parents)
+    tree = Tree(jnp.asarray(tokens), jnp.asarray(depths), parents, ancestor_bits(parents, max_depth))
+    return tree, jnp.asarray(choice), max_depth
+
+
+@pytest.fixture(scope="module")
+def walk_cases():
+    d = np.load(fixture_path("tree_walk.npz"))
+    keys = ("node_token_ids", "parents", "posterior", "accepted", "next_token")
+    return [{k: d[f"{k}_{i}"] for k in keys} for i in range(int(d["num_cases"]))]
+
+
+def check_walk(cases, path, length, bonus, max_depth):
+    path, length, bonus = np.asarray(path), np.asarray(length), np.asarray(bonus)
+    assert path.shape == (len(cases), max_depth + 1)
+    for i, c in enumerate(cases):
+        n = len(c["accepted"])
+        assert length[i] == n, i
+        np.testing.assert_array_equal(path[i, :n], c["accepted"], err_msg=str(i))
+        assert (path[i, n:] == c["accepted"][-1]).all(), i  # padded with the last accepted index
+        assert bonus[i] == c["next_token"], i
+
+
+walk = jax.jit(accept.walk, static_argnums=2)
+
+
+def test_reference_walks_one_by_one(walk_cases):
+    assert len(walk_cases) == 12
+    size = max(len(c["node_token_ids"]) for c in walk_cases)
+    for i, c in enumerate(walk_cases):
+        # cases 0 and 1 at their own size; the others padded to one shape (a single compilation)
+        tree, choice, max_depth = make_tree([c], len(c["node_token_ids"]) if i < 2 else size)
+        path, length, bonus = walk(tree, choice, max_depth if i < 2 else 8)
+        check_walk([c], path, length, bonus, max_depth if i < 2 else 8)
+
+
+def test_reference_walks_batched_and_padded(walk_cases):
+    size = max(len(c["node_token_ids"]) for c in walk_cases) + 5
+    tree, choice, max_depth = make_tree(walk_cases, size)
+    path, length, bonus = walk(tree, choice, max_depth + 2)
+    check_walk(walk_cases, path, length, bonus, max_depth + 2)
+    assert len({len(c["accepted"]) for c in walk_cases}) > 1  # rows of different lengths in one batch
+
+
+def test_walk_rejects_unused_slots_and_matches_a_python_walk():
+    """Random trees and random choices: the loop-free walk equals the reference's step-by-step walk."""
+    rng = np.random.default_rng(0)
+    b, n, vocab = 64, 20, 3
+    parents = np.zeros((b, n + 1), np.int32)
+    parents[:, 0] = -1
+    tokens = np.full((b, n), -1, np.int32)
+    for r in range(b):  # siblings carry distinct tokens, as in every DDTree tree
+        used = {0: []}
+        for j in range(1, n - 2):  # the last 3 slots stay unused (token -1, parent 0)
+            parent = int(rng.choice([q for q, t in used.items() if len(t) < vocab]))
+            tokens[r, j - 1] = rng.choice([t for t in range(vocab) if t not in used[parent]])
+            parents[r, j] = parent
+            used[parent].append(int(tokens[r, j - 1]))
+            used[j] = []
+    choice = rng.integers(0, vocab, (b, n + 1)).astype(np.int32)
+    depths = np.stack([depths_from_parents(p)[1:] for p in parents])
+    md = int(depths.max())
+    tree = Tree(jnp.asarray(tokens), jnp.asarray(depths), jnp.asarray(parents), ancestor_bits(jnp.asarray(parents), md))
+    path, length, bonus = accept.walk(tree, jnp.asarray(choice), md)
+    for r in range(b):
+        cur, want = 0, [0]
+        while True:  # follow_verified_tree: the first child whose token is the target's choice
+            kids = [j for j in range(1, n + 1) if parents[r, j] == cur and tokens[r, j - 1] == choice[r, cur]]
+            if not kids:
+                break
+            cur = kids[0]
+            want.append(cur)
+        assert int(length[r]) == len(want)
+        assert np.asarray(path[r, : len(want)]).tolist() == want
+        assert int(bonus[r]) == choice[r, want[-1]]
+    assert np.asarray(length).max() >= 3
+
+
+def test_greedy_choice_is_argmax():
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.standard_normal((3, 9, 256)).astype(np.float32))
+    keys = accept.node_keys(jax.vmap(jax.random.key)(jnp.arange(3, dtype=jnp.uint32)), jnp.asarray([5, 6, 7]), 9)
+    zeros = jnp.zeros(3)
+    got = accept.choose(logits, keys, zeros, jnp.full(3, 0.5), jnp.full(3, 3, jnp.int32))
+    np.testing.assert_array_equal(got, np.asarray(logits).argmax(-1))
+
+
+def test_node_keys_are_distinct_and_depend_only_on_own_seed_and_position():
+    seq = jax.vmap(jax.random.key)(jnp.asarray([0, 1, 0], jnp.uint32))
+    keys = accept.node_keys(seq, jnp.asarray([10, 10, 11]), 6)
+    data = np.asarray(jax.random.key_data(keys)).reshape(18, -1)
+    assert len({tuple(r) for r in data}) == 18
+    alone = accept.node_keys(seq[1:2], jnp.asarray([10]), 6)
+    np.testing.assert_array_equal(jax.random.key_data(alone[0]), jax.random.key_data(keys[1]))
+
+
+# A hand-made distribution: probabilities 0.40 0.25 0.15 0.10 0.06 0.04, shuffled over 6 tokens.
+PROBS = np.asarray([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
+ORDER = np.asarray([3, 0, 5, 1, 4, 2])  # token ORDER[i] has probability PROBS[i]
+
+
+def hand_logits():
+    lg = np.zeros(6, np.float32)
+    lg[ORDER] = np.log(PROBS)
+    return lg
+
+
+def kept(temperature, top_p, top_k):
+    lg = jnp.asarray(np.tile(hand_logits(), (1, 1, 1)))
+    out = accept.filter_logits(lg, jnp.asarray([temperature]), jnp.asarray([top_p]), jnp.asarray([top_k], jnp.int32))
+    out = np.asarray(out[0, 0])
+    keep = np.isfinite(out)
+    np.testing.assert_allclose(out[keep], hand_logits()[keep] / temperature, rtol=1e-6)
+    return set(np.flatnonzero(keep).tolist())
+
+
+def top(n):
+    return set(ORDER[:n].tolist())
+
+
+@pytest.mark.parametrize(
+    "temperature,top_p,top_k,n",
+    [
+        (1.0, 1.0, 0, 6),  # no filter
+        (1.0, 1.0, 3, 3),
+        (1.0, 1.0, 1, 1),
+        (1.0, 1.0, 10, 6),  # k above the vocabulary
+        (1.0, 0.3, 0, 1),  # 0.40 covers 0.3
+        (1.0, 0.5, 0, 2),  # 0.40 < 0.5 <= 0.65
+        (1.0, 0.7, 0, 3),  # 0.65 < 0.7 <= 0.80
+        (1.0, 0.85, 0, 4),
+        (1.0, 0.93, 0, 5),
+        (1.0, 0.99, 0, 6),
+        (1.0, 0.85, 2, 2),  # both: the smaller set
+        (1.0, 0.5, 4, 2),
+        (0.5, 0.7, 0, 2),  # top-p after the temperature: p ∝ PROBS**2 -> 0.615, 0.240, 0.086, ...
+        (2.0, 0.7, 0, 4),  # p ∝ sqrt(PROBS) -> 0.277, 0.219, 0.170, 0.139, ...
+    ],
+)
+def test_filter_keeps_exactly_the_right_set(temperature, top_p, top_k, n):
+    assert kept(temperature, top_p, top_k) == top(n)
+
+
+def test_filter_is_per_sequence():
+    lg = jnp.asarray(np.tile(hand_logits(), (4, 2, 1)))
+    out = accept.filter_logits(
+        lg, jnp.asarray([1.0, 1.0, 1.0, 0.5]), jnp.asarray([1.0, 0.5, 1.0, 0.7]), jnp.asarray([0, 0, 3, 0], jnp.int32)
+    )
+    sets = [set(np.flatnonzero(np.isfinite(np.asarray(out[b, t]))).tolist()) for b in range(4) for t in range(2)]
+    assert sets == [top(6)] * 2 + [top(2)] * 2 + [top(3)] * 2 + [top(2)] * 2
+
+
+def test_mixed_greedy_and_sampled_rows():
+    """Per-sequence temperatures: greedy rows are the argmax for any key; sampled rows follow the filtered
+    tempered distribution (checked by frequencies over many keys) and never leave the kept set."""
+    rows = [  # (temperature, top_p, top_k)
+        (0.0, 1.0, 0),
+        (1.0, 1.0, 0),
+        (0.0, 0.5, 2),
+        (0.5, 1.0, 0),
+        (1.0, 0.7, 0),
+        (2.0, 1.0, 3),
+    ]
+    b, nodes, draws = len(rows), 2, 4000
+    temp, top_p, top_k = (jnp.asarray(x) for x in zip(*rows))
+    top_k = top_k.astype(jnp.int32)
+    logits = jnp.asarray(np.tile(hand_logits(), (b, nodes, 1)))
+
+    @jax.jit
+    def draw(i):
+        seq = jax.vmap(jax.random.key)(jnp.arange(b, dtype=jnp.uint32) + 100)
+        keys = accept.node_keys(seq, jnp.full((b,), i), nodes)
+        return accept.choose(logits, keys, temp, top_p, top_k)
+
+    samples = np.asarray(jax.lax.map(draw, jnp.arange(draws)))  # [draws, B, nodes]
+    lg = hand_logits().astype(np.float64)
+    for r, (t, p, k) in enumerate(rows):
+        s = samples[:, r, :]
+        if t == 0:
+            assert (s == ORDER[0]).all()
+            continue
+        want = np.exp(lg / t)
+        want /= want.sum()
+        keep = kept(t, p, k)
+        mask = np.zeros(6, bool)
+        mask[list(keep)] = True
+        want = np.where(mask, want, 0.0)
+        want /= want.sum()
+        for node in range(nodes):
+            counts = np.bincount(s[:, node], minlength=6)
+            assert counts[~mask].sum() == 0, (r, counts)
+            expected = draws * want[mask]
+            stat = ((counts[mask] - expected) ** 2 / expected).sum()
+            dof = int(mask.sum()) - 1
+            if dof:
+                pval = float(jax.scipy.stats.chi2.sf(stat, dof))
+                assert pval > 1e-3, (r, node, counts, expected)
+        # the two nodes of a row use independent keys
+        assert (s[:, 0] != s[:, 1]).any()

@@ -1,0 +1,195 @@
+"""Pallas kernels vs their jnp references, on CPU: the kernels run in the Mosaic GPU interpreter.
+
+Small shapes (the interpreter simulates every warpgroup, barrier and copy), but each case exercises a
+different path: GQA ratios 1/2/4, head_dim 64/128, budget 1 and the single AR token, an empty prefix,
+ragged prefixes with every value of p % 8, split-K with its combine, one and two compute warpgroups,
+random / chain (full depth) / star trees. The GPU grid (prefixes to 32k, T to 1025, batch 16) lives in
+``python -m pallas_kernels.bench_kernels --stages validate``; its results are in benchmarks/.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import tree_accept as ta
+from pallas_kernels import tree_attention as tat
+from pallas_kernels.bench_kernels import accept_inputs, ancestor_mask, attention_inputs, random_parents
+from pallas_kernels.bitmask import pack_bits, unpack_bits
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "ddtree_reference")
+
+
+def _f32_reference(q, k, v, p, bits):
+    with jax.default_matmul_precision("highest"):
+        return tat.tree_attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), p, bits)
+
+
+# ------------------------------------------------------------------------------------ tree attention
+ATTENTION_CASES = [
+    # id, (b, t, h, kv, hd, prefixes, tree, config)
+    ("budget1-gqa1-hd64-emptyprefix", (2, 2, 2, 2, 64, [0, 70], "random", None)),
+    ("gqa2-hd128-splitk", (2, 5, 4, 2, 128, [13, 100], "random", (1, 64, 3, 2))),
+    ("gqa4-hd64-chain-2wgs", (1, 17, 4, 1, 64, [3], "chain", None)),
+    ("gqa4-hd128-star-aligned-splitk", (2, 9, 4, 1, 128, [0, 64], "star", (2, 64, 3, 3))),
+    ("ar-token-gqa4", (1, 1, 8, 2, 64, [77], "chain", None)),
+    ("ragged3-gqa2", (3, 7, 4, 2, 64, [5, 130, 71], "random", None)),
+]
+
+
+@pytest.mark.parametrize("case", [c for _, c in ATTENTION_CASES], ids=[i for i, _ in ATTENTION_CASES])
+def test_tree_attention_interpret_matches_reference(case):
+    b, t, h, kv, hd, plens, kind, cfg = case
+    s = max(plens) + t + 64  # slack: the interpreter need not emulate TMA's zero fill past the end
+    q, k, v, p, bits = attention_inputs(sum(plens) + t, b, t, h, kv, s, hd, plens, kind)
+    out = tat.tree_attention(q, k, v, p, bits, interpret=True, config=cfg)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    out = np.asarray(out, np.float32)
+    ref = np.asarray(_f32_reference(q, k, v, p, bits))
+    xla = np.asarray(tat.tree_attention_reference(q, k, v, p, bits), np.float32)  # the bf16 XLA path
+    assert not np.isnan(out).any()
+    err = np.abs(out - ref).max()
+    # bf16 output rounding dominates: the kernel must be about as close to f32 as the XLA path is
+    assert err <= max(2 * np.abs(xla - ref).max(), 1e-2), err
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
+
+
+def test_tree_attention_no_races_pingpong_ring_split(monkeypatch):
+    """The interpreter's happy-before race detector over ping-pong + split-K partials in the K/V ring."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    q, k, v, p, bits = attention_inputs(3, 1, 9, 4, 1, 160, 64, [70], "random")
+    out = tat.tree_attention(q, k, v, p, bits, config=(2, 128, 2, 2, True),
+                             interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not gpu_callbacks.get_races().races_found
+    ref = np.asarray(_f32_reference(q, k, v, p, bits))
+    assert np.abs(np.asarray(out, np.float32) - ref).max() < 2e-2
+
+
+def test_tree_attention_separate_partial_buffers(monkeypatch):
+    """The fallback layout (f32 partials in their own SMEM, no ping-pong) stays correct."""
+    monkeypatch.setattr(tat, "_SPLIT_PARTIALS_IN_RING", False)
+    q, k, v, p, bits = attention_inputs(4, 2, 6, 4, 2, 200, 64, [9, 120], "random")
+    out = tat.tree_attention(q, k, v, p, bits, config=(2, 64, 3, 3, False), interpret=True)
+    ref = np.asarray(_f32_reference(q, k, v, p, bits))
+    assert np.linalg.norm(np.asarray(out, np.float32) - ref) / np.linalg.norm(ref) < 1e-2
+    assert tat.default_config(1, 65, 32, 8, 8192, 128)[1:3] == (64, 3)  # smaller ring when split
+
+
+def test_default_config_shapes():
+    """The cost model: one CTA wave at least; splits for few rows, none when rows fill the GPU."""
+    wgs, bkv, stages, splits = tat.default_config(1, 17, 32, 8, 8192 + 24, 128)
+    assert (wgs, bkv, stages) == (2, 128, 2) and splits > 8
+    assert tat.default_config(1, 1, 32, 8, 32768, 128)[0] == 1  # 4 rows: one compute warpgroup
+    assert tat.default_config(16, 17, 32, 8, 33000, 128)[3] == 1  # 128 CTAs already
+
+
+def test_tree_attention_rejects_unsupported():
+    q = jnp.zeros((1, 2, 2, 32), jnp.bfloat16)
+    with pytest.raises(ValueError):
+        tat.tree_attention(q, q, q, jnp.zeros((1,), jnp.int32), jnp.zeros((1, 2, 1), jnp.uint32))
+
+
+@pytest.mark.parametrize("t", [1, 31, 33, 100])
+def test_shifted_bits(t):
+    """The kernel's mask rows: shifted left by p % 8, low bits (prefix slots base..p-1) set."""
+    rng = np.random.default_rng(t)
+    b = 8
+    vis = rng.random((b, t, t)) < 0.5
+    plens = np.arange(b) * 13 + 5  # every residue mod 8
+    words = tat._tree_tiles(t, 64) * 2
+    got = unpack_bits(tat._shifted_bits(pack_bits(jnp.asarray(vis)), jnp.asarray(plens, jnp.int32), t, words),
+                      32 * words)
+    want = np.zeros((b, t, 32 * words), bool)
+    for i, p in enumerate(plens):
+        off = p % 8
+        want[i, :, :off] = True
+        want[i, :, off : off + t] = vis[i]
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+# ------------------------------------------------------------------------------------ tree accept
+def _golden_cases():
+    d = np.load(os.path.join(FIXTURES, "tree_walk.npz"))
+    n = len([k for k in d.files if k.startswith("accepted_")])
+    cases = []
+    for i in range(n):
+        tok = np.concatenate([[-1], d[f"node_token_ids_{i}"]]).astype(np.int32)
+        cases.append((tok, d[f"parents_{i}"].astype(np.int32), d[f"posterior_{i}"].astype(np.int32),
+                      d[f"accepted_{i}"], int(d[f"next_token_{i}"])))
+    return cases
+
+
+def _golden_batch():
+    cases = _golden_cases()
+    n1 = max(len(c[1]) for c in cases)
+    pad = lambda x, v: np.pad(x, (0, n1 - len(x)), constant_values=v)  # noqa: E731  (padding: leaves)
+    tok = jnp.asarray(np.stack([pad(c[0], -1) for c in cases]))
+    par = jnp.asarray(np.stack([pad(c[1], 0) for c in cases]))
+    tgt = jnp.asarray(np.stack([pad(c[2], -2) for c in cases]))
+    return tok, par, tgt, cases
+
+
+def _check_golden(path, length, bonus, cases):
+    assert len(cases) == 12
+    for i, (_, _, _, acc, nxt) in enumerate(cases):
+        assert int(length[i]) == len(acc)
+        np.testing.assert_array_equal(np.asarray(path[i, : len(acc)]), acc)
+        assert (np.asarray(path[i, len(acc) :]) == acc[-1]).all()  # padded with the last accepted index
+        assert int(bonus[i]) == nxt
+
+
+def test_tree_accept_reference_golden():
+    tok, par, tgt, cases = _golden_batch()
+    _check_golden(*ta.tree_accept_reference(tok, par, tgt, max_depth=7), cases)
+
+
+def test_tree_accept_interpret_golden():
+    tok, par, tgt, cases = _golden_batch()
+    _check_golden(*ta.tree_accept(tok, par, tgt, max_depth=7, interpret=True), cases)
+
+
+@pytest.mark.parametrize("n1,kind,max_depth", [(65, "random", 7), (33, "chain", 32), (40, "star", 3),
+                                               (2, "chain", 1), (130, "random", 15)])
+def test_tree_accept_interpret_matches_reference(n1, kind, max_depth):
+    rng = np.random.default_rng(n1)
+    tok, par, tgt = accept_inputs(rng, 4, n1, kind, max_depth)
+    got = ta.tree_accept(tok, par, tgt, max_depth=max_depth, interpret=True)
+    want = ta.tree_accept_reference(tok, par, tgt, max_depth=max_depth)
+    for g, w in zip(got, want):
+        assert g.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_tree_accept_reference_is_the_walk():
+    """The loop-free reference equals a literal host walk of the official algorithm."""
+    rng = np.random.default_rng(0)
+    tok, par, tgt = accept_inputs(rng, 32, 50, "random", 6)
+    path, length, bonus = ta.tree_accept_reference(tok, par, tgt, max_depth=6)
+    tok, par, tgt = np.asarray(tok), np.asarray(par), np.asarray(tgt)
+    for i in range(32):
+        cur, walk = 0, [0]
+        while True:
+            kids = [j for j in range(50) if par[i, j] == cur and tok[i, j] == tgt[i, cur]]
+            if not kids:
+                break
+            cur = kids[0]
+            walk.append(cur)
+        assert int(length[i]) == len(walk) and int(bonus[i]) == tgt[i, cur]
+        np.testing.assert_array_equal(np.asarray(path[i]), walk + [cur] * (7 - len(walk)))
+
+
+def test_random_trees_respect_depth():
+    rng = np.random.default_rng(1)
+    par = random_parents(rng, 300, "random", 5)
+    depth = np.zeros(300, int)
+    for j in range(1, 300):
+        depth[j] = depth[par[j]] + 1
+    assert depth.max() <= 5 and (par[1:] < np.arange(1, 300)).all()
+    assert ancestor_mask(par)[7, 0] and ancestor_mask(par)[7, 7]

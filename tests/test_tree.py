@@ -1,0 +1,232 @@
+"""Draft trees: DDTree's best-first tree against the reference (tree_build.npz), its invariants, the
+pruned candidate pairs against the plain heap algorithm, and the chain / root-only trees."""
+
+import heapq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax import tree as trees
+from pallas_kernels.bitmask import unpack_bits
+from tests.conftest import fixture_path
+
+
+def path_of(tokens, parents, j):
+    """Root-to-node token path of tree index j (j >= 1; node j is tokens[j - 1])."""
+    path = []
+    while j > 0:
+        path.append(int(tokens[j - 1]))
+        j = int(parents[j])
+    return tuple(reversed(path))
+
+
+def paths_by_index(tokens, parents):
+    """{tree index: token path}, the root (index 0) being the empty path."""
+    return {j: path_of(tokens, parents, j) for j in range(len(parents))}
+
+
+best_first = jax.jit(trees.best_first, static_argnums=1)
+
+
+def unpacked(tree, b=0):
+    return np.asarray(unpack_bits(tree.bits[b], tree.parents.shape[1]))
+
+
+@pytest.fixture(scope="module")
+def tree_build():
+    d = np.load(fixture_path("tree_build.npz"))
+    return [
+        {k: d[f"{k}_{i}"] for k in ("logits", "budget", "node_token_ids", "node_depths", "parents", "visibility")}
+        for i in range(int(d["num_cases"]))
+    ]
+
+
+def test_reference_cases_same_paths_and_visibility(tree_build):
+    assert len(tree_build) == 8
+    for i, case in enumerate(tree_build):
+        budget = int(case["budget"])
+        tree = best_first(jnp.asarray(case["logits"])[None], budget)
+        tokens, parents, depths = (np.asarray(a[0]) for a in (tree.tokens, tree.parents, tree.depths))
+        assert tokens.shape == (budget,) and parents.shape == (budget + 1,) and parents[0] == -1, i
+        mine = paths_by_index(tokens, parents)
+        theirs = paths_by_index(case["node_token_ids"], case["parents"])
+        assert set(mine.values()) == set(theirs.values()), i
+        assert [len(mine[j]) for j in range(1, budget + 1)] == depths.tolist(), i
+        # visibility, with our tree indices mapped to the reference's through the token paths
+        to_ref = {path: j for j, path in theirs.items()}
+        perm = np.asarray([to_ref[mine[j]] for j in range(budget + 1)])
+        assert perm[0] == 0
+        np.testing.assert_array_equal(unpacked(tree), case["visibility"][np.ix_(perm, perm)], err_msg=str(i))
+        np.testing.assert_array_equal(case["node_depths"][perm[1:] - 1], depths, err_msg=str(i))
+
+
+def node_scores(lp, ids, tokens, parents, n):
+    """Cumulative draft log-prob of the first n nodes (numpy float32, summed root-down like the scan)."""
+    lp_of = [dict(zip(ids[d].tolist(), lp[d].tolist())) for d in range(lp.shape[0])]
+    scores = np.zeros(n + 1, np.float32)
+    for j in range(1, n + 1):
+        depth = len(path_of(tokens, parents, j))
+        scores[j] = np.float32(scores[parents[j]]) + np.float32(lp_of[depth - 1][int(tokens[j - 1])])
+    return scores[1:]
+
+
+def check_invariants(tree, draft_logits, budget):
+    b, depth_count, vocab = draft_logits.shape
+    lp, ids = (np.asarray(a) for a in trees.top_log_probs(jnp.asarray(draft_logits), min(budget, vocab)))
+    for r in range(b):
+        tokens, depths, parents = (np.asarray(a[r]) for a in (tree.tokens, tree.depths, tree.parents))
+        assert tokens.shape == (budget,) and depths.shape == (budget,) and parents.shape == (budget + 1,)
+        assert parents[0] == -1
+        valid = tokens >= 0
+        n = int(valid.sum())
+        assert n == min(budget, sum(vocab ** d for d in range(1, depth_count + 1)))
+        assert valid[:n].all() and not valid[n:].any()  # unused slots (tiny trees only) come last
+        idx = np.arange(1, n + 1)
+        assert (parents[idx] < idx).all() and (parents[idx] >= 0).all()  # parents precede children
+        all_depths = np.concatenate([[0], depths])
+        assert (depths[:n] == all_depths[parents[idx]] + 1).all()
+        assert (depths[:n] <= depth_count).all()
+        assert (tokens[:n] < vocab).all()
+        # ancestor-closed and no duplicate path (siblings carry distinct tokens)
+        paths = [path_of(tokens, parents, j) for j in idx]
+        assert len(set(paths)) == n
+        assert all(p[:-1] in set(paths) for p in paths if len(p) > 1)
+        scores = node_scores(lp[r], ids[r], tokens, parents, n)
+        assert (np.diff(scores) <= 0).all()  # best-first order
+        # visibility = ancestor-or-self
+        vis = unpacked(tree, r)
+        want = np.zeros((budget + 1, budget + 1), bool)
+        for j in range(budget + 1):
+            k = j
+            while k >= 0:
+                want[j, k] = True
+                k = parents[k] if k > 0 else -1
+        np.testing.assert_array_equal(vis, want)
+
+
+def heap_tree(lp, ids, budget):
+    """The reference algorithm (DDTree, Algorithm 1) with a Python heap: the set of selected token paths.
+
+    lp, ids [D, K] sorted descending per depth. A popped path (depth d, rank r) pushes its next sibling
+    (rank r + 1) and its best child (depth d + 1, rank 0); scores are float32 sums, like the scan's.
+    """
+    depth_count, k = lp.shape
+    heap = [(-np.float32(lp[0, 0]), (0,))]  # ranks per depth
+    selected = []
+    while heap and len(selected) < budget:
+        neg, ranks = heapq.heappop(heap)
+        selected.append(tuple(int(ids[d, r]) for d, r in enumerate(ranks)))
+        parent_score = np.float32(-neg) - np.float32(lp[len(ranks) - 1, ranks[-1]])
+        if ranks[-1] + 1 < k:
+            sib = ranks[:-1] + (ranks[-1] + 1,)
+            heapq.heappush(heap, (-(np.float32(parent_score) + np.float32(lp[len(ranks) - 1, ranks[-1] + 1])), sib))
+        if len(ranks) < depth_count:
+            heapq.heappush(heap, (-(np.float32(-neg) + np.float32(lp[len(ranks), 0])), ranks + (0,)))
+    return set(selected)
+
+
+@pytest.mark.parametrize(
+    "batch,depth,vocab,budget,scale",
+    [
+        (3, 7, 256, 1, 1.0),
+        (3, 7, 256, 16, 3.0),
+        (4, 7, 256, 64, 1.0),
+        (2, 7, 100, 130, 5.0),  # budget > vocab: K = vocab, depths fill up
+        (3, 4, 5, 20, 2.0),  # vocab < budget
+        (2, 3, 3, 39, 1.0),  # budget = every possible path (3 + 9 + 27)
+        (2, 2, 3, 40, 1.0),  # budget > every possible path: unused slots
+        (2, 1, 64, 33, 1.0),  # a single depth
+    ],
+)
+def test_random_trees_equal_heap_algorithm_and_keep_invariants(batch, depth, vocab, budget, scale):
+    rng = np.random.default_rng(batch * 1000 + depth * 100 + vocab + budget)
+    logits = (scale * rng.standard_normal((batch, depth, vocab))).astype(np.float32)
+    tree = best_first(jnp.asarray(logits), budget)
+    check_invariants(tree, logits, budget)
+    lp, ids = (np.asarray(a) for a in trees.top_log_probs(jnp.asarray(logits), min(budget, vocab)))
+    for r in range(batch):
+        tokens, parents = np.asarray(tree.tokens[r]), np.asarray(tree.parents[r])
+        n = int((tokens >= 0).sum())
+        mine = {path_of(tokens, parents, j) for j in range(1, n + 1)}
+        assert mine == heap_tree(lp[r], ids[r], budget), (r, budget)
+
+
+def test_candidate_pairs_prune_nothing_that_can_be_selected():
+    """Pair (i, j) is dropped only if (i+1)(j+1) > budget: it then has >= budget candidates above it."""
+    for budget, k in [(1, 1), (4, 4), (16, 16), (64, 64), (30, 7), (300, 200)]:
+        ii, jj = trees._candidate_pairs(budget, k)
+        kept = set(zip(ii.tolist(), jj.tolist()))
+        full = {(i, j) for i in range(budget) for j in range(k)}
+        assert kept <= full
+        for i, j in full - kept:
+            assert (i + 1) * (j + 1) - 1 >= budget
+        assert len(kept) <= budget * (1 + np.log(budget)) + 1
+
+
+def test_brute_force_frontier_over_full_product():
+    """The scan's pruned frontier update equals a frontier update over the full budget x k product."""
+    rng = np.random.default_rng(7)
+    for budget, vocab, depth in [(16, 256, 7), (48, 6, 5), (10, 10, 4)]:
+        logits = (2 * rng.standard_normal((1, depth, vocab))).astype(np.float32)
+        k = min(budget, vocab)
+        lp, ids = (np.asarray(a[0]) for a in trees.top_log_probs(jnp.asarray(logits), k))
+        # brute force: per depth, every (frontier path, token) extension, keep the top `budget`
+        frontier = [((int(t),), np.float32(s)) for s, t in zip(lp[0][:budget], ids[0][:budget])]
+        everything = list(frontier)
+        for d in range(1, depth):
+            ext = [(p + (int(t),), np.float32(s + np.float32(x))) for p, s in frontier for x, t in zip(lp[d], ids[d])]
+            ext.sort(key=lambda e: -e[1])
+            frontier = ext[:budget]
+            everything += frontier
+        everything.sort(key=lambda e: (-e[1], len(e[0])))
+        want = {p for p, _ in everything[:budget]}
+        tree = best_first(jnp.asarray(logits), budget)
+        tokens, parents = np.asarray(tree.tokens[0]), np.asarray(tree.parents[0])
+        assert {path_of(tokens, parents, j) for j in range(1, budget + 1)} == want
+
+
+def test_best_first_is_jittable_and_batch_independent():
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((5, 7, 256)).astype(np.float32)
+    batched = best_first(jnp.asarray(logits), 24)
+    for r in range(5):
+        one = trees.best_first(jnp.asarray(logits[r : r + 1]), 24)
+        for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(batched)):
+            np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[r]))
+
+
+def test_chain_tree():
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((3, 7, 50)).astype(np.float32)
+    tree = trees.chain(jnp.asarray(logits))
+    assert tree.size == 7
+    assert tree.tokens.shape == (3, 7) and tree.depths.shape == (3, 7)
+    assert tree.parents.shape == (3, 8) and tree.bits.shape == (3, 8, 1) and tree.bits.dtype == jnp.uint32
+    np.testing.assert_array_equal(tree.tokens, logits.argmax(-1))
+    np.testing.assert_array_equal(tree.depths, np.broadcast_to(np.arange(1, 8), (3, 7)))
+    np.testing.assert_array_equal(tree.parents, np.broadcast_to(np.arange(-1, 7), (3, 8)))
+    for b in range(3):
+        np.testing.assert_array_equal(unpacked(tree, b), np.tril(np.ones((8, 8), bool)))
+    # a chain is the best-first tree of budget = depth when every depth has one dominant token
+    peaked = jnp.asarray(logits + 100 * jax.nn.one_hot(logits.argmax(-1), 50))
+    bf = trees.best_first(peaked, 7)
+    for name in ("tokens", "depths", "parents", "bits"):
+        np.testing.assert_array_equal(getattr(bf, name), getattr(trees.chain(peaked), name))
+
+
+def test_chain_tree_long_block_uses_several_words():
+    logits = jnp.zeros((2, 40, 8)).at[:, :, 3].set(1.0)
+    tree = trees.chain(logits)
+    assert tree.bits.shape == (2, 41, 2)
+    np.testing.assert_array_equal(unpacked(tree, 1), np.tril(np.ones((41, 41), bool)))
+
+
+def test_root_only_tree():
+    tree = trees.root_only(4)
+    assert tree.size == 0
+    assert tree.tokens.shape == (4, 0) and tree.depths.shape == (4, 0)
+    np.testing.assert_array_equal(tree.parents, -np.ones((4, 1)))
+    assert tree.bits.shape == (4, 1, 1) and tree.bits.dtype == jnp.uint32
+    assert np.asarray(unpack_bits(tree.bits, 1)).all()
