@@ -40,7 +40,11 @@ def extend(
         k = model.rms_norm(jnp.einsum("bcd,dhk->bchk", ctx, wk), k_norm, lc.rms_norm_eps)
         return model.apply_rope(k, cos, sin), jnp.einsum("bcd,dhk->bchk", ctx, wv)
 
-    k, v = jax.vmap(kv)(w.wk, w.wv, w.k_norm)  # [L, B, C, K, hd]
+    if isinstance(w, (tuple, list)):  # unstacked layers (params.unstack_layers)
+        per_layer = [kv(lw.wk, lw.wv, lw.k_norm) for lw in w]
+        k, v = jnp.stack([a for a, _ in per_layer]), jnp.stack([c for _, c in per_layer])
+    else:
+        k, v = jax.vmap(kv)(w.wk, w.wv, w.k_norm)  # [L, B, C, K, hd]
     return kvcache.KVCache(
         kvcache.write_all(dcache.k, k, dcache.length),
         kvcache.write_all(dcache.v, v, dcache.length),
@@ -64,11 +68,15 @@ def propose(
     bonus: Array,
     *,
     attention: str = "xla",
-) -> Array:
+    return_cache: bool = False,
+) -> Array | tuple[Array, kvcache.KVCache]:
     """Draft logits [B, bs-1, V] (f32) for the bs-1 positions after ``bonus`` [B].
 
-    The block [bonus, mask x (bs-1)] sits at positions dcache.length[b] + i. The cache is read, not
-    changed: the block's K/V go to scratch slots that the next :func:`extend` overwrites.
+    The block [bonus, mask x (bs-1)] sits at positions dcache.length[b] + i. The committed cache is
+    not changed: the block's K/V go to scratch slots (>= length) that the next :func:`extend`
+    overwrites before they can be seen. With ``return_cache`` the cache holding those scratch writes
+    is returned too, as (logits, cache): a caller that keeps it instead of its input lets XLA write
+    in place rather than copy the whole draft cache every round (the copy shows in the HLO).
     """
     lc, bs = cfg.layers, cfg.block_size
     b = bonus.shape[0]
@@ -98,6 +106,15 @@ def propose(
         x = x + model.mlp(model.rms_norm(x, w.mlp_norm, lc.rms_norm_eps), w)
         return (x, k_all, v_all), None
 
-    (x, _, _), _ = jax.lax.scan(layer, (x, dcache.k, dcache.v), (params.layers, jnp.arange(lc.num_layers)))
+    carry = (x, dcache.k, dcache.v)
+    if isinstance(params.layers, (tuple, list)):  # unstacked (params.unstack_layers): an unrolled loop
+        for i, w in enumerate(params.layers):
+            carry, _ = layer(carry, (w, i))
+    else:
+        carry, _ = jax.lax.scan(layer, carry, (params.layers, jnp.arange(lc.num_layers)))
+    x, k_all, v_all = carry
     hidden = model.rms_norm(x, params.final_norm, lc.rms_norm_eps)
-    return model.logits(target, hidden[:, 1:])
+    logits = model.logits(target, hidden[:, 1:])
+    if return_cache:
+        return logits, kvcache.KVCache(k_all, v_all, dcache.length)
+    return logits

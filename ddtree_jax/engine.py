@@ -323,7 +323,8 @@ class Engine:
         options = decode.GenerateOptions(method=config.method, max_new_tokens=config.max_len,
                                          tree_budget=config.tree_budget, attention=config.attention)
         self.spec = decode.make_spec(self.tcfg, dcfg, options, mesh=mesh)
-        self.dparams = dparams if config.method != "ar" else None
+        self.dparams = decode.device_layout(dparams) if config.method != "ar" else None
+        self.tparams = decode.device_layout(self.tparams)
         block = 1 + self.spec.budget + (self.spec.draft.block_size if self.spec.draft else 0)
         allowed = self.tcfg.max_position_embeddings
         if config.max_len + block > allowed:

@@ -149,4 +149,4 @@ def forward(
 def logits(params: TargetParams, hidden: Array) -> Array:
     """[..., D] -> [..., V] float32."""
     out = jnp.einsum("...d,dv->...v", hidden, params.head(), preferred_element_type=jnp.float32)
-    return constrain(out, ("batch",) + (None,) * (out.ndim - 2) + ("vocab",))
+    return constrain(out, (("batch",) + (None,) * (out.ndim - 2))[: out.ndim - 1] + ("vocab",))

@@ -124,3 +124,19 @@ def test_bad_requests_are_clear_errors(target, drafter):
         decode.generate(target, [[1, 9999]], decode.GenerateOptions())
     with pytest.raises(ValueError, match="unknown method"):
         decode.generate(target, [[1]], decode.GenerateOptions(method="beam"))
+
+
+def test_unstacked_layout_gives_the_same_rounds(target, drafter, reference_runs):
+    """The per-layer layout used on GPU (an unrolled loop) computes exactly what the stacked scan does."""
+    from ddtree_jax import params
+
+    run = reference_runs[0]
+    (cfg, tp), (dcfg, dp) = target, drafter
+    res = decode.generate(
+        (cfg, params.unstack_layers(tp)), [run["prompt"]], options("ddtree", run, tree_budget=16),
+        draft=(dcfg, params.unstack_layers(dp)),
+    )
+    ref = run["ddtree"]["16"]
+    assert res.output_ids[0] == ref["output"] and res.acceptance_lengths[0] == ref["acceptance_lengths"]
+    assert decode.device_layout(tp, backend="gpu").layers.__class__ is tuple
+    assert decode.device_layout(tp, backend="cpu") is tp

@@ -1,0 +1,40 @@
+"""Smoke test of ``python -m ddtree_jax.bench fixtures`` (CPU, the tiny reference pair): records come out,
+with per-round times, acceptance lengths and parity with the reference output. Kept well under a minute."""
+
+import json
+
+import pytest
+
+from ddtree_jax import bench
+
+
+def test_fixtures_mode_smoke(tmp_path, capsys):
+    out = tmp_path / "fixtures.json"
+    code = bench.main(["fixtures", "--methods", "ar,ddtree", "--budgets", "4", "--prompts", "1",
+                       "--max-new-tokens", "12", "--repeats", "1", "--json", str(out)])
+    assert code == 0
+    records = json.loads(out.read_text())
+    assert [(r["method"], r["budget"]) for r in records] == [("ar", None), ("ddtree", 4)]
+    for r in records:
+        assert r["matches_reference"] is True
+        assert r["ms_per_round"] > 0 and r["rounds"] >= 1
+        assert r["batch"] == 1 and r["max_new_tokens"] == 12
+        assert r["command"].startswith("python -m ddtree_jax.bench fixtures")
+    ar, tree = records
+    assert ar["mean_acceptance_length"] is None and ar["rounds"] == 12
+    assert tree["mean_acceptance_length"] >= 1.0
+    assert tree["tokens_per_round"] >= 1.0
+    table = capsys.readouterr().out
+    assert "ms_per_round" in table and "ddtree" in table
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["fixtures", "--help"], ["models", "--help"]])
+def test_help(argv, capsys):
+    assert bench.main(argv) == 0
+    assert "usage" in capsys.readouterr().out
+
+
+def test_bad_flag_is_one_line_error(capsys):
+    assert bench.main(["models", "--budgets", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:")
