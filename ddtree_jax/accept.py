@@ -82,6 +82,5 @@ def walk(tree: Tree, choice: Array, max_depth: int, impl: str = "xla") -> tuple[
     tokens = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), tree.tokens], axis=1)
     if impl == "xla":
         return tree_accept_lib.tree_accept_reference(tokens, tree.parents, choice, max_depth=max_depth)
-    return tree_accept_lib.tree_accept(
-        tokens, tree.parents, choice, max_depth=max_depth, interpret=impl == "pallas-interpret"
-    )
+    kernel = sharding.per_device_walk(tree_accept_lib.tree_accept)  # per device under a mesh
+    return kernel(tokens, tree.parents, choice, max_depth=max_depth, interpret=impl == "pallas-interpret")

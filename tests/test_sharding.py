@@ -1,0 +1,471 @@
+"""Sharding (ddtree_jax.sharding) on 8 fake CPU devices, against one device and the reference fixtures.
+
+The device count of a process is fixed when jax starts, so the multi-device checks run once, in a
+subprocess (this file executed as a script with XLA_FLAGS=--xla_force_host_platform_device_count=8), and
+report JSON that the tests below assert on:
+- meshes 1x1, 1x2, 2x2, 1x4 (the fixture target has 2 KV heads: replicated to 4) and 8x1, for ar, dflash
+  and ddtree: one batch of 8 rows, 3 greedy (compared with the reference fixtures: outputs and per-round
+  acceptance lengths) and 5 sampled with temperature / top-k / top-p (compared with one device, same seeds);
+- the compiled HLO of a 2x2 round (row-parallel all-reduces present, nothing vocabulary-sized gathered) and
+  of an 8x1 round and prefill (no collective at all: data parallelism is communication-free);
+- decode.generate(mesh=...) padding a batch of 3 to the data axis; the attention and tree-walk kernels per
+  device under shard_map (the wrappers' splits on 2x2; the Pallas kernels in the Mosaic GPU interpreter on
+  1x1); a checkpoint saved from one sharded layout and restored into another; impossible meshes.
+Single-device checks (mesh parsing, error messages, KV-head replication, the CLI flag) run in-process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(REPO, "tests", "fixtures", "ddtree_reference")
+TARGET, DRAFT = os.path.join(FIXTURES, "target"), os.path.join(FIXTURES, "draft")
+MESHES = ("1x1", "1x2", "2x2", "1x4", "8x1")
+METHODS = ("ar", "dflash", "ddtree")
+BUDGET = 16  # ddtree; every round of the fixtures matches at budgets <= 16
+VOCAB = 256
+# (fixture prompt, temperature, top_k, top_p, seed): rows 0-2 greedy, 3-7 sampled
+ROWS = (
+    (0, 0.0, 0, 1.0, 0),
+    (1, 0.0, 0, 1.0, 0),
+    (2, 0.0, 0, 1.0, 0),
+    (0, 0.9, 0, 1.0, 11),
+    (1, 0.7, 5, 1.0, 12),
+    (2, 1.0, 0, 0.8, 13),
+    (0, 1.3, 20, 0.9, 14),
+    (1, 0.5, 0, 1.0, 15),
+)
+GREEDY = [i for i, r in enumerate(ROWS) if r[1] == 0]
+SAMPLED = [i for i, r in enumerate(ROWS) if r[1] > 0]
+
+
+def _reference_runs():
+    with open(os.path.join(FIXTURES, "generate.json")) as f:
+        return json.load(f)["runs"]
+
+
+# ================================================================================ the 8-device subprocess
+def _script(out_path: str) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    from ddtree_jax import checkpoint, decode, model, sharding, weights
+
+    assert jax.device_count() == 8, jax.devices()
+    devices = jax.devices()
+    runs = _reference_runs()
+    prompts = [r["prompt"] for r in runs]
+    target, drafter = weights.load_target(TARGET), weights.load_draft(DRAFT)
+    report: dict = {"grid": {}, "hlo": {}, "seconds": {}}
+
+    def mesh_of(shape: str):
+        d, m = sharding.parse_mesh(shape)
+        return sharding.make_mesh(shape, devices[: d * m])
+
+    def run(method: str, mesh):
+        """decode.generate's steps with per-row options (greedy and sampled rows in one batch)."""
+        tgt, drf = target, drafter
+        if mesh is not None:
+            tgt = sharding.shard_model(target, mesh)
+            drf = sharding.shard_model(drafter, mesh) if method != "ar" else drafter
+        new = [runs[r[0]]["max_new_tokens"] for r in ROWS]  # each row: its fixture prompt's 40, 64 or 48
+        base = decode.GenerateOptions(method=method, max_new_tokens=max(new), tree_budget=BUDGET)
+        spec = decode.make_spec(tgt[0], drf[0], base, mesh=mesh)
+        rows = [prompts[r[0]] for r in ROWS]
+        lens = [len(p) for p in rows]
+        p_pad, capacity, out_len = decode.layout(spec, lens, max(new))
+        spec = dataclasses.replace(spec, prefill_chunk=min(spec.prefill_chunk, p_pad))
+        opts = [dataclasses.replace(base, temperature=t, top_k=k, top_p=p, seed=s, max_new_tokens=n)
+                for (_, t, k, p, s), n in zip(ROWS, new)]
+        state = sharding.create(
+            functools.partial(decode.init_state, spec, lens, opts, capacity, out_len, jnp.float32), mesh
+        )
+        tokens = np.zeros((len(rows), p_pad), np.int32)
+        for i, p in enumerate(rows):
+            tokens[i, : len(p)] = p
+        tokens = jnp.asarray(tokens) if mesh is None else jax.device_put(tokens, sharding.batch_sharding(mesh, 2))
+        tp, dp = tgt[1], drf[1] if method != "ar" else None
+        rounds = jnp.int32(max(new) + 1)
+        prefill = decode.prefill.lower(spec, tp, dp, state, tokens).compile()
+        step = decode.run_rounds.lower(spec, tp, dp, state, rounds).compile()
+        state = step(tp, dp, prefill(tp, dp, state, tokens), rounds)
+        ends, out = decode.final_length(state), np.asarray(state.out)
+        hist, n = np.asarray(state.accept_hist), np.asarray(state.n_rounds)
+        result = {
+            "outputs": [out[i, : ends[i]].tolist() for i in range(len(rows))],
+            "acceptance": [hist[i, : n[i]].tolist() for i in range(len(rows))],
+            "cache_spec": str(state.cache.k.sharding.spec) if mesh is not None else None,
+        }
+        return result, prefill.as_text(), step.as_text()
+
+    for shape in ("none",) + MESHES:
+        t0 = time.time()
+        mesh = None if shape == "none" else mesh_of(shape)
+        report["grid"][shape] = {}
+        for method in METHODS:
+            result, prefill_hlo, rounds_hlo = run(method, mesh)
+            report["grid"][shape][method] = result
+            if (shape, method) in (("2x2", "ddtree"), ("2x2", "dflash"), ("8x1", "ddtree")):
+                report["hlo"][f"{shape} {method}"] = {
+                    "rounds": sharding.collectives(rounds_hlo),
+                    "prefill": sharding.collectives(prefill_hlo),
+                }
+        report["seconds"][shape] = time.time() - t0
+
+    # decode.generate itself on a mesh: a batch of 3 padded to the data axis of 2x2
+    t0 = time.time()
+    res = decode.generate(target, prompts, decode.GenerateOptions(method="ddtree", max_new_tokens=40,
+                          tree_budget=BUDGET), draft=drafter, mesh=mesh_of("2x2"))
+    report["generate_2x2"] = {"outputs": res.output_ids, "acceptance": res.acceptance_lengths}
+    report["seconds"]["generate"] = time.time() - t0
+
+    # the attention kernel per device under shard_map: the wrapper's specs on 2x2 (a jnp stand-in that records
+    # the per-device shapes), then the Pallas kernel itself in the Mosaic GPU interpreter on a 1x1 mesh (the
+    # interpreter's simulated GPU state is process-global: kernels interpreted on several CPU devices at once
+    # can trip its barrier bookkeeping, so the multi-device kernel run belongs to the GPU machine)
+    t0 = time.time()
+    from jax.sharding import NamedSharding
+
+    from pallas_kernels import tree_attention as tat
+    from pallas_kernels.bench_kernels import attention_inputs
+
+    b, t, h, kv, hd, plens = 2, 3, 4, 2, 64, [5, 13]
+    q, k, v, p, bits = attention_inputs(sum(plens) + t, b, t, h, kv, max(plens) + t + 64, hd, plens, "random")
+    seen = []
+
+    def stand_in(q, k, v, p, bits):
+        seen.append([list(x.shape) for x in (q, k, v, p, bits)])
+        return tat.tree_attention_reference(q, k, v, p, bits)
+
+    def attend(mesh, kernel, q, k, v, p, bits):
+        with sharding.use_mesh(mesh):
+            return sharding.per_device_attention(kernel)(q, k, v, p, bits)
+
+    def place(mesh):
+        heads = NamedSharding(mesh, P("data", None, "model", None))
+        return [jax.device_put(x, heads) for x in (q, k, v)] + [
+            jax.device_put(x, NamedSharding(mesh, P("data"))) for x in (p, bits)]
+
+    q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
+    out = jax.jit(functools.partial(attend, mesh_of("2x2"), stand_in))(*place(mesh_of("2x2")))
+    with sharding.use_mesh(mesh_of("1x1")):
+        kernel = model.attention_fn("pallas-interpret")  # wrapped: the mesh is active
+    pallas = jax.jit(lambda *a: kernel(*a))(*place(mesh_of("1x1")))
+    with jax.default_matmul_precision("highest"):
+        ref = tat.tree_attention_reference(q32, k32, v32, p, bits)
+    xla = tat.tree_attention_reference(q, k, v, p, bits).astype(jnp.float32)
+    # the tree-walk kernel likewise: split on the batch, whole on every model device
+    from ddtree_jax import accept
+    from ddtree_jax.tree import Tree
+    from pallas_kernels import tree_accept as tac
+
+    parents = jnp.asarray([[-1, 0, 0, 1, 2, 3, 3], [-1, 0, 1, 2, 0, 4, 5]], jnp.int32)
+    nodes = jnp.asarray([[5, 7, 8, 9, 3, 4], [5, 6, 7, 8, 9, 1]], jnp.int32)
+    choice = jnp.asarray([[7, 9, 9, 4, 2, 2, 2], [5, 6, 7, 3, 4, 1, 2]], jnp.int32)
+    tree = Tree(nodes, jnp.ones_like(nodes), parents, jnp.zeros((2, 7, 1), jnp.uint32))
+    walked = []
+
+    def walk_stand_in(tokens, parents, choice, *, max_depth, interpret):
+        walked.append([list(x.shape) for x in (tokens, parents, choice)])
+        return tac.tree_accept_reference(tokens, parents, choice, max_depth=max_depth)
+
+    def walk(mesh, impl, kernel=None):
+        if kernel is not None:
+            tac.tree_accept, saved = kernel, tac.tree_accept
+        try:
+            with sharding.use_mesh(mesh):
+                return jax.jit(lambda t, c: accept.walk(t, c, 3, impl=impl))(tree, choice)
+        finally:
+            if kernel is not None:
+                tac.tree_accept = saved
+
+    lists = lambda xs: [np.asarray(x).tolist() for x in xs]  # noqa: E731
+    report["walk"] = {
+        "stand_in": lists(walk(mesh_of("2x2"), "pallas", walk_stand_in)),
+        "pallas_1x1": lists(walk(mesh_of("1x1"), "pallas-interpret")),
+        "reference": lists(accept.walk(tree, choice, 3)),
+    }
+    report["walk"]["stand_in_shapes"] = walked[0]
+    report["pallas"] = {
+        "stand_in_shapes": seen[0],
+        "stand_in_spec": str(out.sharding.spec),
+        "stand_in_same": bool(jnp.array_equal(out, tat.tree_attention_reference(q, k, v, p, bits))),
+        "err": float(jnp.abs(pallas.astype(jnp.float32) - ref).max()),
+        "xla_err": float(jnp.abs(xla - ref).max()),
+    }
+    report["seconds"]["pallas"] = time.time() - t0
+
+    # checkpoints: read the safetensors into 1x2, save from there, restore into 1x4 (KV heads replicated)
+    t0 = time.time()
+    cfg2, p2 = sharding.load_target(TARGET, mesh_of("1x2"))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ckpt")
+        checkpoint.save(path, p2, weights.read_config(TARGET), "target")
+        cfg4, p4 = sharding.load_target(path, mesh_of("1x4"))
+    wk = np.asarray(target[1].layers.wk)
+    report["checkpoint"] = {
+        "wq_spec_1x2": str(p2.layers.wq.sharding.spec),
+        "kv_heads_1x4": cfg4.num_kv_heads,
+        "wk_local_1x4": list(p4.layers.wk.addressable_shards[0].data.shape),
+        "wk_spec_1x4": str(p4.layers.wk.sharding.spec),
+        "wk_repeated": bool(np.array_equal(np.asarray(p4.layers.wk), np.repeat(wk, 2, axis=2))),
+        "wv_repeated": bool(np.array_equal(np.asarray(p4.layers.wv), np.repeat(np.asarray(target[1].layers.wv), 2, 2))),
+        "embed_spec": str(p4.embed.sharding.spec),
+        "lm_head_spec": str(p4.lm_head.sharding.spec),
+        "same_wq": bool(np.array_equal(np.asarray(p4.layers.wq), np.asarray(target[1].layers.wq))),
+    }
+    report["seconds"]["checkpoint"] = time.time() - t0
+
+    errors = {}
+    for name, fn in {
+        "3x3": lambda: sharding.make_mesh("3x3"),
+        "1x8 target": lambda: sharding.shard_model(target, sharding.make_mesh()),
+        "8x1 odd devices": lambda: sharding.make_mesh("8x1", devices[:6]),
+    }.items():
+        try:
+            fn()
+            errors[name] = None
+        except sharding.ShardingError as e:
+            errors[name] = str(e)
+    report["errors"] = errors
+    with open(out_path, "w") as f:
+        json.dump(report, f)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("sharding") / "report.json")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # 8 fake devices; no LLVM optimisation (compile time dominates, the comparisons are within one process)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), out], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    with open(out) as f:
+        return json.load(f)
+
+
+# ================================================================================ multi-device (subprocess)
+@pytest.mark.parametrize("shape", ("none",) + MESHES)
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_rows_match_the_reference(report, shape, method):
+    runs = _reference_runs()
+    got = report["grid"][shape][method]
+    for i in GREEDY:
+        run = runs[ROWS[i][0]]
+        assert got["outputs"][i] == run["ar"], (shape, method, i)
+        if method != "ar":
+            want = run["dflash" if method == "dflash" else "ddtree"]
+            want = want["acceptance_lengths"] if method == "dflash" else want[str(BUDGET)]["acceptance_lengths"]
+            assert got["acceptance"][i] == want, (shape, method, i)
+
+
+@pytest.mark.parametrize("shape", MESHES)
+@pytest.mark.parametrize("method", METHODS)
+def test_mesh_matches_one_device(report, shape, method):
+    """Every row, greedy and sampled (same seeds): the same tokens and the same rounds as one device."""
+    one, got = report["grid"]["none"][method], report["grid"][shape][method]
+    assert got["outputs"] == one["outputs"]
+    assert got["acceptance"] == one["acceptance"]
+
+
+def test_sampled_rows_really_sample(report):
+    runs = _reference_runs()
+    for method in METHODS:
+        outs = report["grid"]["none"][method]["outputs"]
+        differ = [outs[i] != runs[ROWS[i][0]]["ar"] for i in SAMPLED]
+        assert sum(differ) >= len(SAMPLED) - 1, (method, differ)
+        assert all(len(outs[i]) == len(runs[ROWS[i][0]]["ar"]) for i in SAMPLED)
+
+
+def test_cache_layout(report):
+    assert report["grid"]["2x2"]["ddtree"]["cache_spec"] == "P(None, 'data', None, 'model')"
+    assert report["grid"]["8x1"]["ar"]["cache_spec"] == "P(None, 'data')"  # a size-1 model axis is dropped
+
+
+def _vocab_sized(c: dict) -> bool:
+    return any(VOCAB in dims for _, dims in c["shapes"])
+
+
+@pytest.mark.parametrize("method", ["ddtree", "dflash"])
+def test_hlo_of_a_tensor_parallel_round(report, method):
+    """2x2: Megatron all-reduces after the row-parallel matmuls (attention output, MLP down) and the
+    vocabulary-parallel embedding, in the target and the drafter; the tree's top-k and the target's argmax
+    gather a few candidates per shard; nothing vocabulary-sized crosses devices; no data-axis traffic."""
+    rounds = report["hlo"][f"2x2 {method}"]["rounds"]
+    reduce_srcs = [c["source"] for c in rounds if c["op"] == "all-reduce"]
+    for einsum in ("bthk,hkd->btd", "btf,fd->btd"):  # o_proj, down_proj
+        hits = [c for c in rounds if c["op"] == "all-reduce" and c["source"].endswith(einsum + "/dot_general")]
+        assert len(hits) >= 2, (einsum, reduce_srcs)  # target verify + drafter
+        assert all(c["shapes"][0][1][-1] == 64 for c in hits)  # the hidden size: the residual stream
+    assert any("gather" in s for s in reduce_srcs), reduce_srcs  # the embedding lookup
+    bad = [c for c in rounds + report["hlo"][f"2x2 {method}"]["prefill"] if _vocab_sized(c)]
+    assert not bad, bad
+    gathers = [c for c in rounds if c["op"] == "all-gather"]
+    assert gathers and all(max(d[-1] for _, d in c["shapes"]) <= 2 * BUDGET for c in gathers), gathers
+    assert all(c["op"] in ("all-reduce", "all-gather") for c in rounds), rounds
+
+
+def test_hlo_of_a_data_parallel_round_has_no_collectives(report):
+    hlo = report["hlo"]["8x1 ddtree"]
+    assert hlo["rounds"] == [] and hlo["prefill"] == [], hlo
+
+
+def test_generate_pads_the_batch_to_the_data_axis(report):
+    """decode.generate(mesh=2x2) with 3 prompts, 40 new tokens each: the reference's first 40."""
+    runs = _reference_runs()
+    got = report["generate_2x2"]
+    assert got["outputs"] == [r["ar"][: len(r["prompt"]) + 40] for r in runs]
+    for acc, r in zip(got["acceptance"], runs):  # the same rounds until the 40th token
+        ref = r["ddtree"][str(BUDGET)]["acceptance_lengths"]
+        assert acc == ref[: len(acc)] and 1 + sum(acc) >= 40
+
+
+def test_attention_kernel_runs_per_device(report):
+    got = report["pallas"]
+    # per device on 2x2: one sequence, two of the four query heads and one of the two KV heads
+    assert got["stand_in_shapes"] == [[1, 3, 2, 64], [1, 80, 1, 64], [1, 80, 1, 64], [1], [1, 3, 1]]
+    assert got["stand_in_spec"] == "P('data', None, 'model', None)" and got["stand_in_same"]
+    assert got["err"] <= max(2 * got["xla_err"], 1e-2), got  # the Pallas kernel under shard_map (bf16)
+
+
+def test_tree_walk_kernel_runs_per_device(report):
+    got = report["walk"]
+    assert got["stand_in_shapes"] == [[1, 7], [1, 7], [1, 7]]  # one sequence per data shard
+    assert got["stand_in"] == got["reference"] and got["pallas_1x1"] == got["reference"]
+    assert got["reference"][1] == [3, 4]  # paths of 2 and 3 edges: the walk is not trivial
+
+
+def test_checkpoint_restores_into_the_sharded_layout(report):
+    got = report["checkpoint"]
+    assert got["wq_spec_1x2"] == "P(None, None, 'model', None)"
+    assert got["kv_heads_1x4"] == 4 and got["wk_local_1x4"][2] == 1
+    assert got["wk_spec_1x4"] == "P(None, None, 'model', None)"
+    assert got["wk_repeated"] and got["wv_repeated"] and got["same_wq"]
+    assert got["embed_spec"] == "P('model', None)"
+    assert got["lm_head_spec"] == "P(None, 'model')"
+
+
+def test_impossible_meshes_on_eight_devices(report):
+    errors = report["errors"]
+    assert errors["3x3"].startswith("mesh 3x3 needs 9 devices, but 8 are visible")
+    assert errors["1x8 target"] == "mesh 1x8: the target has 4 query heads, not divisible by the model axis (8)"
+    assert "needs 8 devices, but 6 are visible" in errors["8x1 odd devices"]
+
+
+# ================================================================================ single device (in-process)
+def test_parse_mesh():
+    from ddtree_jax import sharding
+
+    assert sharding.parse_mesh("1x8") == (1, 8) and sharding.parse_mesh(" 2X4 ") == (2, 4)
+    for bad in ("8", "2x", "x4", "2by4", "0x8", "1x2x2"):
+        with pytest.raises(sharding.ShardingError, match="mesh"):
+            sharding.parse_mesh(bad)
+
+
+def test_make_mesh_needs_every_given_device():
+    import jax
+
+    from ddtree_jax import sharding
+
+    with pytest.raises(sharding.ShardingError, match=r"^mesh 1x2 needs 2 devices, but 1 is visible"):
+        sharding.make_mesh("1x2", jax.devices()[:1])
+    mesh = sharding.make_mesh(None, jax.devices()[:1])
+    assert dict(mesh.shape) == {"data": 1, "model": 1}
+
+
+def _abstract(d: int, m: int):
+    from jax.sharding import AbstractMesh
+
+    return AbstractMesh((d, m), ("data", "model"))
+
+
+def test_check_model_errors_are_one_line():
+    from ddtree_jax import config, sharding
+
+    cfg = config.model_config(TARGET)  # 4 query heads, 2 KV heads, intermediate 128, vocab 256
+    sharding.check_model(cfg, _abstract(2, 4))  # KV heads replicated: fine
+    cases = [
+        (cfg, (1, 8), "mesh 1x8: the target has 4 query heads, not divisible by the model axis (8)"),
+        (cfg, (1, 3), "mesh 1x3: the target has 4 query heads, not divisible by the model axis (3)"),
+        (dataclasses.replace(cfg, num_heads=12, num_kv_heads=4), (1, 3),
+         "mesh 1x3: the target has 4 KV heads: the model axis (3) must divide them or be a multiple of them"),
+        (dataclasses.replace(cfg, intermediate_size=130), (1, 4),
+         "mesh 1x4: the target has intermediate_size 130, not divisible by the model axis (4)"),
+        (dataclasses.replace(cfg, vocab_size=258), (1, 4),
+         "mesh 1x4: the target has vocab_size 258, not divisible by the model axis (4)"),
+    ]
+    for c, (d, m), msg in cases:
+        with pytest.raises(sharding.ShardingError) as e:
+            sharding.check_model(c, _abstract(d, m))
+        assert str(e.value) == msg
+    dcfg = config.draft_config(DRAFT)
+    with pytest.raises(sharding.ShardingError, match="the drafter has 4 query heads"):
+        sharding.check(_abstract(1, 8), dataclasses.replace(cfg, num_heads=8), dcfg)
+
+
+def test_kv_head_replication_leaves_attention_unchanged():
+    """Repeating every KV head r times (head j -> heads j*r .. j*r+r-1) keeps query head h on a copy of its
+    original KV head, so GQA attention gives the same result with K*r KV heads."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ddtree_jax import config, params, sharding
+    from pallas_kernels import tree_attention as tat
+    from pallas_kernels.bitmask import causal_bits
+
+    cfg = config.model_config(TARGET)
+    assert sharding.kv_copies(cfg, _abstract(1, 4)) == 2 and sharding.kv_copies(cfg, _abstract(1, 2)) == 1
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (2, 5, 8, 16))
+    k, v = (jax.random.normal(kk, (2, 12, 2, 16)) for kk in keys[1:])
+    lens, bits = jnp.asarray([3, 7]), causal_bits(2, 5)
+    ref = tat.tree_attention_reference(q, k, v, lens, bits)
+    for r in (2, 4):
+        rep = functools.partial(jnp.repeat, repeats=r, axis=2)
+        np.testing.assert_allclose(tat.tree_attention_reference(q, rep(k), rep(v), lens, bits), ref, atol=1e-6)
+    layers = params.init_random(params.layer_shapes(cfg, jnp.float32), jax.random.key(1))
+    big = sharding.expand_kv_heads(layers, 2)
+    assert big.wk.shape == (6, 64, 4, 16) and big.wv.shape == (6, 64, 4, 16)
+    np.testing.assert_array_equal(big.wk[:, :, 3], layers.wk[:, :, 1])
+    assert big.wq is layers.wq and big.k_norm is layers.k_norm
+
+
+def test_generate_cli_rejects_bad_meshes(capsys):
+    from ddtree_jax import generate
+
+    for mesh, msg in (("2by4", "error: mesh '2by4': expected DxM"), ("7x9", "error: mesh 7x9 needs 63 devices")):
+        code = generate.main(["--target", TARGET, "--prompt-ids", "1,2,3", "--mesh", mesh])
+        out, err = capsys.readouterr()
+        assert code == 2 and out == "" and msg in err, err
+
+
+def test_no_mesh_is_the_identity():
+    import jax.numpy as jnp
+
+    from ddtree_jax import sharding
+
+    x = jnp.ones((2, 3, 4))
+    assert sharding.active() is None and sharding.constrain(x, ("batch", "seq", "vocab")) is x
+    with sharding.use_mesh(None):
+        assert sharding.active() is None
+    assert sharding.filter_logits(x, jnp.ones(2), jnp.zeros(2, jnp.int32)) is None
+    assert sharding.padded_batch(3, None) == 3
+
+
+if __name__ == "__main__":  # the multi-device subprocess
+    sys.path.insert(0, REPO)
+    _script(sys.argv[1])
