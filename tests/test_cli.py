@@ -66,7 +66,6 @@ def assert_one_line_error(code, out, err, *fragments):
 
 # ---------------------------------------------------------------------------------------- bad inputs
 BAD = {
-    "no_target": (["--prompt", "hi"], ["--target PATH"]),
     "no_prompt": (["--target", TARGET], ["--prompt"]),
     "missing_target": (["--target", "/no/such/model", "--prompt", "hi"], ["/no/such/model"]),
     "target_is_file": (["--target", os.path.join(TARGET, "config.json"), "--prompt", "hi"], ["not a directory"]),
@@ -116,6 +115,16 @@ BAD = {
 def test_bad_input_is_one_line(capsys, name):
     argv, fragments = BAD[name]
     assert_one_line_error(*run_main(capsys, *argv), *fragments)
+
+
+def test_default_pair_offline_is_one_line(capsys, monkeypatch, tmp_path):
+    """No --target runs the default pair; when its first-use download cannot happen: one error line."""
+    monkeypatch.setenv("DDTREE_JAX_CACHE", str(tmp_path))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip finds nothing, as offline
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    code, out, err = run_main(capsys, "--prompt", "hi")
+    assert code != 0 and out == ""
+    assert_one_line_error(code, out, err, "default")
 
 
 def test_prompt_fits_exactly(capsys, monkeypatch):
