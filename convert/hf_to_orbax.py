@@ -71,8 +71,7 @@ def convert(src: str, dst: str, dtype: str = "bfloat16", kind: str = "auto", for
     except ConfigError as e:
         raise weights.WeightsError(f"{src}: {e}") from None
     total = sum(ld.tensor.end - ld.tensor.start for ld in weights.plan_hf(src, kind, cfg))  # validates first
-    tmp = f"{dst.rstrip(os.sep)}.partial-{os.getpid()}"
-    try:
+    with checkpoint.staged(dst) as tmp:
         with tqdm.tqdm(total=total, unit="B", unit_scale=True, desc=f"reading {kind}", file=sys.stderr) as bar:
             params = weights.read_hf(src, kind, cfg, jnp.dtype(dtype), progress=bar.update)
         checkpoint.save(tmp, params, raw, kind)
@@ -80,12 +79,6 @@ def convert(src: str, dst: str, dtype: str = "bfloat16", kind: str = "auto", for
         for name in TOKENIZER_FILES:
             if os.path.isfile(os.path.join(src, name)):
                 shutil.copy2(os.path.join(src, name), os.path.join(tmp, name))
-        if os.path.exists(dst):
-            shutil.rmtree(dst)
-        os.rename(tmp, dst)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
     return kind
 
 

@@ -13,10 +13,12 @@ and asks orbax for each leaf with its sharding, so every device reads only its o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import json
 import os
+import shutil
 from typing import Any, Callable
 
 import jax
@@ -176,3 +178,18 @@ def restore(path: str, shardings=None, dtype=None):
         if got.shape != want.shape:
             raise CheckpointError(f"{params_dir}: {'.'.join(p)} has shape {got.shape}, config says {want.shape}")
     return cfg, jax.tree.unflatten(treedef, leaves)
+
+
+@contextlib.contextmanager
+def staged(dst: str):
+    """Yield a scratch path beside ``dst`` to write a checkpoint into; on success it replaces ``dst`` (so a
+    failed or interrupted write never leaves a half-written ``dst``), and it is removed either way."""
+    tmp = f"{dst.rstrip(os.sep)}.partial-{os.getpid()}"
+    try:
+        yield tmp
+        if os.path.exists(dst):
+            shutil.rmtree(dst)
+        os.rename(tmp, dst)
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)

@@ -414,8 +414,7 @@ def convert(gguf_path: str, dst: str, dtype: str = "float32", force: bool = Fals
     raw = hf_config(reader)
     tok = tokenizer_files(reader)
     total = sum(int(t.n_bytes) for t in reader.tensors)
-    tmp = f"{dst.rstrip(os.sep)}.partial-{os.getpid()}"
-    try:
+    with checkpoint.staged(dst) as tmp:
         with tqdm.tqdm(total=total, unit="B", unit_scale=True, desc="dequantizing", file=sys.stderr,
                        leave=False) as bar:
             params = read_params(reader, raw, np.dtype(dtype), progress=bar.update)
@@ -426,12 +425,6 @@ def convert(gguf_path: str, dst: str, dtype: str = "float32", force: bool = Fals
                 f.write(tok["tokenizer.json"])
             with open(os.path.join(tmp, "tokenizer_config.json"), "w", encoding="utf-8") as f:
                 json.dump(tok["tokenizer_config.json"], f, indent=2, ensure_ascii=False)
-        if os.path.exists(dst):
-            shutil.rmtree(dst)
-        os.rename(tmp, dst)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
     return dst
 
 
