@@ -28,7 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from ddtree_jax import checkpoint
-from ddtree_jax.config import ConfigError, DraftConfig, ModelConfig
+from ddtree_jax.config import ConfigError, DraftConfig, ModelConfig, read_json
 from ddtree_jax.params import DraftParams, TargetParams
 
 SAFETENSORS_DTYPES = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16)}
@@ -277,14 +277,10 @@ def read_config(path: str) -> dict[str, Any]:
     """The raw config.json of a Hugging Face model directory."""
     if not os.path.isdir(path):
         raise WeightsError(f"no such model directory: {path}")
-    file = os.path.join(path, "config.json")
-    if not os.path.isfile(file):
-        raise WeightsError(f"{path}: no config.json")
     try:
-        with open(file) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise WeightsError(f"{file}: unreadable config.json ({e})") from None
+        return read_json(path)
+    except (ConfigError, OSError) as e:
+        raise WeightsError(str(e)) from None
 
 
 def detect_kind(raw: dict[str, Any]) -> str:
