@@ -16,6 +16,9 @@ gets an error; a client that disconnects cancels its request and frees its slot.
 
 Pipeline: parse and range-check the flags -> read the configs and the tokenizer -> load the weights ->
 build the engine -> start uvicorn; the engine compiles in the background (``/health`` is 503 until then).
+``--target random:SHAPE`` (a shape of ``ddtree_jax.bench.SHAPES``) skips the files: the target and its DFlash
+drafter get random weights made on the device (``bench.model_configs`` / ``bench.build_params``), for load
+tests at real shapes; with no tokenizer, only token-id prompts are served.
 HTTP is starlette + uvicorn, server-sent events are sse-starlette, metrics are prometheus_client.
 """
 
@@ -47,6 +50,8 @@ METHODS = ("ar", "dflash", "ddtree")
 DTYPES = ("bfloat16", "float32")
 ATTENTIONS = ("auto", "pallas", "xla")
 MAX_STOP_STRINGS = 16
+RANDOM_PREFIX = "random:"  # --target random:SHAPE
+NO_TOKENIZER_JSON = "the model directory has no tokenizer.json"
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
 _EPILOG = """\
@@ -61,11 +66,21 @@ defaults: temperature 1, top_p 1; max_tokens 16 for /v1/completions (as OpenAI's
   the same whatever else is being decoded (and equals `python -m ddtree_jax.generate` with that --seed).
   A model directory without tokenizer.json takes token-id prompts only and answers with the ids as text.
 
+random weights (load tests at real shapes, nothing to download): --target random:SHAPE, SHAPE one of
+  {shapes}.
+  The target and its DFlash drafter (that shape's, e.g. 5 layers and block 16 for the Qwen3 shapes) get
+  random weights (--dtype, bfloat16 by default) made directly on the device; --draft is not taken. There
+  is no tokenizer: /v1/completions takes token-id prompts only; text prompts and /v1/chat/completions get
+  400. The drafter never agrees with random weights, so dflash/ddtree accept about one token per round:
+  the speeds and latencies are real, the acceptance is not.
+
 examples:
   python -m ddtree_jax.serve --target Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16 --method ddtree \\
       --tree-budget 64 --max-batch 16 --max-len 4096 --port 8000
   curl localhost:8000/v1/completions -d '{"model": "Qwen3-8B", "prompt": "Hello", "max_tokens": 32}'
   python -m ddtree_jax.loadtest --url http://127.0.0.1:8000 --concurrency 1,2,4,8,16,32
+  python -m ddtree_jax.serve --target random:qwen3-8b --method ddtree --tree-budget 64 --max-batch 32
+  python benchmarks/load_bench.py OUT_DIR        # ar, dflash, ddtree servers in turn, each load-tested
 
 Bad flags: one 'error: ...' line on stderr and exit status 2. DDTREE_JAX_DEBUG=1 shows tracebacks.
 """
@@ -228,10 +243,12 @@ def parse_options(body: dict, *, chat: bool) -> Options:
 class Server:
     """The endpoints over one engine. ``model_name`` is what /v1/models lists and requests must name."""
 
-    def __init__(self, engine: engines.Engine, model_name: str, tokenizer: Tokenizer | None):
+    def __init__(self, engine: engines.Engine, model_name: str, tokenizer: Tokenizer | None,
+                 no_tokenizer: str = NO_TOKENIZER_JSON):
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = tokenizer
+        self.no_tokenizer = no_tokenizer  # why there is none, for the 400 of a request that needs one
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ request parsing
@@ -251,8 +268,9 @@ class Server:
 
     def _need_tokenizer(self, what: str) -> Tokenizer:
         if self.tokenizer is None:
-            raise bad_request(f"{what} needs a tokenizer, and the model directory has no tokenizer.json; "
-                              "send the prompt as a list of token ids to /v1/completions", "prompt")
+            raise bad_request(f"{what} needs a tokenizer, and {self.no_tokenizer}; "
+                              "send the prompt as a list of token ids to /v1/completions", "prompt",
+                              "no_tokenizer")
         return self.tokenizer
 
     def _completion_prompts(self, body: dict) -> list[list[int]]:
@@ -485,16 +503,16 @@ def _usage(prompts: list[list[int]], results: list[_Collected]) -> dict[str, int
 
 
 def build_app(engine: engines.Engine, *, model_name: str, tokenizer: Tokenizer | None, start_engine: bool = True,
-              warmup_all: bool = False):
+              warmup_all: bool = False, no_tokenizer: str = NO_TOKENIZER_JSON):
     """The starlette app. With ``start_engine`` the app's lifespan warms up (every prompt bucket with
     ``warmup_all``) and starts the engine in the background (``/health`` is 503 until it is ready) and stops
-    it on shutdown."""
+    it on shutdown. ``no_tokenizer`` says why ``tokenizer`` is None in the 400 of a text prompt."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    server = Server(engine, model_name, tokenizer)
+    server = Server(engine, model_name, tokenizer, no_tokenizer)
 
     async def api_error(request, exc: ApiError):
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
@@ -558,25 +576,49 @@ def parse_mesh(text: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+def _random_shapes() -> dict:
+    """The shapes --target random:SHAPE takes: ddtree_jax.bench.SHAPES (imported here: bench imports no jax
+    at module level, and serve needs it only for random targets and --help)."""
+    from ddtree_jax import bench
+
+    return bench.SHAPES
+
+
+def random_shape(target: str | None) -> str | None:
+    """'random:SHAPE' -> SHAPE (checked against the known shapes); None for a path."""
+    if target is None or not target.startswith(RANDOM_PREFIX):
+        return None
+    name = target[len(RANDOM_PREFIX):]
+    shapes = _random_shapes()
+    if name not in shapes:
+        raise cli.UsageError(f"--target {target}: unknown random shape {name!r} (choose from "
+                             f"{', '.join(RANDOM_PREFIX + k for k in shapes)})")
+    return name
+
+
 def build_parser() -> cli.ArgumentParser:
+    shapes = ", ".join(_random_shapes())
     p = cli.ArgumentParser(
         prog="python -m ddtree_jax.serve",
         description="Serve a Qwen3 / Llama target over an OpenAI-compatible HTTP API (/v1/completions, "
                     "/v1/chat/completions, streaming, /v1/models, /health, /metrics), with continuous "
                     "batching of requests into a fixed number of slots that decode together on device, "
                     "plainly (ar) or with lossless speculative decoding (dflash, ddtree).",
-        epilog=_EPILOG,
+        epilog=_EPILOG.replace("{shapes}", shapes),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     m = p.add_argument_group("models")
     m.add_argument("--target", metavar="PATH", required=True,
                    help="target model: a Hugging Face directory (config.json + *.safetensors, tokenizer.json) "
-                        "or a checkpoint converted with convert/")
+                        "or a checkpoint converted with convert/; or random:SHAPE (SHAPE one of "
+                        f"{shapes}): random weights of that shape and of its DFlash drafter, made on the "
+                        "device, no tokenizer (token-id prompts only; see below)")
     m.add_argument("--draft", metavar="PATH",
-                   help="DFlash drafter directory (z-lab layout); required by --method dflash and ddtree")
+                   help="DFlash drafter directory (z-lab layout); required by --method dflash and ddtree, "
+                        "except with --target random:SHAPE (whose drafter is random too)")
     m.add_argument("--served-model-name", metavar="NAME",
                    help="the model id clients send and /v1/models lists (default: the --target directory's "
-                        "name); any other model id is answered with 400")
+                        "name, or random:SHAPE); any other model id is answered with 400")
     m.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                    help="weights and activations dtype (default: bfloat16, with float32 accumulation and "
                         "softmax); float32 reproduces the reference fixtures exactly")
@@ -584,7 +626,7 @@ def build_parser() -> cli.ArgumentParser:
     g = p.add_argument_group("decoding")
     g.add_argument("--method", choices=METHODS, default=None,
                    help="ar: plain autoregressive; dflash: DFlash chain speculation; ddtree: DDTree draft tree "
-                        "of --tree-budget nodes (default: ddtree with --draft, ar without)")
+                        "of --tree-budget nodes (default: ddtree with --draft or a random target, ar otherwise)")
     g.add_argument("--tree-budget", type=cli.positive_int, default=None, metavar="N",
                    help=f"draft-tree nodes verified per round, --method ddtree only "
                         f"(default: {decode.DEFAULT_TREE_BUDGET})")
@@ -623,7 +665,7 @@ def build_parser() -> cli.ArgumentParser:
 
 @dataclasses.dataclass
 class Plan:
-    target_path: str
+    target_path: str | None  # None for a random target
     draft_path: str | None
     dtype: str
     model_name: str
@@ -635,12 +677,17 @@ class Plan:
     port: int
     log_level: str
     warmup_all: bool = False
+    random_shape: str | None = None  # --target random:SHAPE
 
 
 def plan(args: argparse.Namespace) -> Plan:
     """Check every flag and read configs/tokenizer before any weight is loaded."""
-    method = args.method or ("ddtree" if args.draft else "ar")
-    if method != "ar" and args.draft is None:
+    shape = random_shape(args.target)
+    method = args.method or ("ddtree" if args.draft or shape else "ar")
+    if shape is not None and args.draft is not None:
+        raise cli.UsageError(f"--draft cannot be combined with --target {args.target}: its drafter is random "
+                             f"too (drop --draft)")
+    if method != "ar" and args.draft is None and shape is None:
         raise cli.UsageError(f"--method {method} needs a drafter: pass --draft PATH")
     if method == "ar" and args.draft is not None:
         cli.warn("--draft is ignored with --method ar")
@@ -648,12 +695,19 @@ def plan(args: argparse.Namespace) -> Plan:
         cli.warn(f"--tree-budget is ignored with --method {method}")
     if args.port > 65535:
         raise cli.UsageError(f"--port {args.port} is not a port number (0..65535)")
-    target_path = cli.existing_dir("--target", args.target)
-    draft_path = cli.existing_dir("--draft", args.draft) if method != "ar" else None
-    tcfg = config.model_config(target_path)
-    dcfg = None
-    if draft_path is not None:
-        dcfg = config.draft_config(draft_path)
+    target_path = draft_path = dcfg = None
+    if shape is not None:
+        from ddtree_jax import bench
+
+        tcfg, dcfg = bench.model_configs(bench.SHAPES[shape])
+        dcfg = dcfg if method != "ar" else None
+    else:
+        target_path = cli.existing_dir("--target", args.target)
+        draft_path = cli.existing_dir("--draft", args.draft) if method != "ar" else None
+        tcfg = config.model_config(target_path)
+        if draft_path is not None:
+            dcfg = config.draft_config(draft_path)
+    if dcfg is not None:
         config.check_pair(tcfg, dcfg)
     budget = args.tree_budget if args.tree_budget is not None else decode.DEFAULT_TREE_BUDGET
     block = 1 + {"ar": 0, "dflash": 2 * (dcfg.block_size if dcfg else 0) - 1,
@@ -667,17 +721,17 @@ def plan(args: argparse.Namespace) -> Plan:
                              f"max_position_embeddings={tcfg.max_position_embeddings}; use --max-len {allowed} "
                              f"or less")
     _check_mesh(args.mesh, args.max_batch, tcfg, dcfg)
-    tok = load_tokenizer(target_path)
+    tok = load_tokenizer(target_path) if target_path is not None else None
     eos = tuple(dict.fromkeys((tok.eos_token_ids if tok else ()) + tcfg.eos_token_ids))
     if len(eos) > decode.MAX_STOP_IDS:
         cli.warn(f"the model has {len(eos)} eos ids; only the first {decode.MAX_STOP_IDS} stop generation")
         eos = eos[: decode.MAX_STOP_IDS]
-    name = args.served_model_name or os.path.basename(os.path.normpath(args.target))
+    name = args.served_model_name or (args.target if shape else os.path.basename(os.path.normpath(args.target)))
     ecfg = engines.EngineConfig(method=method, tree_budget=budget, max_batch=args.max_batch, max_len=max_len,
                                 rounds_per_step=args.rounds_per_step, max_queue=args.max_queue,
                                 attention=args.attention)
     return Plan(target_path, draft_path, args.dtype, name, ecfg, args.mesh, tok, eos, args.host, args.port,
-                args.log_level, args.warmup_all)
+                args.log_level, args.warmup_all, shape)
 
 
 def _check_mesh(shape: tuple[int, int], max_batch: int, tcfg, dcfg) -> None:
@@ -700,6 +754,24 @@ def _make_mesh(shape: tuple[int, int]):
     return sharding.make_mesh(shape)
 
 
+def _random_models(p: Plan, dtype):
+    """(target, draft) of random weights of ``p.random_shape``, made on the device (bench.build_params); the
+    draft is None for ar. On a mesh the engine then places them (sharding.shard_model)."""
+    import jax
+
+    from ddtree_jax import bench
+
+    tcfg, dcfg = bench.model_configs(bench.SHAPES[p.random_shape])
+    t0 = time.perf_counter()
+    tparams, dparams = bench.build_params(tcfg, dcfg, dtype)
+    n = [sum(x.size for x in jax.tree.leaves(t)) for t in (tparams, dparams)]
+    count = [f"{x / 1e9:.2f}B" if x >= 1e9 else f"{x / 1e6:.1f}M" for x in n]
+    cli.info(f"built random {p.random_shape} weights ({p.dtype}; target {count[0]}, drafter {count[1]} parameters) "
+             f"on {jax.devices()[0].device_kind} in {time.perf_counter() - t0:.1f}s")
+    draft = (dcfg, dparams) if p.engine_config.method != "ar" else None
+    return (tcfg, tparams), draft
+
+
 def load_engine(p: Plan) -> engines.Engine:
     import jax.numpy as jnp
 
@@ -707,6 +779,10 @@ def load_engine(p: Plan) -> engines.Engine:
 
     dtype = jnp.dtype(p.dtype)
     mesh = _make_mesh(p.mesh)
+    if p.random_shape is not None:
+        target, draft = _random_models(p, dtype)
+        return engines.Engine(target, draft, p.engine_config, tokenizer=None, eos_token_ids=p.eos_token_ids,
+                              mesh=mesh)
     if mesh is None:
         load_target, load_draft = weights.load_target, weights.load_draft
     else:  # each device reads its own part of the weights
@@ -731,7 +807,10 @@ def _main(argv: Sequence[str] | None) -> int:
     p = plan(args)
     logging.basicConfig(level=p.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine = load_engine(p)
-    app = build_app(engine, model_name=p.model_name, tokenizer=p.tokenizer, warmup_all=p.warmup_all)
+    no_tok = (f"the random model ({RANDOM_PREFIX}{p.random_shape}) has no tokenizer" if p.random_shape
+              else NO_TOKENIZER_JSON)
+    app = build_app(engine, model_name=p.model_name, tokenizer=p.tokenizer, warmup_all=p.warmup_all,
+                    no_tokenizer=no_tok)
     import uvicorn
 
     c = p.engine_config

@@ -6,6 +6,8 @@ Three servers start together (their compilation overlaps the CLI runs of the fix
   32 concurrent clients, bad requests, the load test;
 - ``small``: ar, 1 slot x 2048 tokens, a queue of 1: long requests to disconnect from, a full queue;
 - ``meshed``: ar on a 2x2 mesh of 4 (fake) CPU devices, 2 slots: data + tensor parallel serving.
+
+One more starts alone: ``--target random:tiny`` (random weights, no tokenizer).
 """
 
 from __future__ import annotations
@@ -49,13 +51,14 @@ def _free_port() -> int:
 
 
 class Launched:
-    def __init__(self, tmp, name: str, *flags: str, env: dict[str, str] | None = None):
+    def __init__(self, tmp, name: str, *flags: str, env: dict[str, str] | None = None, target: str = TARGET,
+                 dtype: str = "float32"):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"{name}.log"
         self.log = open(self.log_path, "w")
         env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
-        cmd = [sys.executable, "-m", "ddtree_jax.serve", "--target", TARGET, "--dtype", "float32",
+        cmd = [sys.executable, "-m", "ddtree_jax.serve", "--target", target, "--dtype", dtype,
                "--port", str(self.port), "--log-level", "warning", *flags]
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
@@ -475,6 +478,8 @@ def test_cli_bad_flags_are_one_line_errors(capsys, tmp_path):
     _one_line_error(capsys, ["--target", TARGET, "--max-batch", "0"], "--max-batch")
     _one_line_error(capsys, ["--target", TARGET, "--port", "70000"], "port")
     _one_line_error(capsys, ["--draft", DRAFT], "--target")
+    _one_line_error(capsys, ["--target", "random:qwen9"], "unknown random shape 'qwen9'", "random:qwen3-8b")
+    _one_line_error(capsys, ["--target", "random:tiny", "--draft", DRAFT], "drafter is random")
 
 
 def test_cli_help_explains_every_flag(capsys):
@@ -484,4 +489,36 @@ def test_cli_help_explains_every_flag(capsys):
                  "--host", "--port", "--dtype", "--attention", "--max-queue", "--rounds-per-step",
                  "--served-model-name", "--log-level", "--warmup-all"):
         assert re.search(rf"^\s+{flag}\b.*\n?.*\w", out, re.M), flag
+    assert "random:SHAPE" in out and "qwen3-8b" in out
     assert serve.parse_mesh("2x4") == (2, 4)
+
+
+# ------------------------------------------------------------------------------------------------ random weights
+def test_random_target_plan_needs_no_files():
+    p = serve.plan(serve.build_parser().parse_args(["--target", "random:tiny", "--method", "dflash"]))
+    assert (p.random_shape, p.target_path, p.draft_path, p.tokenizer) == ("tiny", None, None, None)
+    assert p.model_name == "random:tiny" and p.engine_config.method == "dflash"
+    assert serve.plan(serve.build_parser().parse_args(["--target", "random:tiny"])).engine_config.method == "ddtree"
+
+
+def test_random_tiny_server_takes_token_ids_and_refuses_text(tmp_path):
+    """--target random:tiny: random bf16 weights (target and drafter) built in the server, no tokenizer."""
+    s = Launched(tmp_path, "random", "--method", "ddtree", "--tree-budget", "4", "--max-batch", "2",
+                 "--max-len", "128", target="random:tiny", dtype="bfloat16")
+    try:
+        s.wait_ready(120)
+        r = httpx.post(f"{s.url}/v1/completions", json={"model": "random:tiny", "prompt": [5, 6, 7], "max_tokens": 6,
+                                                        "temperature": 0, "return_token_ids": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert len(choice["token_ids"]) == 6 and all(0 <= t < 2048 for t in choice["token_ids"])
+        assert choice["text"] == "".join(f"{t} " for t in choice["token_ids"])  # no tokenizer: the ids as text
+        for path, body in (("completions", {"prompt": "hello"}),
+                           ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            r = httpx.post(f"{s.url}/v1/{path}", json=body, timeout=30)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["type"] == "invalid_request_error" and err["code"] == "no_tokenizer"
+            assert "random model (random:tiny) has no tokenizer" in err["message"]
+    finally:
+        assert s.stop() == 0
