@@ -548,8 +548,9 @@ class Bench:
         self.ar_ms: dict = {}
         pb = [(p, b) for p in args.prompts for b in args.batches]
         primary = pb[0]
-        key = [x for x in args.budgets if x in args.key_budgets]
-        rest = [x for x in args.budgets if x not in args.key_budgets]
+        budgets = args.budgets if "ddtree" in args.methods else []
+        key = [x for x in budgets if x in args.key_budgets]
+        rest = [x for x in budgets if x not in args.key_budgets]
         for p, b in pb:  # pass 1: AR, the key budgets, dflash
             extras = (p, b) == primary and shape.name == args.models[0]
             self.item(f"{shape.name} p{p} b{b} ar", self.run_config, p, b, "ar", 0, extras)
@@ -567,12 +568,14 @@ class Bench:
         jax.clear_caches()
 
     def capacity(self, spec_any, batch: int, prompt_len: int):
-        """One cache capacity per (prompt, batch) for every method and budget (as a server would size it):
-        decode.layout for the largest budget asked and 256 new tokens. Attention reads only the prefix."""
+        """One cache capacity per batch for every prompt length, method and budget (as a server would size it):
+        decode.layout for the longest prompt and the largest budget asked, and 256 new tokens. The prompt length
+        is then data, not shape: one compiled program serves every prompt length (with --compile-cache, a
+        second prompt length recompiles nothing). Attention reads only the prefix."""
         from ddtree_jax import decode
 
         big = make_spec(self.ctx["tcfg"], self.ctx["dcfg"], "ddtree", max(self.args.budgets), self.args.attention)
-        _, capacity, out_len = decode.layout(big, [prompt_len] * batch, 256)
+        _, capacity, out_len = decode.layout(big, [max(prompt_len, *self.args.prompts)] * batch, 256)
         return capacity, out_len
 
     def run_config(self, prompt_len: int, batch: int, method: str, budget: int, extras: bool):
@@ -1071,7 +1074,7 @@ def build_parser() -> cli.ArgumentParser:
     m.add_argument("--key-budgets", type=_ints, default=[64, 256],
                    help="budgets run first for every prompt/batch (the rest come after) (default: 64,256)")
     m.add_argument("--methods", type=_names, default=["ar", "dflash", "ddtree"],
-                   help="methods; ar always runs (the ratios need it) (default: ar,dflash,ddtree)")
+                   help="methods; ar always runs (the ratios need it); ddtree runs --budgets (default: ar,dflash,ddtree)")
     m.add_argument("--rounds", type=int, default=10, help="rounds per timed run_rounds call (default: 10)")
     m.add_argument("--repeats", type=int, default=3, help="timed repeats; the median is kept (default: 3)")
     m.add_argument("--stage-iters", type=int, default=10,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 from typing import Callable
 
@@ -401,11 +402,20 @@ def init_state(spec: Spec, prompt_lens, options_per_seq, capacity: int, out_len:
 # ----------------------------------------------------------------------------------------- host API
 
 
-def device_layout(params, backend: str | None = None):
+LAYOUTS = ("auto", "stacked", "unstacked")
+
+
+def device_layout(params, backend: str | None = None, layout: str | None = None):
     """Per-layer weights (``params.unstack_layers``) on GPU, stacked elsewhere. Same math: on GPU the
     stacked layout under ``lax.scan`` makes XLA copy every layer's weights each step (measured 2.8x the
-    AR roofline on an H200, 1.4x unstacked); the unrolled loop costs a longer compile, which CPU avoids."""
-    if params is None or (backend or jax.default_backend()) != "gpu":
+    AR roofline on an H200, 1.4x unstacked); the unrolled loop costs a longer compile, which CPU avoids.
+    ``layout`` (default: the ``DDTREE_JAX_LAYOUT`` environment variable, else "auto") forces either."""
+    layout = layout or os.environ.get("DDTREE_JAX_LAYOUT", "auto")
+    if layout not in LAYOUTS:
+        raise ValueError(f"DDTREE_JAX_LAYOUT must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+    if params is None or layout == "stacked":
+        return params
+    if layout == "auto" and (backend or jax.default_backend()) != "gpu":
         return params
     return unstack_layers(params)
 

@@ -140,3 +140,15 @@ def test_unstacked_layout_gives_the_same_rounds(target, drafter, reference_runs)
     assert res.output_ids[0] == ref["output"] and res.acceptance_lengths[0] == ref["acceptance_lengths"]
     assert decode.device_layout(tp, backend="gpu").layers.__class__ is tuple
     assert decode.device_layout(tp, backend="cpu") is tp
+
+
+def test_layout_can_be_forced(target, monkeypatch):
+    """DDTREE_JAX_LAYOUT (or layout=) overrides the per-backend choice; a bad value is a clear error."""
+    _, tp = target
+    assert decode.device_layout(tp, backend="gpu", layout="stacked") is tp
+    assert decode.device_layout(tp, backend="cpu", layout="unstacked").layers.__class__ is tuple
+    monkeypatch.setenv("DDTREE_JAX_LAYOUT", "stacked")
+    assert decode.device_layout(tp, backend="gpu") is tp
+    monkeypatch.setenv("DDTREE_JAX_LAYOUT", "rolled")
+    with pytest.raises(ValueError, match="DDTREE_JAX_LAYOUT must be one of"):
+        decode.device_layout(tp)
