@@ -154,7 +154,7 @@ def int_list(text: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
     if any(v < 0 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r} has a negative token id")
+        raise argparse.ArgumentTypeError(f"{text!r} has a negative number")
     return values
 
 

@@ -563,6 +563,21 @@ def insert(batch: State, slot: Array, one: State) -> State:
     return jax.tree.map_with_path(put, batch, one)
 
 
+def take_rows(state: State, rows: Array) -> State:
+    """The sequences ``rows`` [n] of a batch state, as a batch of n."""
+    return jax.tree.map_with_path(lambda p, x: jnp.take(x, rows, axis=_batch_axis(p)), state)
+
+
+def put_rows(state: State, rows: Array, sub: State) -> State:
+    """``state`` with its sequences ``rows`` [n] (distinct) replaced by the batch of n ``sub``."""
+
+    def put(path, big, small):
+        index = (slice(None),) * _batch_axis(path) + (rows,)
+        return big.at[index].set(small.astype(big.dtype), unique_indices=True)
+
+    return jax.tree.map_with_path(put, state, sub)
+
+
 def empty_slots(spec: Spec, batch: int, capacity: int, out_len: int, dtype) -> State:
     """A batch state whose every slot is done (free): the engine's starting point for serving."""
     state = init_state(spec, [1] * batch, [GenerateOptions(max_new_tokens=1)] * batch, capacity, out_len, dtype)

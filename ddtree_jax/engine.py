@@ -82,6 +82,10 @@ class EngineConfig:
     rounds_per_step: int = 4  # rounds per device call: streaming granularity vs. host round trips
     max_queue: int = 256  # requests that may wait while every slot is busy; more get QueueFull
     attention: str = "auto"
+    # smaller slot batches, each compiled besides max_batch: a step runs the smallest one that holds the live
+    # requests (gathered from and scattered back into the slot batch), so a ddtree verify with few live
+    # requests does not pay for max_batch x (budget + 1) tokens
+    batch_buckets: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +181,13 @@ def step(spec: decode.Spec, target, drafter, state: decode.State, starts: Array,
         new_rounds=state.n_rounds - rounds0,
     )
     return state, snap
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=(3,))
+def step_rows(spec: decode.Spec, target, drafter, state: decode.State, rows: Array, starts: Array, rounds: int):
+    """:func:`step` on the slots ``rows`` [n] (distinct) alone: the Snapshot is theirs, in ``rows``' order."""
+    sub, snap = step(spec, target, drafter, decode.take_rows(state, rows), starts, rounds)
+    return decode.put_rows(state, rows, sub), snap
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -320,6 +331,12 @@ class Engine:
             raise ValueError("max_batch and rounds_per_step must be at least 1, max_queue at least 0")
         if config.max_len < 2:
             raise ValueError(f"max_len must be at least 2, got {config.max_len}")
+        if any(not 1 <= b < config.max_batch for b in config.batch_buckets):
+            raise ValueError(f"batch buckets must be between 1 and max_batch - 1 ({config.max_batch - 1}), "
+                             f"got {list(config.batch_buckets)}")
+        if config.batch_buckets and sharding.padded_batch(1, mesh) != 1:
+            raise ValueError("batch buckets need a mesh without a data axis (Dx M with D = 1)")
+        self.sizes = sorted(set(config.batch_buckets) | {config.max_batch})  # slot batches a step may run
         options = decode.GenerateOptions(method=config.method, max_new_tokens=config.max_len,
                                          tree_budget=config.tree_budget, attention=config.attention)
         self.spec = decode.make_spec(self.tcfg, dcfg, options, mesh=mesh)
@@ -344,6 +361,7 @@ class Engine:
         # copies: init_state shares one buffer between n_out and prompt_len, and step donates both
         self.state = jax.tree.map(jnp.copy, sharding.create(empty, mesh))
         self.slots: list[Job | None] = [None] * b
+        self.step_sizes: collections.Counter[int] = collections.Counter()  # steps run per slot-batch size
         self._ended: list[int] = []  # slots of jobs that ended since the last device update
         self.waiting: collections.deque[Job] = collections.deque()
         self._cancels: set[str] = set()
@@ -486,7 +504,8 @@ class Engine:
             job = Job(id="warmup", prompt_ids=[0] * n, params=SamplingParams(max_tokens=1), sink=lambda ev: None,
                       stop_ids=(), seed=0)
             self._prefill_into(job, 0)
-            self._step(record=False)
+            for size in self.sizes:
+                self._step(record=False, size=size)
             self.slots[0] = None
         log.info("engine warm in %.1fs", time.perf_counter() - t0)
 
@@ -581,12 +600,26 @@ class Engine:
             job.decoder = self.tokenizer.incremental_decoder()
         self.slots[slot] = job
 
-    def _step(self, record: bool = True):
+    def _step(self, record: bool = True, size: int | None = None):
+        """Run ``rounds_per_step`` rounds on the smallest slot batch in ``self.sizes`` that holds the live slots
+        (or on ``size``); return (starts [B], Snapshot [B]) for every slot."""
         starts = np.array([j.emitted if j is not None else 0 for j in self.slots], np.int32)
+        live = [s for s, j in enumerate(self.slots) if j is not None]
+        size = size or next(n for n in self.sizes if n >= len(live))
         t0 = time.perf_counter()
-        self.state, snap = step(self.spec, self.tparams, self.dparams, self.state, jnp.asarray(starts),
-                                self.config.rounds_per_step)
-        snap = jax.device_get(snap)
+        if size == len(self.slots):
+            self.state, snap = step(self.spec, self.tparams, self.dparams, self.state, jnp.asarray(starts),
+                                    self.config.rounds_per_step)
+            snap = jax.device_get(snap)
+        else:  # the live slots, padded with free ones (distinct rows: the scatter back stays exact)
+            rows = np.array((live + [s for s, j in enumerate(self.slots) if j is None])[:size], np.int32)
+            self.state, part = step_rows(self.spec, self.tparams, self.dparams, self.state, jnp.asarray(rows),
+                                         jnp.asarray(starts[rows]), self.config.rounds_per_step)
+            part = jax.device_get(part)
+            snap = jax.tree.map(lambda x: np.zeros((len(self.slots),) + x.shape[1:], x.dtype), part)
+            for full, x in zip(jax.tree.leaves(snap), jax.tree.leaves(part)):
+                full[rows] = x
+        self.step_sizes[size] += 1
         elapsed = time.perf_counter() - t0
         if not record:
             return starts, snap

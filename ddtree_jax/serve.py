@@ -650,6 +650,11 @@ def build_parser() -> cli.ArgumentParser:
     b.add_argument("--rounds-per-step", type=cli.positive_int, default=4, metavar="K",
                    help="rounds per device call between host visits: new tokens stream, requests join and "
                         "finished slots free every K rounds (default: 4)")
+    b.add_argument("--batch-buckets", type=cli.int_list, default=(), metavar="N,N,...",
+                   help="smaller slot batches compiled besides --max-batch, e.g. 1,4,16: each step runs the "
+                        "smallest that holds the live requests, so few requests do not pay for a full "
+                        "batch (a ddtree verify runs slots x (budget + 1) tokens); each size is one more "
+                        "compilation at start-up; not with a data axis in --mesh (default: none)")
     b.add_argument("--warmup-all", action="store_true",
                    help="compile the prefill of every prompt-length bucket (64, 128, 256, ... up to --max-len) "
                         "before /health turns 200; by default only the shortest is, and a longer bucket "
@@ -721,6 +726,12 @@ def plan(args: argparse.Namespace) -> Plan:
                              f"max_position_embeddings={tcfg.max_position_embeddings}; use --max-len {allowed} "
                              f"or less")
     _check_mesh(args.mesh, args.max_batch, tcfg, dcfg)
+    buckets = tuple(sorted(set(args.batch_buckets)))
+    if any(not 1 <= n < args.max_batch for n in buckets):
+        raise cli.UsageError(f"--batch-buckets must be between 1 and --max-batch - 1 ({args.max_batch - 1}), "
+                             f"got {','.join(map(str, buckets))}")
+    if buckets and args.mesh[0] != 1:
+        raise cli.UsageError("--batch-buckets needs a --mesh without a data axis (1xM)")
     tok = load_tokenizer(target_path) if target_path is not None else None
     eos = tuple(dict.fromkeys((tok.eos_token_ids if tok else ()) + tcfg.eos_token_ids))
     if len(eos) > decode.MAX_STOP_IDS:
@@ -729,7 +740,7 @@ def plan(args: argparse.Namespace) -> Plan:
     name = args.served_model_name or (args.target if shape else os.path.basename(os.path.normpath(args.target)))
     ecfg = engines.EngineConfig(method=method, tree_budget=budget, max_batch=args.max_batch, max_len=max_len,
                                 rounds_per_step=args.rounds_per_step, max_queue=args.max_queue,
-                                attention=args.attention)
+                                attention=args.attention, batch_buckets=buckets)
     return Plan(target_path, draft_path, args.dtype, name, ecfg, args.mesh, tok, eos, args.host, args.port,
                 args.log_level, args.warmup_all, shape)
 

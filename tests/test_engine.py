@@ -245,3 +245,33 @@ def test_stop_answers_every_pending_request(target, drafter, engine, reference_r
     assert any(f.finish_reason == "error" and "shutting down" in f.error for f in finals)
     with pytest.raises(engines.EngineClosed):
         eng.submit([1, 2], greedy(2), print)
+
+
+def test_batch_buckets_run_only_the_live_slots(target, drafter, tokenizer, reference_runs):
+    """With batch buckets a step runs the smallest slot batch holding the live requests (gathered out of the
+    slot batch and scattered back): greedy outputs still equal the reference, alone and batched, a seeded
+    sample is the same in a bucket of 1 and in the full batch, and every size ran."""
+    cfg = engines.EngineConfig(method="ddtree", tree_budget=4, max_batch=4, max_len=MAX_LEN, rounds_per_step=2,
+                               batch_buckets=(1, 2))
+    eng = engines.Engine(target, drafter, cfg, tokenizer=tokenizer).start()
+    try:
+        assert eng.sizes == [1, 2, 4]
+        warm = dict(eng.step_sizes)
+        run = reference_runs[0]
+        n = len(run["prompt"])
+        res = eng.generate(run["prompt"], greedy(run["max_new_tokens"]), timeout=120)
+        assert res.token_ids == run["ar"][n:]
+        params = engines.SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=7)
+        alone = eng.generate(reference_runs[1]["prompt"], params, timeout=120)
+        reqs = [(r["prompt"], greedy(min(4 + 5 * i, r["max_new_tokens"]))) for i, r in enumerate(reference_runs * 2)]
+        results = run_concurrently(eng, reqs + [(reference_runs[1]["prompt"], params)])
+        for (prompt, p), got in zip(reqs, results):
+            ref = next(r["ar"] for r in reference_runs if r["prompt"] == prompt)
+            assert got.token_ids == ref[len(prompt): len(prompt) + p.max_tokens]
+        assert results[-1].token_ids == alone.token_ids
+        used = {k: v - warm.get(k, 0) for k, v in eng.step_sizes.items()}
+        assert used[1] > 0 and used[4] > 0, used
+    finally:
+        eng.stop()
+    with pytest.raises(ValueError, match="batch buckets must be between 1 and max_batch - 1"):
+        engines.Engine(target, drafter, dataclasses.replace(cfg, batch_buckets=(4,)))

@@ -480,6 +480,8 @@ def test_cli_bad_flags_are_one_line_errors(capsys, tmp_path):
     _one_line_error(capsys, ["--draft", DRAFT], "--target")
     _one_line_error(capsys, ["--target", "random:qwen9"], "unknown random shape 'qwen9'", "random:qwen3-8b")
     _one_line_error(capsys, ["--target", "random:tiny", "--draft", DRAFT], "drafter is random")
+    _one_line_error(capsys, ["--target", TARGET, "--max-batch", "4", "--batch-buckets", "2,4"], "--batch-buckets")
+    _one_line_error(capsys, ["--target", TARGET, "--batch-buckets", "0"], "--batch-buckets")
 
 
 def test_cli_help_explains_every_flag(capsys):
@@ -487,7 +489,7 @@ def test_cli_help_explains_every_flag(capsys):
     out = capsys.readouterr().out
     for flag in ("--target", "--draft", "--method", "--tree-budget", "--mesh", "--max-batch", "--max-len",
                  "--host", "--port", "--dtype", "--attention", "--max-queue", "--rounds-per-step",
-                 "--served-model-name", "--log-level", "--warmup-all"):
+                 "--served-model-name", "--log-level", "--warmup-all", "--batch-buckets"):
         assert re.search(rf"^\s+{flag}\b.*\n?.*\w", out, re.M), flag
     assert "random:SHAPE" in out and "qwen3-8b" in out
     assert serve.parse_mesh("2x4") == (2, 4)
@@ -498,6 +500,8 @@ def test_random_target_plan_needs_no_files():
     p = serve.plan(serve.build_parser().parse_args(["--target", "random:tiny", "--method", "dflash"]))
     assert (p.random_shape, p.target_path, p.draft_path, p.tokenizer) == ("tiny", None, None, None)
     assert p.model_name == "random:tiny" and p.engine_config.method == "dflash"
+    p = serve.plan(serve.build_parser().parse_args(["--target", "random:tiny", "--batch-buckets", "4,1,4"]))
+    assert p.engine_config.batch_buckets == (1, 4)
     assert serve.plan(serve.build_parser().parse_args(["--target", "random:tiny"])).engine_config.method == "ddtree"
 
 
