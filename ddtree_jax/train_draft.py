@@ -65,6 +65,42 @@ def corpus_passages(min_chars: int = 200, max_chars: int = 700) -> list[tuple[st
     return out
 
 
+def stdlib_passages(min_chars: int = 200, max_chars: int = 700) -> list[tuple[str, str]]:
+    """(topic, passage) pairs from the Python standard library's own source (PSF licence, offline): every
+    function and class of 200-700 characters, and docstrings of that size, parsed with ``ast``; the topic is
+    ``stdlib:<module>`` (tests, ``idlelib``, ``lib2to3`` and ``site-packages`` are skipped)."""
+    import ast
+    import sysconfig
+
+    root = sysconfig.get_paths()["stdlib"]
+    skip = {"test", "tests", "idlelib", "lib2to3", "site-packages", "__pycache__", "turtledemo"}
+    out = []
+    for dirpath, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in skip and not d.startswith("."))
+        for fn in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(dirpath, fn)
+            module = os.path.relpath(path, root)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+            try:
+                with open(path, encoding="utf-8") as f:
+                    source = f.read()
+                tree = ast.parse(source)
+            except (SyntaxError, UnicodeDecodeError, ValueError):
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    seg = ast.get_source_segment(source, node) or ""
+                    if min_chars <= len(seg) <= max_chars:
+                        out.append((f"stdlib:{module}", seg))
+                if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    doc = ast.get_docstring(node) or ""
+                    if len(doc) >= min_chars:
+                        out.append((f"stdlib:{module}", doc[:max_chars]))
+    return sorted(set(out))
+
+
+CORPORA = {"pydoc": corpus_passages, "stdlib": stdlib_passages}
+
+
 TEMPLATES = (
     "Explain the following passage from the Python documentation in simple terms.\n\n{text}",
     "Summarize this text in a few sentences.\n\n{text}",
@@ -77,17 +113,26 @@ QUESTIONS = (
     "How does {topic} work in Python? Give an example.",
     "Explain {topic} to a new programmer.",
 )
+CODE_TEMPLATES = (
+    "Explain what this Python code from the standard library does.\n\n```python\n{text}\n```",
+    "Write a short usage example for this Python code.\n\n```python\n{text}\n```",
+    "Summarize this Python code in a few sentences.\n\n```python\n{text}\n```",
+    "```python\n{text}\n```\n\nRewrite this code with comments for a beginner.",
+)
 
 
-def make_prompts(tokenizer, max_prompt_tokens: int, seed: int = 0, per_passage: int = 1
-                 ) -> tuple[list[list[int]], list[list[int]]]:
+def make_prompts(tokenizer, max_prompt_tokens: int, seed: int = 0, per_passage: int = 1,
+                 corpora: Sequence[str] = ("pydoc",)) -> tuple[list[list[int]], list[list[int]]]:
     """(train prompts, held-out prompts) as token ids: chat requests when the tokenizer has a chat template
     (plus a share of plain continuations), plain text otherwise; ``per_passage`` draws of a request kind per
-    passage (duplicates dropped). Held out: every HELD_OUT_EVERY-th topic."""
+    passage (duplicates dropped). Held out: every HELD_OUT_EVERY-th topic of each corpus (``CORPORA``)."""
     rng = np.random.default_rng(seed)
-    passages = corpus_passages()
-    topics = sorted({t for t, _ in passages})
-    held = {t for i, t in enumerate(topics) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1}
+    passages, held = [], set()
+    for name in corpora:
+        ps = CORPORA[name]()
+        topics = sorted({t for t, _ in ps})
+        held |= {t for i, t in enumerate(topics) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1}
+        passages += ps
     chat = tokenizer.has_chat_template
     train, test, seen = [], [], set()
     for topic, text in (pt for pt in passages for _ in range(per_passage)):
@@ -95,10 +140,13 @@ def make_prompts(tokenizer, max_prompt_tokens: int, seed: int = 0, per_passage: 
         msg = None
         if chat:
             kind = rng.integers(0, 10)
+            code = topic.startswith("stdlib:")
             if kind < 6:
-                msg = TEMPLATES[rng.integers(len(TEMPLATES))].format(text=text)
+                msg = (CODE_TEMPLATES if code else TEMPLATES)[rng.integers(len(CODE_TEMPLATES if code else TEMPLATES))
+                                                              ].format(text=text)
             elif kind < 8:
-                msg = QUESTIONS[rng.integers(len(QUESTIONS))].format(topic=words)
+                msg = QUESTIONS[rng.integers(len(QUESTIONS))].format(topic=words.removeprefix("stdlib:") + (
+                    " module" if code else ""))
             ids = (tokenizer.encode_chat([{"role": "user", "content": msg}]) if msg is not None
                    else tokenizer.encode(text, add_special_tokens=False))
         else:
@@ -646,6 +694,10 @@ def build_parser() -> cli.ArgumentParser:
                    help="default: the tokenizer's last control token, else the last vocabulary id")
     d = p.add_argument_group("data")
     d.add_argument("--num-prompts", type=cli.positive_int, default=512)
+    d.add_argument("--corpus", type=_corpora, default=("pydoc",), metavar="NAME,...",
+                   help="offline text the prompts come from: pydoc (the language reference topics shipped with "
+                        "CPython), stdlib (functions, classes and docstrings of the installed standard library), "
+                        "or both, comma-separated (default: pydoc)")
     d.add_argument("--prompts-per-passage", type=cli.positive_int, default=1,
                    help="requests drawn per documentation passage (more, different prompts; default: 1)")
     d.add_argument("--max-prompt-tokens", type=cli.positive_int, default=320)
@@ -674,6 +726,15 @@ def build_parser() -> cli.ArgumentParser:
     e.add_argument("--bench-prompts", type=cli.positive_int, default=4)
     e.add_argument("--bench-tokens", type=cli.positive_int, default=64)
     return p
+
+
+def _corpora(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    bad = [n for n in names if n not in CORPORA]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"unknown corpus {', '.join(bad) or repr(text)} "
+                                         f"(choose from {', '.join(CORPORA)})")
+    return names
 
 
 def default_layer_ids(num_layers: int, n: int = 4) -> tuple[int, ...]:
@@ -719,7 +780,8 @@ def _main(argv: Sequence[str] | None) -> int:
 
     stop = tuple(dict.fromkeys((tok.eos_token_ids if tok else ()) + tcfg.eos_token_ids))
     if tok is not None:
-        train_prompts, test_prompts = make_prompts(tok, args.max_prompt_tokens, args.seed, args.prompts_per_passage)
+        train_prompts, test_prompts = make_prompts(tok, args.max_prompt_tokens, args.seed, args.prompts_per_passage,
+                                                   args.corpus)
     else:
         train_prompts, test_prompts = make_prompts_without_tokenizer(tcfg.vocab_size, args.num_prompts + 8, 24,
                                                                      args.seed)

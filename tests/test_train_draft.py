@@ -131,3 +131,33 @@ def test_cli_end_to_end(tmp_path):
     assert td.main(argv) == 0
     assert os.path.isfile(os.path.join(out, "drafter", "model.safetensors"))
     assert td.main(["--target", "/no/such/dir", "--out", out]) == 2
+
+
+class _BytesTokenizer:
+    """A stand-in tokenizer (UTF-8 bytes, no chat template) for the prompt builders."""
+
+    has_chat_template = False
+
+    def encode(self, text, add_special_tokens=False):
+        return list(text.encode())
+
+
+def test_prompt_corpora_hold_out_whole_topics():
+    """pydoc and stdlib prompts: every 8th topic of each corpus is held out whole, the two sets never share
+    a prompt, stdlib adds thousands of passages, and an unknown corpus is a clear argparse error."""
+    tok = _BytesTokenizer()
+    passages = td.stdlib_passages()
+    modules = sorted({t for t, _ in passages})
+    assert len(passages) > 3000 and len(modules) > 200 and all(t.startswith("stdlib:") for t in modules)
+    assert all(200 <= len(p) <= 700 for _, p in passages)
+    train, test = td.make_prompts(tok, 10_000, corpora=("stdlib",))
+    assert len(train) > 2000 and len(test) > 200
+    assert not {tuple(p) for p in train} & {tuple(p) for p in test}
+    held = {modules[i] for i in range(td.HELD_OUT_EVERY - 1, len(modules), td.HELD_OUT_EVERY)}
+    held_heads = {p.encode()[:64] for t, p in passages if t in held}
+    assert {bytes(p) for p in test} <= held_heads  # without a chat template a prompt is a passage's opening
+    both, _ = td.make_prompts(tok, 10_000, corpora=("pydoc", "stdlib"))
+    alone, _ = td.make_prompts(tok, 10_000, corpora=("pydoc",))
+    assert len(both) > len(train) + len(alone) // 2
+    with pytest.raises(Exception, match="unknown corpus wiki"):
+        td._corpora("pydoc,wiki")
