@@ -11,7 +11,7 @@ import json
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax import bench, decode
+from ddtree_jax import decode, shapes
 
 
 def main():
@@ -20,8 +20,8 @@ def main():
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--budget", type=int, default=16)
     a = p.parse_args()
-    tcfg, dcfg = bench.model_configs(bench.SHAPES["tiny"])
-    tp, dp = bench.build_params(tcfg, dcfg, jnp.bfloat16)
+    tcfg, dcfg = shapes.model_configs(shapes.SHAPES["tiny"])
+    tp, dp = shapes.build_params(tcfg, dcfg, jnp.bfloat16)
     tp = jax.tree.map(lambda x: x * 4 if x.ndim == 2 and x.shape[-1] == tcfg.vocab_size else x, tp)  # sharper
     prompts = [[(7 * i + 3) % tcfg.vocab_size for i in range(n)] for n in (5, 37, 130)]
     out = {}

@@ -335,7 +335,7 @@ class Engine:
             raise ValueError(f"batch buckets must be between 1 and max_batch - 1 ({config.max_batch - 1}), "
                              f"got {list(config.batch_buckets)}")
         if config.batch_buckets and sharding.padded_batch(1, mesh) != 1:
-            raise ValueError("batch buckets need a mesh without a data axis (Dx M with D = 1)")
+            raise ValueError("batch buckets need a mesh without a data axis (DxM with D = 1)")
         self.sizes = sorted(set(config.batch_buckets) | {config.max_batch})  # slot batches a step may run
         options = decode.GenerateOptions(method=config.method, max_new_tokens=config.max_len,
                                          tree_budget=config.tree_budget, attention=config.attention)

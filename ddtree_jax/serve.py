@@ -16,8 +16,8 @@ gets an error; a client that disconnects cancels its request and frees its slot.
 
 Pipeline: parse and range-check the flags -> read the configs and the tokenizer -> load the weights ->
 build the engine -> start uvicorn; the engine compiles in the background (``/health`` is 503 until then).
-``--target random:SHAPE`` (a shape of ``ddtree_jax.bench.SHAPES``) skips the files: the target and its DFlash
-drafter get random weights made on the device (``bench.model_configs`` / ``bench.build_params``), for load
+``--target random:SHAPE`` (a shape of ``ddtree_jax.shapes.SHAPES``) skips the files: the target and its DFlash
+drafter get random weights made on the device (``shapes.model_configs`` / ``shapes.build_params``), for load
 tests at real shapes; with no tokenizer, only token-id prompts are served.
 HTTP is starlette + uvicorn, server-sent events are sse-starlette, metrics are prometheus_client.
 """
@@ -577,11 +577,10 @@ def parse_mesh(text: str) -> tuple[int, int]:
 
 
 def _random_shapes() -> dict:
-    """The shapes --target random:SHAPE takes: ddtree_jax.bench.SHAPES (imported here: bench imports no jax
-    at module level, and serve needs it only for random targets and --help)."""
-    from ddtree_jax import bench
+    """The shapes --target random:SHAPE takes: ddtree_jax.shapes.SHAPES."""
+    from ddtree_jax import shapes
 
-    return bench.SHAPES
+    return shapes.SHAPES
 
 
 def random_shape(target: str | None) -> str | None:
@@ -702,9 +701,9 @@ def plan(args: argparse.Namespace) -> Plan:
         raise cli.UsageError(f"--port {args.port} is not a port number (0..65535)")
     target_path = draft_path = dcfg = None
     if shape is not None:
-        from ddtree_jax import bench
+        from ddtree_jax import shapes
 
-        tcfg, dcfg = bench.model_configs(bench.SHAPES[shape])
+        tcfg, dcfg = shapes.model_configs(shapes.SHAPES[shape])
         dcfg = dcfg if method != "ar" else None
     else:
         target_path = cli.existing_dir("--target", args.target)
@@ -766,15 +765,15 @@ def _make_mesh(shape: tuple[int, int]):
 
 
 def _random_models(p: Plan, dtype):
-    """(target, draft) of random weights of ``p.random_shape``, made on the device (bench.build_params); the
+    """(target, draft) of random weights of ``p.random_shape``, made on the device (shapes.build_params); the
     draft is None for ar. On a mesh the engine then places them (sharding.shard_model)."""
     import jax
 
-    from ddtree_jax import bench
+    from ddtree_jax import shapes
 
-    tcfg, dcfg = bench.model_configs(bench.SHAPES[p.random_shape])
+    tcfg, dcfg = shapes.model_configs(shapes.SHAPES[p.random_shape])
     t0 = time.perf_counter()
-    tparams, dparams = bench.build_params(tcfg, dcfg, dtype)
+    tparams, dparams = shapes.build_params(tcfg, dcfg, dtype)
     n = [sum(x.size for x in jax.tree.leaves(t)) for t in (tparams, dparams)]
     count = [f"{x / 1e9:.2f}B" if x >= 1e9 else f"{x / 1e6:.1f}M" for x in n]
     cli.info(f"built random {p.random_shape} weights ({p.dtype}; target {count[0]}, drafter {count[1]} parameters) "
