@@ -230,3 +230,26 @@ def test_root_only_tree():
     np.testing.assert_array_equal(tree.parents, -np.ones((4, 1)))
     assert tree.bits.shape == (4, 1, 1) and tree.bits.dtype == jnp.uint32
     assert np.asarray(unpack_bits(tree.bits, 1)).all()
+
+
+@pytest.mark.parametrize("m,max_depth", [(1, 0), (2, 1), (17, 3), (40, 15), (70, 33)])
+def test_ancestor_bits_match_walking_up_the_parents(m, max_depth):
+    """Pointer doubling gives exactly the ancestor-or-self sets of random trees (parents before children,
+    deepest node at max_depth), over one and several 32-bit words."""
+    rng = np.random.default_rng(m)
+    parents = np.full((3, m), -1, np.int32)
+    depth = np.zeros((3, m), int)
+    for b in range(3):
+        for i in range(1, m):
+            choices = [j for j in range(i) if depth[b, j] < max_depth]
+            parents[b, i] = rng.choice(choices)
+            depth[b, i] = depth[b, parents[b, i]] + 1
+    want = np.zeros((3, m, m), bool)
+    for b in range(3):
+        for i in range(m):
+            j = i
+            while j >= 0:
+                want[b, i, j] = True
+                j = parents[b, j]
+    got = np.asarray(unpack_bits(trees.ancestor_bits(jnp.asarray(parents), int(depth.max())), m))
+    np.testing.assert_array_equal(got, want)
