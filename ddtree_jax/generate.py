@@ -270,7 +270,7 @@ def _use_default_pair(args: argparse.Namespace) -> None:
     if not defaults.target_cached():
         cli.info("first run: fetching the default target model (SmolLM2-135M-Instruct, ~98 MB, once)")
     args.target = defaults.target_path()
-    # The first compilation of the ddtree loop takes minutes on CPU (XLA's LLVM backend); keep it on disk.
+    # Keep compiled programs on disk: later runs of the default pair skip compilation.
     import jax
 
     from ddtree_jax import gguf_model
