@@ -15,6 +15,8 @@ Subcommands
             Layer weights are unstacked by default (params.unstack_layers: one buffer per layer, an
             unrolled layer loop); ``--layout stacked`` keeps the lax.scan over [L, ...] weights, whose
             per-layer slices XLA copies on GPU (benchmarks/PERF.md).
+  pair      a trained pair (default: the default pair) on train_draft's held-out prompts, one at a time or as
+            one batch: mean acceptance length and decode tokens/s of ar, dflash and ddtree at budgets.
   kernels   pallas_kernels.bench_kernels, if present, with the remaining arguments.
 
 The KV caches are filled with random values and their lengths set to the prompt length (no prefill is
@@ -1056,8 +1058,68 @@ def build_parser() -> cli.ArgumentParser:
     m.add_argument("--results-name", default="results.json", help="records file name in --out")
     m.add_argument("--compile-cache", default=None, help="a persistent JAX compilation cache directory")
 
+    q = sub.add_parser("pair", help="a trained pair (default: the default pair) on held-out prompts: mean "
+                                    "acceptance length and decode speed of ar, dflash and ddtree budgets")
+    q.add_argument("--target", default="default", metavar="PATH",
+                   help="target directory (default: the default pair's SmolLM2-135M-Instruct)")
+    q.add_argument("--draft", default=None, metavar="PATH", help="drafter directory (default: the shipped one)")
+    q.add_argument("--budgets", type=_ints, default=[16, 32, 64, 128, 256],
+                   help="ddtree tree budgets (default: 16,32,64,128,256)")
+    q.add_argument("--prompts", type=int, default=4,
+                   help="held-out prompts (train_draft's held-out documentation topics) (default: 4)")
+    q.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default: 64)")
+    q.add_argument("--batched", action="store_true",
+                   help="all prompts as one batch (default: one prompt at a time, batch 1)")
+    q.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="(default: bfloat16)")
+    q.add_argument("--json", default=None, help="write the results (a JSON object) to this file")
+
     sub.add_parser("kernels", help="pallas_kernels.bench_kernels with the remaining arguments", add_help=False)
     return p
+
+
+# =============================================================================================== pair
+def _pair(args) -> int:
+    """train_draft.benchmark on held-out prompts, one at a time (batch 1) or as one batch; per method the mean
+    acceptance length over all rounds and the mean decode tokens/s, compilation excluded."""
+    import jax
+    import jax.numpy as jnp
+
+    from ddtree_jax import defaults, train_draft, weights
+    from ddtree_jax.tokenizer import load_tokenizer
+
+    target_path = defaults.target_path() if args.target == "default" else cli.existing_dir("--target", args.target)
+    draft_path = cli.existing_dir("--draft", args.draft or defaults.draft_path())
+    dtype = jnp.dtype(args.dtype)
+    target, draft = weights.load_target(target_path, dtype), weights.load_draft(draft_path, dtype)
+    tok = load_tokenizer(target_path)
+    if tok is None:
+        raise cli.UsageError(f"{target_path} has no tokenizer: the held-out prompts are text")
+    _, held_out = train_draft.make_prompts(tok, 256)
+    prompts = held_out[: args.prompts]
+    stop = tuple(dict.fromkeys(tok.eos_token_ids + target[0].eos_token_ids))
+    groups = [prompts] if args.batched else [[p] for p in prompts]
+    runs = [train_draft.benchmark(target, draft, g, budgets=args.budgets, max_new_tokens=args.max_new_tokens,
+                                  stop_ids=stop, log=lambda m: None) for g in groups]
+    table = {}
+    for name in runs[0]:
+        acc = [r[name]["mean_acceptance_length"] for r in runs if r[name]["mean_acceptance_length"] is not None]
+        tps = [r[name]["tokens_per_s"] for r in runs if r[name]["tokens_per_s"]]
+        table[name] = {"mean_acceptance_length": statistics.fmean(acc) if acc else None,
+                       "tokens_per_s": statistics.fmean(tps) if tps else None}
+    for name, row in table.items():
+        ar = table["ar"]["tokens_per_s"]
+        row["speedup"] = row["tokens_per_s"] / ar if ar and row["tokens_per_s"] else None
+    out = {"date": _now(), "command": _command(), "device": jax.devices()[0].device_kind,
+           "backend": jax.default_backend(), "target": target_path, "draft": draft_path, "dtype": args.dtype,
+           "prompts": len(prompts), "batch": len(prompts) if args.batched else 1,
+           "max_new_tokens": args.max_new_tokens, "methods": table}
+    print(f"{'method':<12} {'acceptance':>10} {'tok/s':>8} {'vs ar':>6}")
+    for name, row in table.items():
+        acc = "-" if row["mean_acceptance_length"] is None or name == "ar" else f"{row['mean_acceptance_length']:.2f}"
+        print(f"{name:<12} {acc:>10} {row['tokens_per_s']:>8.1f} {row['speedup']:>5.2f}x")
+    if args.json:
+        _write_json(args.json, out)
+    return 0
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -1068,6 +1130,8 @@ def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.mode == "fixtures":
         return _fixtures(args)
+    if args.mode == "pair":
+        return _pair(args)
     return _models(args)
 
 

@@ -28,7 +28,24 @@ def test_fixtures_mode_smoke(tmp_path, capsys):
     assert "ms_per_round" in table and "ddtree" in table
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["fixtures", "--help"], ["models", "--help"]])
+def test_pair_mode_on_the_fixture_pair(tmp_path, capsys):
+    """``bench pair`` with an explicit pair: held-out prompts, every method, acceptance and speed vs AR."""
+    from tests.conftest import fixture_path
+
+    out = tmp_path / "pair.json"
+    code = bench.main(["pair", "--target", fixture_path("target"), "--draft", fixture_path("draft"),
+                       "--budgets", "4", "--prompts", "2", "--max-new-tokens", "8", "--dtype", "float32",
+                       "--json", str(out)])
+    assert code == 0
+    res = json.loads(out.read_text())
+    assert list(res["methods"]) == ["ar", "dflash", "ddtree-4"] and res["prompts"] == 2 and res["batch"] == 1
+    assert res["methods"]["ar"]["speedup"] == 1.0
+    assert res["methods"]["ddtree-4"]["mean_acceptance_length"] >= 1.0
+    assert "ddtree-4" in capsys.readouterr().out
+    assert bench.main(["pair", "--target", str(tmp_path / "nope")]) == 2
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["fixtures", "--help"], ["models", "--help"], ["pair", "--help"]])
 def test_help(argv, capsys):
     assert bench.main(argv) == 0
     assert "usage" in capsys.readouterr().out
