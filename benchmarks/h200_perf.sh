@@ -21,7 +21,9 @@ variants=(
 )
 # the unrolled 36-layer loop compiles for about 1.5 min (AR) to 3 min (ddtree): A/B on AR alone there
 only_ar() { [ "$1" = unstacked ] && echo "--methods ar"; }
+# SKIP_AB=1 skips phase A; GRID_VARIANT=NAME (one of the variants) forces phase B's configuration
 for v in "${variants[@]}"; do
+  [ "${SKIP_AB:-0}" = 1 ] && break
   IFS='|' read -r name layout flags <<<"$v"
   echo "=== A/B $name: --layout $layout XLA_FLAGS='$flags'"
   XLA_FLAGS="$flags" timeout 150 $BENCH $AB $(only_ar "$name") --layout "$layout" --time-budget-s 100 --out "$OUT/ab" \
@@ -41,6 +43,7 @@ for f in sorted(os.listdir(sys.argv[1])):
 print(best[0] if best else "unstacked")
 PY
 )
+choice=${GRID_VARIANT:-$choice}
 echo "=== chosen: $choice"
 for v in "${variants[@]}"; do
   IFS='|' read -r name layout flags <<<"$v"; [ "$name" = "$choice" ] && break
