@@ -141,9 +141,9 @@ def make_prompts(tokenizer, max_prompt_tokens: int, seed: int = 0, per_passage: 
         if chat:
             kind = rng.integers(0, 10)
             code = topic.startswith("stdlib:")
+            templates = CODE_TEMPLATES if code else TEMPLATES
             if kind < 6:
-                msg = (CODE_TEMPLATES if code else TEMPLATES)[rng.integers(len(CODE_TEMPLATES if code else TEMPLATES))
-                                                              ].format(text=text)
+                msg = templates[rng.integers(len(templates))].format(text=text)
             elif kind < 8:
                 msg = QUESTIONS[rng.integers(len(QUESTIONS))].format(topic=words.removeprefix("stdlib:") + (
                     " module" if code else ""))
@@ -647,7 +647,8 @@ def train(target, data: Data, dcfg, raw_cfg, out: str, tc: TrainConfig, *, eval_
             tau = evaluate(step)
             if tau is not None:
                 record({"step": step, "eval_acceptance": tau, "budget": eval_budget})
-                bar.write(f"step {step}: loss {float(np.mean(jax.device_get(losses[-10:]))):.3f}, held-out acceptance length {tau:.2f} "
+                mean = float(np.mean(jax.device_get(losses[-10:])))
+                bar.write(f"step {step}: loss {mean:.3f}, held-out acceptance length {tau:.2f} "
                           f"(ddtree, budget {eval_budget})")
         if step % save_every == 0 or step == tc.steps or out_of_time:
             ckpts.save(step, {"params": params, "opt_state": opt_state})
@@ -667,13 +668,22 @@ def train(target, data: Data, dcfg, raw_cfg, out: str, tc: TrainConfig, *, eval_
 # ---------------------------------------------------------------------------------------------- CLI
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" where there is a default (not for required flags or None)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.required:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(
         prog="python -m ddtree_jax.train_draft",
         description="Train a DFlash block-diffusion drafter for a target model on the target's own greedy "
-                    "continuations of prompts from the Python documentation (offline, shipped with CPython). "
+                    "continuations of prompts from offline text shipped with CPython (--corpus). "
                     "Rerunning the same command resumes.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsFormatter,
     )
     p.add_argument("--target", required=True, metavar="PATH",
                    help="target model directory (Hugging Face or converted), or 'default' for SmolLM2-135M-Instruct")
@@ -681,8 +691,9 @@ def build_parser() -> cli.ArgumentParser:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="target dtype for data generation, features and evaluation")
     m = p.add_argument_group("drafter")
-    m.add_argument("--layers", type=cli.positive_int, default=1)
-    m.add_argument("--block-size", type=cli.positive_int, default=16)
+    m.add_argument("--layers", type=cli.positive_int, default=1, help="drafter layers (of the target's width)")
+    m.add_argument("--block-size", type=cli.positive_int, default=16,
+                   help="block: the anchor token + block-size - 1 predicted positions")
     m.add_argument("--intermediate-size", type=cli.positive_int, default=None,
                    help="MLP width (default: the target's)")
     m.add_argument("--target-layer-ids", type=cli.int_list, default=None,
@@ -690,38 +701,40 @@ def build_parser() -> cli.ArgumentParser:
     m.add_argument("--mask-token-id", type=int, default=None,
                    help="default: the tokenizer's last control token, else the last vocabulary id")
     d = p.add_argument_group("data")
-    d.add_argument("--num-prompts", type=cli.positive_int, default=512)
-    d.add_argument("--corpus", type=_corpora, default=("pydoc",), metavar="NAME,...",
+    d.add_argument("--num-prompts", type=cli.positive_int, default=512, help="training prompts used (at most)")
+    d.add_argument("--corpus", type=_corpora, default="pydoc", metavar="NAME,...",
                    help="offline text the prompts come from: pydoc (the language reference topics shipped with "
                         "CPython), stdlib (functions, classes and docstrings of the installed standard library), "
-                        "or both, comma-separated (default: pydoc)")
+                        "or both, comma-separated")
     d.add_argument("--prompts-per-passage", type=cli.positive_int, default=1,
-                   help="requests drawn per documentation passage (more, different prompts; default: 1)")
-    d.add_argument("--max-prompt-tokens", type=cli.positive_int, default=320)
-    d.add_argument("--max-new-tokens", type=cli.positive_int, default=128)
-    d.add_argument("--seq-len", type=cli.positive_int, default=448)
-    d.add_argument("--gen-batch", type=cli.positive_int, default=32)
+                   help="requests drawn per passage (more, different prompts)")
+    d.add_argument("--max-prompt-tokens", type=cli.positive_int, default=320, help="longer prompts are dropped")
+    d.add_argument("--max-new-tokens", type=cli.positive_int, default=128,
+                   help="length of the target's greedy continuation of each prompt")
+    d.add_argument("--seq-len", type=cli.positive_int, default=448, help="training sequence length (cut there)")
+    d.add_argument("--gen-batch", type=cli.positive_int, default=32,
+                   help="sequences per batch when generating the data and its features")
     t = p.add_argument_group("training")
-    t.add_argument("--steps", type=cli.positive_int, default=1000)
-    t.add_argument("--batch", type=cli.positive_int, default=4)
+    t.add_argument("--steps", type=cli.positive_int, default=1000, help="training steps (the schedule's length)")
+    t.add_argument("--batch", type=cli.positive_int, default=4, help="sequences per step")
     t.add_argument("--anchors", type=cli.positive_int, default=32, help="anchor blocks per sequence per step")
-    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate (warmup 20, cosine to lr/10)")
     t.add_argument("--gamma", type=float, default=None, help="loss decay: weight of depth k = exp(-(k-1)/gamma) "
                                                              "(default: 7 for block 16, as DFlash)")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--save-every", type=cli.positive_int, default=100)
+    t.add_argument("--seed", type=int, default=0, help="prompts, initialisation, batches and anchors")
+    t.add_argument("--save-every", type=cli.positive_int, default=100, help="checkpoint every N steps")
     t.add_argument("--time-limit", type=float, default=None, metavar="MINUTES",
                    help="stop training (checkpoint and export) after this many minutes")
     e = p.add_argument_group("evaluation")
     e.add_argument("--eval-every", type=cli.nonneg_int, default=200, help="0 = only at the end")
     e.add_argument("--eval-prompts", type=cli.nonneg_int, default=4, help="0 = no evaluation while training")
-    e.add_argument("--eval-budget", type=cli.positive_int, default=32)
-    e.add_argument("--eval-tokens", type=cli.positive_int, default=48)
+    e.add_argument("--eval-budget", type=cli.positive_int, default=32, help="ddtree budget of the evaluation")
+    e.add_argument("--eval-tokens", type=cli.positive_int, default=48, help="tokens per held-out prompt")
     e.add_argument("--bench-budgets", type=cli.int_list, default=None, metavar="B1,B2,...",
                    help="after training, time ar / dflash / ddtree at these budgets on the held-out prompts "
                         "(--bench-prompts of them as one batch, greedy) and write bench.json")
-    e.add_argument("--bench-prompts", type=cli.positive_int, default=4)
-    e.add_argument("--bench-tokens", type=cli.positive_int, default=64)
+    e.add_argument("--bench-prompts", type=cli.positive_int, default=4, help="held-out prompts of the benchmark")
+    e.add_argument("--bench-tokens", type=cli.positive_int, default=64, help="tokens per benchmark prompt")
     return p
 
 
