@@ -10,6 +10,15 @@ WORK=${WORK:-/root/smollm2}
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 DDTREE_JAX_LAYOUT=${DDTREE_JAX_LAYOUT:-stacked}
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/ddtree_jit}
 mkdir -p "$OUT" "$WORK"
+save() {  # the drafter (split: a device call returns files of 16 MiB at most), history, run and bench records
+  trap - TERM INT
+  cp "$WORK/drafter/config.json" "$WORK/history.jsonl" "$WORK/run.json" "$WORK/bench.json" "$OUT/" 2>/dev/null
+  if [ -f "$WORK/drafter/model.safetensors" ]; then
+    (cd "$OUT" && split -b 12M -d "$WORK/drafter/model.safetensors" model.safetensors.part)
+    sha256sum "$WORK/drafter/model.safetensors"
+  fi
+}
+trap 'save; exit 143' TERM INT
 TRAIN=(python3 -m ddtree_jax.train_draft --target default --out "$WORK" --layers 2 --block-size 16
   --num-prompts 4000 --prompts-per-passage 4 --max-prompt-tokens 256 --max-new-tokens 320 --seq-len 576
   --gen-batch 128 --batch 32 --anchors 32 --lr 6e-4 --save-every 1000 --seed 0 "$@")
@@ -22,7 +31,4 @@ echo "=== $per_step s/step: training to step $steps"
 "${TRAIN[@]}" --steps "$steps" --time-limit "$MIN" --eval-every 0 --eval-prompts 8 --eval-budget 32 \
   --eval-tokens 64 --bench-budgets "${BENCH_BUDGETS:-16,32,64,128,256}" --bench-prompts 8 --bench-tokens 128 2>&1 | tee -a "$OUT/raw.log" \
   | tr '\r' '\n' | grep -v -e '^ *$' -e 'it/s\]$' -e 's/it\]$' | tail -n 25
-cp "$WORK/drafter/config.json" "$WORK/history.jsonl" "$WORK/run.json" "$OUT/" 2>/dev/null
-cp "$WORK/bench.json" "$OUT/" 2>/dev/null
-(cd "$OUT" && split -b 12M -d "$WORK/drafter/model.safetensors" model.safetensors.part)
-sha256sum "$WORK/drafter/model.safetensors"
+save  # (also on SIGTERM/SIGINT, e.g. a device call's time limit: whatever exists by then comes back)
