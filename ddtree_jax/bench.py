@@ -1065,9 +1065,9 @@ def build_parser() -> cli.ArgumentParser:
     q.add_argument("--draft", default=None, metavar="PATH", help="drafter directory (default: the shipped one)")
     q.add_argument("--budgets", type=_ints, default=[16, 32, 64, 128, 256],
                    help="ddtree tree budgets (default: 16,32,64,128,256)")
-    q.add_argument("--prompts", type=int, default=4,
+    q.add_argument("--prompts", type=cli.positive_int, default=4,
                    help="held-out prompts (train_draft's held-out documentation topics) (default: 4)")
-    q.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default: 64)")
+    q.add_argument("--max-new-tokens", type=cli.positive_int, default=64, help="tokens per prompt (default: 64)")
     q.add_argument("--batched", action="store_true",
                    help="all prompts as one batch (default: one prompt at a time, batch 1)")
     q.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="(default: bfloat16)")
