@@ -1,5 +1,7 @@
 """End-to-end parity with the official DDTree code on the tiny pair (generate.json), single and batched."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -152,3 +154,18 @@ def test_layout_can_be_forced(target, monkeypatch):
     monkeypatch.setenv("DDTREE_JAX_LAYOUT", "rolled")
     with pytest.raises(ValueError, match="DDTREE_JAX_LAYOUT must be one of"):
         decode.device_layout(tp)
+
+
+def test_cpu_layout_materialises_a_tied_head_in_f32(llama, target):
+    """On CPU a tied lm_head is made once in f32 (XLA:CPU would relayout the embedding on every call); the
+    logits are the same, untied models and other backends are untouched."""
+    from ddtree_jax import model
+
+    cfg, tp = llama
+    assert tp.lm_head is None
+    laid = decode.device_layout(tp, backend="cpu")
+    assert laid.lm_head.dtype == jnp.float32 and laid.lm_head.shape == tp.embed.T.shape
+    h = jax.random.normal(jax.random.key(0), (2, 3, cfg.hidden_size), tp.embed.dtype)
+    np.testing.assert_array_equal(np.asarray(model.logits(laid, h)), np.asarray(model.logits(tp, h)))
+    assert decode.device_layout(tp, backend="gpu", layout="stacked").lm_head is None
+    assert decode.device_layout(target[1], backend="cpu") is target[1]
