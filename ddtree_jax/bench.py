@@ -630,45 +630,36 @@ class Bench:
         del state
 
     def breakdown(self, spec, tp, dp, state, prompt_len, batch):
-        import jax.numpy as jnp
-
         from ddtree_jax import tree as trees
 
         k = self.args.stage_iters
         out: dict[str, Any] = {}
         cs: dict[str, float] = {}
-        tm = self.timer
+
+        def stage(name, step, state, iters=k):
+            """Warm ``step`` (state -> (state, output)) once, time it chained ``iters`` times, and return
+            the output of one more call (what the next stage consumes) with the state."""
+            state, _ = step(state)
+            out[name], state, _ = self.timer.chain(step, state, iters, prompt_len)
+            state, result = step(state)
+            return result, state
+
         if spec.method == "ar":
             tree = trees.root_only(batch)
         else:
             f_draft, cs["draft"] = aot(J("stage_draft"), spec, tp, dp, state)
-            logits, state = f_draft(tp, dp, state)
-
-            def draft_step(st):
-                lg, st = f_draft(tp, dp, st)
-                return st, lg
-
-            out["draft"], state, _ = tm.chain(draft_step, state, k, prompt_len)
-            logits, state = f_draft(tp, dp, state)
+            logits, state = stage("draft", lambda st: f_draft(tp, dp, st)[::-1], state)
             f_tree, cs["tree"] = aot(J("stage_tree"), spec, logits)
-            tree = _sync(f_tree(logits))
-            out["tree"], state, _ = tm.chain(lambda st: (st, f_tree(logits)), state, 4 * k, prompt_len)
+            tree, state = stage("tree", lambda st: (st, f_tree(logits)), state, 4 * k)
         f_ver, cs["verify"] = aot(J("stage_verify"), spec, tp, state, tree)
-        outs, state = f_ver(tp, state, tree)
-
-        def verify_step(st):
-            o, st = f_ver(tp, st, tree)
-            return st, o
-
-        out["verify"], state, _ = tm.chain(verify_step, state, k, prompt_len)
-        outs, state = f_ver(tp, state, tree)
+        outs, state = stage("verify", lambda st: f_ver(tp, st, tree)[::-1], state)
         f_acc, cs["accept_commit"] = aot(J("stage_accept"), spec, state, tree, outs)
-        state = f_acc(state, tree, outs)
+
         def accept_step(st):
             st = f_acc(st, tree, outs)
             return st, st.n_out
 
-        out["accept_commit"], state, _ = tm.chain(accept_step, state, k, prompt_len)
+        _, state = stage("accept_commit", accept_step, state)
         out["sum"] = sum(v for kk, v in out.items())
         out["_state"] = state
         return out, cs
