@@ -410,6 +410,7 @@ def device_layout(params, backend: str | None = None, layout: str | None = None)
     stacked layout under ``lax.scan`` makes XLA copy every layer's weights each step (measured 2.8x the
     AR roofline on an H200, 1.4x unstacked); the unrolled loop costs a longer compile, which CPU avoids.
     ``layout`` (default: the ``DDTREE_JAX_LAYOUT`` environment variable, else "auto") forces either.
+    Idempotent: callers that decode many times lay out once at load (``generate`` then has nothing to do).
 
     On CPU a tied output projection is also materialised once, in float32 ([D, V]): otherwise XLA:CPU
     converts and transposes the embedding outside the round loop of every call (82 ms per call for
