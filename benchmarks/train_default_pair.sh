@@ -3,7 +3,8 @@
 # Usage: benchmarks/train_default_pair.sh OUTDIR [MINUTES] [MAX_STEPS] [train_draft flags that override these]
 # Needs the target: $DDTREE_JAX_CACHE/gguf/SmolLM2-135M-Instruct.Q4_1.gguf (or network for its download).
 # Step 1 makes the data and times 20 steps; step 2 resumes to as many steps as fit in MINUTES (at most MAX_STEPS),
-# so the learning-rate schedule ends where the run does. The drafter is left in $WORK/drafter and copied to OUTDIR.
+# so the learning-rate schedule ends where the run does, evaluating held-out acceptance every EVAL_EVERY steps
+# (default 500) and exporting the best (--keep-best). The drafter is left in $WORK/drafter and copied to OUTDIR.
 set -u
 OUT=${1:?output directory}; MIN=${2:-4}; MAX_STEPS=${3:-6000}; shift $(($# < 3 ? $# : 3))
 WORK=${WORK:-/root/smollm2}
@@ -28,7 +29,7 @@ import json; h = [json.loads(l) for l in open('$WORK/history.jsonl') if 'loss' i
 print((h[-1]['elapsed_s'] - h[0]['elapsed_s']) / max(1, h[-1]['step'] - h[0]['step']))")
 steps=$(python3 -c "print(max(100, min($MAX_STEPS, int(($MIN * 60 - 30) / $per_step) // 100 * 100)))")
 echo "=== $per_step s/step: training to step $steps"
-"${TRAIN[@]}" --steps "$steps" --time-limit "$MIN" --eval-every 0 --eval-prompts 8 --eval-budget 32 \
+"${TRAIN[@]}" --steps "$steps" --time-limit "$MIN" --eval-every "${EVAL_EVERY:-500}" --keep-best --eval-prompts 8 --eval-budget 32 \
   --eval-tokens 64 --bench-budgets "${BENCH_BUDGETS:-16,32,64,128,256}" --bench-prompts 8 --bench-tokens 128 2>&1 | tee -a "$OUT/raw.log" \
   | tr '\r' '\n' | grep -v -e '^ *$' -e 'it/s\]$' -e 's/it\]$' | tail -n 25
 save  # (also on SIGTERM/SIGINT, e.g. a device call's time limit: whatever exists by then comes back)

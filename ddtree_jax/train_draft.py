@@ -173,18 +173,20 @@ def make_prompts_without_tokenizer(vocab: int, n: int, length: int, seed: int = 
 
 @dataclasses.dataclass
 class Data:
-    """Training sequences: tokens, the target's tapped features, and where each generated part starts."""
+    """Training sequences: tokens, the target's tapped features, and where each generated part starts.
+    ``features`` is None when they are computed online (``--online-features``: by the target, inside each step)."""
 
     tokens: np.ndarray  # [N, T] int32, 0-padded
     lengths: np.ndarray  # [N] int32
     starts: np.ndarray  # [N] int32: prompt length (first generated position)
-    features: np.ndarray  # [N, T, taps*D] bfloat16 (or float32)
+    features: np.ndarray | None  # [N, T, taps*D] bfloat16 (or float32)
 
     def save(self, path: str) -> None:
         tmp = path + ".partial.npz"
-        np.savez(tmp, tokens=self.tokens, lengths=self.lengths, starts=self.starts,
-                 features=self.features.view(np.uint16) if self.features.dtype.itemsize == 2 else self.features,
-                 features_dtype=str(self.features.dtype))
+        f = self.features
+        extra = {} if f is None else {"features": f.view(np.uint16) if f.dtype.itemsize == 2 else f,
+                                      "features_dtype": str(f.dtype)}
+        np.savez(tmp, tokens=self.tokens, lengths=self.lengths, starts=self.starts, **extra)
         os.replace(tmp, path)
 
     @classmethod
@@ -192,8 +194,8 @@ class Data:
         import ml_dtypes
 
         z = np.load(path)
-        f = z["features"]
-        if str(z["features_dtype"]) == "bfloat16":
+        f = z["features"] if "features" in z else None
+        if f is not None and str(z["features_dtype"]) == "bfloat16":
             f = f.view(ml_dtypes.bfloat16)
         return cls(z["tokens"], z["lengths"], z["starts"], f)
 
@@ -226,22 +228,9 @@ def target_features(target, taps: tuple[int, ...], tokens: np.ndarray, batch: in
     import jax
     import jax.numpy as jnp
 
-    from ddtree_jax import cache as kvcache
-    from ddtree_jax import model
-    from pallas_kernels.bitmask import causal_bits
-
-    cfg, params = target
     n, t = tokens.shape
     lengths = np.asarray(lengths if lengths is not None else [t] * n)
-
-    @jax.jit
-    def run(toks):
-        b, tt = toks.shape
-        c = kvcache.init(cfg.num_layers, b, tt, cfg.num_kv_heads, cfg.head_dim, params.embed.dtype)
-        _, _, f = model.forward(params, cfg, toks, jnp.broadcast_to(jnp.arange(tt), (b, tt)), c,
-                                causal_bits(b, tt), taps=taps)
-        return f
-
+    run = jax.jit(functools.partial(tap_features, target, taps))
     out = None
     order = np.argsort(lengths, kind="stable")
     for s in range(0, n, batch):
@@ -257,7 +246,25 @@ def target_features(target, taps: tuple[int, ...], tokens: np.ndarray, batch: in
     return out
 
 
-def build_data(target, prompts, *, taps, max_new_tokens, seq_len, stop_ids, batch, log=None) -> Data:
+def tap_features(target, taps: tuple[int, ...], tokens):
+    """Traceable: the target's hidden taps [B, T, taps*D] over full sequences tokens [B, T] (causal; positions
+    past a sequence's end see only what precedes them, so padding changes nothing before it)."""
+    import jax.numpy as jnp
+
+    from ddtree_jax import cache as kvcache
+    from ddtree_jax import model
+    from pallas_kernels.bitmask import causal_bits
+
+    cfg, params = target
+    b, tt = tokens.shape
+    c = kvcache.init(cfg.num_layers, b, tt, cfg.num_kv_heads, cfg.head_dim, params.embed.dtype)
+    _, _, f = model.forward(params, cfg, tokens, jnp.broadcast_to(jnp.arange(tt), (b, tt)), c,
+                            causal_bits(b, tt), taps=taps)
+    return f
+
+
+def build_data(target, prompts, *, taps, max_new_tokens, seq_len, stop_ids, batch, log=None,
+               features: bool = True) -> Data:
     import tqdm
 
     with tqdm.tqdm(total=len(prompts), desc="target continuations", unit="seq", file=sys.stderr) as bar:
@@ -268,6 +275,8 @@ def build_data(target, prompts, *, taps, max_new_tokens, seq_len, stop_ids, batc
         tokens[i, : len(s)] = s
     lengths = np.asarray([len(s) for s, _ in seqs], np.int32)
     starts = np.asarray([p for _, p in seqs], np.int32)
+    if not features:
+        return Data(tokens, lengths, starts, None)
     with tqdm.tqdm(total=len(seqs), desc="target features", unit="seq", file=sys.stderr) as bar:
         feats = target_features(target, taps, tokens, batch, bar.update, lengths)
     return Data(tokens, lengths, starts, feats)
@@ -527,15 +536,21 @@ def make_optimizer(tc: TrainConfig):
 
 
 @functools.lru_cache(maxsize=8)
-def make_step(dcfg, tc: TrainConfig, optimizer):
-    """The jitted training step (cached per configuration, so repeated runs in one process compile once)."""
+def make_step(dcfg, tc: TrainConfig, optimizer, target_cfg=None):
+    """The jitted training step (cached per configuration, so repeated runs in one process compile once).
+    With ``target_cfg``, features are online: the batch's features are None and the step computes them with
+    the target (its params passed as ``target_params``), outside the gradient."""
     import jax
     import optax
 
     gamma = tc.gamma or DEFAULT_GAMMA.get(dcfg.block_size, dcfg.block_size / 2.3)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(params, opt_state, head, embed, batch, key):
+    def step(params, opt_state, head, embed, batch, key, target_params=None):
+        if target_cfg is not None:
+            tokens = batch[0]
+            feats = tap_features((target_cfg, target_params), dcfg.target_layer_ids, tokens)
+            batch = (*batch[:3], jax.lax.stop_gradient(feats))
         (loss, (acc, n)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             params, dcfg, head, embed, batch, key, tc.anchors, gamma)
         updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -573,18 +588,20 @@ def batch_indices(n: int, batch: int, step: int, seed: int) -> np.ndarray:
 
 
 def batch_at(data: Data, batch: int, step: int, seed: int):
-    """Minibatch ``step`` as (tokens, lengths, starts, features)."""
+    """Minibatch ``step`` as (tokens, lengths, starts, features); features None when online."""
     i = batch_indices(len(data.lengths), batch, step, seed)
-    return data.tokens[i], data.lengths[i], data.starts[i], data.features[i]
+    return data.tokens[i], data.lengths[i], data.starts[i], None if data.features is None else data.features[i]
 
 
 def train(target, data: Data, dcfg, raw_cfg, out: str, tc: TrainConfig, *, eval_prompts=(), eval_every: int = 0,
           eval_budget: int = 32, eval_tokens: int = 48, stop_ids=(), save_every: int = 100,
-          time_limit: float | None = None, until: int | None = None, log=print) -> tuple[Any, list[dict]]:
+          time_limit: float | None = None, until: int | None = None, keep_best: bool = False,
+          log=print) -> tuple[Any, list[dict]]:
     """Train (resuming from ``out``/ckpt), evaluate as it goes, export to ``out``/drafter. Returns (params, log).
 
     time_limit: seconds of training (this run) after which it checkpoints, exports and stops; until: stop after
-    this step (both leave a checkpoint to resume from)."""
+    this step (both leave a checkpoint to resume from). keep_best: export the parameters of this run's best
+    held-out evaluation (early stopping) instead of the last ones; checkpoints still hold the last."""
     import jax
     import jax.numpy as jnp
     import tqdm
@@ -593,7 +610,8 @@ def train(target, data: Data, dcfg, raw_cfg, out: str, tc: TrainConfig, *, eval_
     head = tparams.head()
     embed = tparams.embed
     optimizer = make_optimizer(tc)
-    step_fn = make_step(dcfg, tc, optimizer)
+    online = data.features is None
+    step_fn = make_step(dcfg, tc, optimizer, tcfg if online else None)
     params = init_params(dcfg, jax.random.key(tc.seed))
     opt_state = optimizer.init(params)
     ckpts = Checkpoints(os.path.join(out, "ckpt"))
@@ -630,11 +648,14 @@ def train(target, data: Data, dcfg, raw_cfg, out: str, tc: TrainConfig, *, eval_
     last = tc.steps if until is None else min(until, tc.steps)
     # the whole data set on the device once ([N, T, taps*D] bf16: 6.7 GB for 2,800 sequences of 512 tokens at
     # SmolLM2's width); each step gathers its minibatch there instead of copying it from the host
+    # (online features: only the tokens; the step runs the target over its minibatch)
     on_device = jax.device_put((data.tokens, data.lengths, data.starts, data.features))
+    best: tuple[float, int, Any] | None = None  # (held-out acceptance, step, params copy) with keep_best
     while step < last:
         i = jnp.asarray(batch_indices(len(data.lengths), tc.batch, step, tc.seed))
-        batch = tuple(x[i] for x in on_device)
-        params, opt_state, loss, acc = step_fn(params, opt_state, head, embed, batch, jax.random.fold_in(key, step))
+        batch = tuple(None if x is None else x[i] for x in on_device)
+        params, opt_state, loss, acc = step_fn(params, opt_state, head, embed, batch, jax.random.fold_in(key, step),
+                                               tparams if online else None)
         step += 1
         losses.append(loss)
         bar.update(1)
@@ -649,6 +670,8 @@ def train(target, data: Data, dcfg, raw_cfg, out: str, tc: TrainConfig, *, eval_
             tau = evaluate(step)
             if tau is not None:
                 record({"step": step, "eval_acceptance": tau, "budget": eval_budget})
+                if keep_best and (best is None or tau > best[0]):  # params are donated to the next step: copy
+                    best = (tau, step, jax.tree.map(jnp.copy, params))
                 mean = float(np.mean(jax.device_get(losses[-10:])))
                 bar.write(f"step {step}: loss {mean:.3f}, held-out acceptance length {tau:.2f} "
                           f"(ddtree, budget {eval_budget})")
@@ -663,6 +686,9 @@ def train(target, data: Data, dcfg, raw_cfg, out: str, tc: TrainConfig, *, eval_
     bar.close()
     if stopped_early:
         log(f"stopped at step {step} of {tc.steps} (rerun the same command to resume)")
+    if best is not None and best[1] != step:
+        log(f"exporting step {best[1]}'s parameters: the best held-out acceptance length ({best[0]:.2f})")
+        params, step = best[2], best[1]
     export(params, raw_cfg, os.path.join(out, "drafter"), meta={"step": step})
     return params, history
 
@@ -716,6 +742,10 @@ def build_parser() -> cli.ArgumentParser:
     d.add_argument("--seq-len", type=cli.positive_int, default=448, help="training sequence length (cut there)")
     d.add_argument("--gen-batch", type=cli.positive_int, default=32,
                    help="sequences per batch when generating the data and its features")
+    d.add_argument("--online-features", action="store_true",
+                   help="compute the target's features inside each training step instead of storing them for "
+                        "every sequence (data.npz then holds tokens only: for corpora whose features would not "
+                        "fit in memory; costs one target forward per step)")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=cli.positive_int, default=1000, help="training steps (the schedule's length)")
     t.add_argument("--batch", type=cli.positive_int, default=4, help="sequences per step")
@@ -732,6 +762,9 @@ def build_parser() -> cli.ArgumentParser:
     e.add_argument("--eval-prompts", type=cli.nonneg_int, default=4, help="0 = no evaluation while training")
     e.add_argument("--eval-budget", type=cli.positive_int, default=32, help="ddtree budget of the evaluation")
     e.add_argument("--eval-tokens", type=cli.positive_int, default=48, help="tokens per held-out prompt")
+    e.add_argument("--keep-best", action="store_true",
+                   help="export the parameters of the best held-out evaluation of this run (early stopping), "
+                        "not the last; needs --eval-prompts > 0 and --eval-every")
     e.add_argument("--bench-budgets", type=cli.int_list, default=None, metavar="B1,B2,...",
                    help="after training, time ar / dflash / ddtree at these budgets on the held-out prompts "
                         "(--bench-prompts of them as one batch, greedy) and write bench.json")
@@ -806,14 +839,21 @@ def _main(argv: Sequence[str] | None) -> int:
     if os.path.exists(data_file):
         data = Data.load(data_file)
         cli.info(f"reusing {data_file}: {len(data.lengths)} sequences")
+        if args.online_features:
+            data = dataclasses.replace(data, features=None)
+        elif data.features is None:
+            data = dataclasses.replace(data, features=target_features(target, ids, data.tokens, args.gen_batch,
+                                                                      lengths=data.lengths))
     else:
         t0 = time.perf_counter()
         data = build_data(target, train_prompts, taps=ids, max_new_tokens=args.max_new_tokens, seq_len=args.seq_len,
-                          stop_ids=stop, batch=args.gen_batch)
+                          stop_ids=stop, batch=args.gen_batch, features=not args.online_features)
         data.save(data_file)
         gen = int(np.sum(data.lengths - data.starts))
         cli.info(f"data: {len(data.lengths)} sequences, {gen} generated tokens, {int(np.sum(data.lengths))} tokens "
                  f"in all, in {time.perf_counter() - t0:.0f}s")
+    if args.keep_best and not (args.eval_prompts and args.eval_every):
+        raise cli.UsageError("--keep-best needs held-out evaluations: --eval-prompts and --eval-every above 0")
     if len(data.lengths) < args.batch:
         raise cli.UsageError(f"only {len(data.lengths)} training sequences for --batch {args.batch}")
     tc = TrainConfig(steps=args.steps, batch=args.batch, anchors=args.anchors, lr=args.lr, gamma=args.gamma,
@@ -821,7 +861,7 @@ def _main(argv: Sequence[str] | None) -> int:
     _, history = train(target, data, dcfg, raw, args.out, tc, eval_prompts=test_prompts, eval_every=args.eval_every,
                        eval_budget=args.eval_budget, eval_tokens=args.eval_tokens, stop_ids=stop,
                        save_every=args.save_every, time_limit=None if args.time_limit is None
-                       else args.time_limit * 60, log=cli.info)
+                       else args.time_limit * 60, keep_best=args.keep_best, log=cli.info)
     if args.bench_budgets:
         draft = weights.load_draft(os.path.join(args.out, "drafter"), jnp.dtype(args.dtype))
         result = benchmark(target, draft, all_test_prompts[: args.bench_prompts], budgets=args.bench_budgets, max_new_tokens=args.bench_tokens,

@@ -113,6 +113,42 @@ def test_train_exports_a_loadable_drafter_and_resumes_exactly(target, data, tmp_
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
 
 
+def test_online_features_train_as_the_stored_ones(target, data, tmp_path):
+    """--online-features: the step computes the features with the target; same parameters after 3 steps, and
+    data.npz then holds tokens only."""
+    import dataclasses
+
+    tcfg, _ = target
+    raw, dcfg = tiny_draft_config(tcfg)
+    tc = td.TrainConfig(steps=3, batch=4, anchors=8, lr=3e-3, warmup=1)
+    online = dataclasses.replace(data, features=None)
+    stored, _ = td.train(target, data, dcfg, raw, str(tmp_path / "s"), tc, save_every=10, log=lambda *_: None)
+    got, _ = td.train(target, online, dcfg, raw, str(tmp_path / "o"), tc, save_every=10, log=lambda *_: None)
+    for a, b in zip(jax.tree.leaves(stored), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-3, atol=2e-5)
+    online.save(str(tmp_path / "d.npz"))
+    back = td.Data.load(str(tmp_path / "d.npz"))
+    assert back.features is None and (back.tokens == data.tokens).all()
+
+
+def test_keep_best_exports_the_best_evaluation(target, data, tmp_path, monkeypatch):
+    tcfg, _ = target
+    raw, dcfg = tiny_draft_config(tcfg)
+    tc = td.TrainConfig(steps=6, batch=4, anchors=8, lr=3e-3, warmup=1)
+    taus = iter([1.5, 2.5, 1.2])  # evaluations at steps 2, 4, 6: step 4 is the best
+    monkeypatch.setattr(td, "acceptance", lambda *a, **k: next(taus))
+    logs = []
+    prompts = [data.tokens[0, : data.starts[0]].tolist()]
+    td.train(target, data, dcfg, raw, str(tmp_path / "k"), tc, eval_prompts=prompts, eval_every=2, save_every=10,
+             keep_best=True, log=logs.append)
+    assert any("exporting step 4's parameters" in m for m in logs), logs
+    ref, _ = td.train(target, data, dcfg, raw, str(tmp_path / "r"), tc, save_every=10, until=4, log=lambda *_: None)
+    _, got = weights.load_draft(str(tmp_path / "k" / "drafter"))
+    bf16 = jax.tree.map(lambda x: np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32)), ref)
+    for a, b in zip(jax.tree.leaves(bf16), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(b), a)
+
+
 def test_export_round_trips_through_the_z_lab_layout(drafter, tmp_path):
     dcfg, dp = drafter
     raw = weights.read_config(fixture_path("draft"))
