@@ -52,8 +52,9 @@ echo "$name|$layout|$flags" > "$OUT/choice.txt"
 mkdir -p "$OUT/grid" "$OUT/mesh"
 echo "=== B grid: --layout $layout XLA_FLAGS='$flags'"
 GRID_S=$(left 190)
+# the tree micro-benchmarks take minutes (3.5 on the H200): TREE_MICRO=1 includes them
 XLA_FLAGS="$flags" timeout $((GRID_S + 60)) $BENCH --models ${GRID_MODELS:-qwen3-8b,qwen3-4b} --layout "$layout" \
-  --breakdown-first-only --compile-cache /tmp/ddtree_jit --time-budget-s "$GRID_S" --out "$OUT/grid" \
+  $([ "${TREE_MICRO:-0}" = 1 ] || echo --no-tree-micro) --breakdown-first-only --compile-cache /tmp/ddtree_jit --time-budget-s "$GRID_S" --out "$OUT/grid" \
   --results-name h200.json 2>&1 | grep -v "^WARNING" | tail -n 45
 echo "=== C mesh 1x1"
 XLA_FLAGS="$flags" timeout $(left 15) $BENCH $AB $(only_ar "$name") --layout "$layout" --mesh 1x1 --compile-cache /tmp/ddtree_jit \
