@@ -183,6 +183,16 @@ def step(spec: decode.Spec, target, drafter, state: decode.State, starts: Array,
     return state, snap
 
 
+def check_batch_buckets(buckets, max_batch: int, data_parallel: int) -> None:
+    """ValueError unless every bucket is a smaller slot batch (1 .. max_batch - 1) and the batch is not split
+    over a data axis (``data_parallel`` devices: a bucket's rows are gathered from the whole slot batch)."""
+    if any(not 1 <= b < max_batch for b in buckets):
+        raise ValueError(f"batch buckets must be between 1 and max_batch - 1 ({max_batch - 1}), "
+                         f"got {','.join(map(str, buckets))}")
+    if buckets and data_parallel != 1:
+        raise ValueError("batch buckets need a mesh without a data axis (DxM with D = 1)")
+
+
 @functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=(3,))
 def step_rows(spec: decode.Spec, target, drafter, state: decode.State, rows: Array, starts: Array, rounds: int):
     """:func:`step` on the slots ``rows`` [n] (distinct) alone: the Snapshot is theirs, in ``rows``' order."""
@@ -331,11 +341,7 @@ class Engine:
             raise ValueError("max_batch and rounds_per_step must be at least 1, max_queue at least 0")
         if config.max_len < 2:
             raise ValueError(f"max_len must be at least 2, got {config.max_len}")
-        if any(not 1 <= b < config.max_batch for b in config.batch_buckets):
-            raise ValueError(f"batch buckets must be between 1 and max_batch - 1 ({config.max_batch - 1}), "
-                             f"got {list(config.batch_buckets)}")
-        if config.batch_buckets and sharding.padded_batch(1, mesh) != 1:
-            raise ValueError("batch buckets need a mesh without a data axis (DxM with D = 1)")
+        check_batch_buckets(config.batch_buckets, config.max_batch, sharding.padded_batch(1, mesh))
         self.sizes = sorted(set(config.batch_buckets) | {config.max_batch})  # slot batches a step may run
         options = decode.GenerateOptions(method=config.method, max_new_tokens=config.max_len,
                                          tree_budget=config.tree_budget, attention=config.attention)

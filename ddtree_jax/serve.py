@@ -40,7 +40,7 @@ import time
 import uuid
 from typing import Any, Sequence
 
-from ddtree_jax import cli, config, decode
+from ddtree_jax import cli, config, decode, shapes
 from ddtree_jax import engine as engines
 from ddtree_jax.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
@@ -576,41 +576,33 @@ def parse_mesh(text: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-def _random_shapes() -> dict:
-    """The shapes --target random:SHAPE takes: ddtree_jax.shapes.SHAPES."""
-    from ddtree_jax import shapes
-
-    return shapes.SHAPES
-
-
 def random_shape(target: str | None) -> str | None:
     """'random:SHAPE' -> SHAPE (checked against the known shapes); None for a path."""
     if target is None or not target.startswith(RANDOM_PREFIX):
         return None
     name = target[len(RANDOM_PREFIX):]
-    shapes = _random_shapes()
-    if name not in shapes:
+    if name not in shapes.SHAPES:
         raise cli.UsageError(f"--target {target}: unknown random shape {name!r} (choose from "
-                             f"{', '.join(RANDOM_PREFIX + k for k in shapes)})")
+                             f"{', '.join(RANDOM_PREFIX + k for k in shapes.SHAPES)})")
     return name
 
 
 def build_parser() -> cli.ArgumentParser:
-    shapes = ", ".join(_random_shapes())
+    shape_names = ", ".join(shapes.SHAPES)
     p = cli.ArgumentParser(
         prog="python -m ddtree_jax.serve",
         description="Serve a Qwen3 / Llama target over an OpenAI-compatible HTTP API (/v1/completions, "
                     "/v1/chat/completions, streaming, /v1/models, /health, /metrics), with continuous "
                     "batching of requests into a fixed number of slots that decode together on device, "
                     "plainly (ar) or with lossless speculative decoding (dflash, ddtree).",
-        epilog=_EPILOG.replace("{shapes}", shapes),
+        epilog=_EPILOG.replace("{shapes}", shape_names),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     m = p.add_argument_group("models")
     m.add_argument("--target", metavar="PATH", required=True,
                    help="target model: a Hugging Face directory (config.json + *.safetensors, tokenizer.json) "
                         "or a checkpoint converted with convert/; or random:SHAPE (SHAPE one of "
-                        f"{shapes}): random weights of that shape and of its DFlash drafter, made on the "
+                        f"{shape_names}): random weights of that shape and of its DFlash drafter, made on the "
                         "device, no tokenizer (token-id prompts only; see below)")
     m.add_argument("--draft", metavar="PATH",
                    help="DFlash drafter directory (z-lab layout); required by --method dflash and ddtree, "
@@ -701,8 +693,6 @@ def plan(args: argparse.Namespace) -> Plan:
         raise cli.UsageError(f"--port {args.port} is not a port number (0..65535)")
     target_path = draft_path = dcfg = None
     if shape is not None:
-        from ddtree_jax import shapes
-
         tcfg, dcfg = shapes.model_configs(shapes.SHAPES[shape])
         dcfg = dcfg if method != "ar" else None
     else:
@@ -726,11 +716,10 @@ def plan(args: argparse.Namespace) -> Plan:
                              f"or less")
     _check_mesh(args.mesh, args.max_batch, tcfg, dcfg)
     buckets = tuple(sorted(set(args.batch_buckets)))
-    if any(not 1 <= n < args.max_batch for n in buckets):
-        raise cli.UsageError(f"--batch-buckets must be between 1 and --max-batch - 1 ({args.max_batch - 1}), "
-                             f"got {','.join(map(str, buckets))}")
-    if buckets and args.mesh[0] != 1:
-        raise cli.UsageError("--batch-buckets needs a --mesh without a data axis (1xM)")
+    try:  # the engine's own rule, checked before any weight is loaded
+        engines.check_batch_buckets(buckets, args.max_batch, args.mesh[0])
+    except ValueError as e:
+        raise cli.UsageError(f"--batch-buckets: {e}") from None
     tok = load_tokenizer(target_path) if target_path is not None else None
     eos = tuple(dict.fromkeys((tok.eos_token_ids if tok else ()) + tcfg.eos_token_ids))
     if len(eos) > decode.MAX_STOP_IDS:
@@ -768,8 +757,6 @@ def _random_models(p: Plan, dtype):
     """(target, draft) of random weights of ``p.random_shape``, made on the device (shapes.build_params); the
     draft is None for ar. On a mesh the engine then places them (sharding.shard_model)."""
     import jax
-
-    from ddtree_jax import shapes
 
     tcfg, dcfg = shapes.model_configs(shapes.SHAPES[p.random_shape])
     t0 = time.perf_counter()
