@@ -587,12 +587,6 @@ def batch_indices(n: int, batch: int, step: int, seed: int) -> np.ndarray:
     return np.sort(order[(step % per_epoch) * batch:(step % per_epoch + 1) * batch])
 
 
-def batch_at(data: Data, batch: int, step: int, seed: int):
-    """Minibatch ``step`` as (tokens, lengths, starts, features); features None when online."""
-    i = batch_indices(len(data.lengths), batch, step, seed)
-    return data.tokens[i], data.lengths[i], data.starts[i], None if data.features is None else data.features[i]
-
-
 def train(target, data: Data, dcfg, raw_cfg, out: str, tc: TrainConfig, *, eval_prompts=(), eval_every: int = 0,
           eval_budget: int = 32, eval_tokens: int = 48, stop_ids=(), save_every: int = 100,
           time_limit: float | None = None, until: int | None = None, keep_best: bool = False,
