@@ -222,3 +222,17 @@ def test_errors_are_one_line_and_named(tmp_path, case):
     assert "\n" not in msg
     for w in words:
         assert w in msg, msg
+
+
+def test_the_shipped_default_drafter_loads_and_fits_smollm2():
+    """The drafter in the package (what `generate` with no arguments runs) loads, and its shape is SmolLM2-135M's
+    (hidden 576, 9/3 heads of 64, taps inside its 30 layers, block 16): checked without the target's download."""
+    from ddtree_jax import defaults
+
+    dcfg, dp = load_draft(defaults.draft_path())
+    assert (dcfg.block_size, dcfg.num_target_layers) == (16, 30)
+    assert (dcfg.layers.hidden_size, dcfg.layers.num_heads, dcfg.layers.num_kv_heads, dcfg.layers.head_dim) == (
+        576, 9, 3, 64)
+    assert all(0 <= i < 30 for i in dcfg.target_layer_ids)
+    assert all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in jax.tree.leaves(dp))
+    assert (defaults.tree_budget("cpu"), defaults.tree_budget("gpu"), defaults.tree_budget("tpu")) == (16, 64, 16)
