@@ -14,6 +14,7 @@ reached, so a host can stream every few rounds); no host synchronisation inside.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import os
@@ -60,7 +61,8 @@ class GenerateResult:
     rounds: list[list[dict]] | None  # with trace: per prompt, per round {"tree": {...}, "accepted_indices": [...]}
     prefill_s: float
     decode_s: float
-    compile_s: float = 0.0  # ahead-of-time compilation of prefill and the round loop (not in the two above)
+    compile_s: float = 0.0  # ahead-of-time compilation of prefill and the round loop (not in the two above;
+    # about 0 when an earlier call of this process compiled the same shapes: see ``compiled``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -433,13 +435,14 @@ def round_up(x: int, m: int) -> int:
 
 
 def layout(spec: Spec, prompt_lens: list[int], max_new_tokens: int) -> tuple[int, int, int]:
-    """(padded prompt length, cache capacity, output buffer length) for a batch."""
+    """(padded prompt length, cache capacity, output buffer length) for a batch. Capacity and output length are
+    rounded up to multiples of 64, so prompts of nearby lengths share shapes (and compiled programs)."""
     longest = max(prompt_lens)
     chunk = min(spec.prefill_chunk, round_up(longest, 16))
     p_pad = round_up(longest, chunk)
     block = 1 + spec.budget + (spec.draft.block_size if spec.draft else 0)
     capacity = round_up(max(p_pad, longest + max_new_tokens + block), 64)
-    return p_pad, capacity, max(p_pad, longest + max_new_tokens + spec.path_len + 1)
+    return p_pad, capacity, round_up(max(p_pad, longest + max_new_tokens + spec.path_len + 1), 64)
 
 
 def final_length(state: State) -> np.ndarray:
@@ -462,6 +465,26 @@ def trace_rounds(spec: Spec, state: State, b: int) -> list[dict]:
             }
         )
     return rounds
+
+
+_COMPILED: collections.OrderedDict = collections.OrderedDict()  # (fn, spec, abstract args) -> executable
+_COMPILED_MAX = 32
+
+
+def compiled(fn, spec: Spec, *args):
+    """``fn.lower(spec, *args).compile()``, kept for later calls with the same spec and the same shapes, dtypes
+    and shardings (what ``jax.jit`` keys on): ahead-of-time compilation is never cached by jax itself, and a
+    caller that decodes many times at one shape (evaluations while training, a benchmark's prompts one at a
+    time) would otherwise compile every call. Least recently used beyond ``_COMPILED_MAX`` are dropped."""
+    leaves, treedef = jax.tree.flatten(args)
+    key = (fn, spec, treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
+    if key in _COMPILED:
+        _COMPILED.move_to_end(key)
+        return _COMPILED[key]
+    exe = _COMPILED[key] = fn.lower(spec, *args).compile()
+    if len(_COMPILED) > _COMPILED_MAX:
+        _COMPILED.popitem(last=False)
+    return exe
 
 
 def generate(
@@ -514,8 +537,8 @@ def generate(
     budget_rounds = jnp.int32(stream_every if on_tokens else options.max_new_tokens + 1)
 
     t0 = time.perf_counter()  # compile ahead of time so that the timings below are execution only
-    prefill_fn = prefill.lower(spec, tparams, dparams, state, tokens).compile()
-    rounds_fn = run_rounds.lower(spec, tparams, dparams, state, budget_rounds).compile()
+    prefill_fn = compiled(prefill, spec, tparams, dparams, state, tokens)
+    rounds_fn = compiled(run_rounds, spec, tparams, dparams, state, budget_rounds)
     compile_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()

@@ -39,7 +39,7 @@ output (--json): one object on stdout,
   acceptance_lengths count the accepted tree nodes per round including the root (the reference's
   convention); for --method ar they are [] and mean_acceptance_length is null.
   decode_tokens_per_s = generated tokens of all prompts / decode_s (null when decode_s is 0); compile_s (the
-  ahead-of-time compilation) is kept out of prefill_s and decode_s.
+  ahead-of-time compilation; 0 for shapes already compiled in the process) is kept out of prefill_s and decode_s.
 
 examples:
   python -m ddtree_jax.generate      # the default pair: SmolLM2-135M-Instruct + the shipped drafter, vs AR

@@ -109,6 +109,26 @@ def test_stop_token_and_max_tokens(target, drafter, reference_runs):
     assert res.output_ids[0] == run["prompt"] + gen[:3]
 
 
+def test_one_shape_compiles_once(target, drafter, reference_runs, monkeypatch):
+    """generate keeps its ahead-of-time compiled programs: a second call at the same shapes (here another prompt
+    of a nearby length, whose buffers round to the same sizes) compiles nothing, and decodes the same."""
+    lowered = []
+    real = decode.prefill.lower
+    monkeypatch.setattr(decode.prefill, "lower", lambda *a, **k: lowered.append(1) or real(*a, **k), raising=False)
+    decode._COMPILED.clear()
+    a, b = (r["prompt"] for r in reference_runs[:2])
+    opts = decode.GenerateOptions(method="ddtree", tree_budget=4, max_new_tokens=8)
+    first = decode.generate(target, [a], opts, draft=drafter)
+    again = decode.generate(target, [a], opts, draft=drafter)
+    assert again.output_ids == first.output_ids
+    n = len(lowered)
+    _, cap_a, out_a = decode.layout(decode.make_spec(target[0], drafter[0], opts), [len(a)], 8)
+    _, cap_b, out_b = decode.layout(decode.make_spec(target[0], drafter[0], opts), [len(b)], 8)
+    decode.generate(target, [b], opts, draft=drafter)
+    same_shapes = (cap_a, out_a, -(-len(a) // 16)) == (cap_b, out_b, -(-len(b) // 16))
+    assert (n, len(lowered)) == (1, 1 if same_shapes else 2)
+
+
 def test_streaming_callback_sees_every_token_once(target, drafter, reference_runs):
     run = reference_runs[0]
     seen = []
