@@ -479,10 +479,10 @@ class Bench:
 
             self.mesh = sharding.make_mesh(args.mesh)
             (tcfg, tp), (dcfg, dp) = (sharding.shard_model(m, self.mesh) for m in ((tcfg, tp), (dcfg, dp)))
-        if args.layout == "unstacked":
-            from ddtree_jax import params as params_lib
+        if args.layout != "stacked":  # (the random weights are built stacked and input-major)
+            from ddtree_jax import decode
 
-            tp, dp = _sync((params_lib.unstack_layers(tp), params_lib.unstack_layers(dp)))
+            tp, dp = _sync(tuple(decode.device_layout(p, layout=args.layout) for p in (tp, dp)))
         info = {"layout": args.layout,
             "build_s": time.time() - t0, "target_bytes": _nbytes(tp), "draft_bytes": _nbytes(dp),
             "target_layer_bytes": _nbytes(tp.layers), "lm_head_bytes": _nbytes(tp.lm_head),
@@ -1020,9 +1020,12 @@ def build_parser() -> cli.ArgumentParser:
     m.add_argument("--no-breakdown", dest="breakdown", action="store_false", help="skip the stage breakdown")
     m.add_argument("--breakdown-first-only", action="store_true",
                    help="break down only the first prompt/batch configuration (saves compiles)")
-    m.add_argument("--layout", choices=("unstacked", "stacked"), default="unstacked",
-                   help="layer weights as separate per-layer arrays (an unrolled layer loop; default) or "
-                        "stacked [L, ...] arrays under lax.scan (XLA copies each layer's slice on GPU)")
+    m.add_argument("--layout", choices=("unstacked", "stacked", "unstacked-out-major", "stacked-out-major"),
+                   default="unstacked-out-major",
+                   help="layer weights as separate per-layer arrays (an unrolled layer loop) or stacked [L, ...] "
+                        "arrays under lax.scan (XLA copies each layer's slice on GPU unless fused); -out-major: "
+                        "the target's matrices stored [out, in], so a one-row step is a row reduction "
+                        "(decode.device_layout; default: %(default)s, the GPU default)")
     m.add_argument("--breakdown-all", action="store_true",
                    help="break down every ddtree budget (default: only the --key-budgets)")
     m.add_argument("--ab", action="append", default=[], metavar="NAME:KEY=VAL,...",

@@ -28,7 +28,7 @@ import numpy as np
 from ddtree_jax import accept, draft as dflash, model, tree as trees
 from ddtree_jax import cache as kvcache, sharding
 from ddtree_jax.config import DraftConfig, ModelConfig, check_pair
-from ddtree_jax.params import DraftParams, TargetParams, unstack_layers
+from ddtree_jax.params import DraftParams, TargetParams, output_major, unstack_layers
 from pallas_kernels.bitmask import causal_bits
 
 Array = jax.Array
@@ -404,15 +404,18 @@ def init_state(spec: Spec, prompt_lens, options_per_seq, capacity: int, out_len:
 # ----------------------------------------------------------------------------------------- host API
 
 
-LAYOUTS = ("auto", "stacked", "unstacked")
+LAYOUTS = ("auto", "stacked", "unstacked", "stacked-out-major", "unstacked-out-major")
 
 
 def device_layout(params, backend: str | None = None, layout: str | None = None):
-    """Per-layer weights (``params.unstack_layers``) on GPU, stacked elsewhere. Same math: on GPU the
-    stacked layout under ``lax.scan`` makes XLA copy every layer's weights each step (measured 2.8x the
-    AR roofline on an H200, 1.4x unstacked); the unrolled loop costs a longer compile, which CPU avoids.
-    ``layout`` (default: the ``DDTREE_JAX_LAYOUT`` environment variable, else "auto") forces either.
-    Idempotent: callers that decode many times lay out once at load (``generate`` then has nothing to do).
+    """The weights laid out for the backend: on GPU the target's matrices output-major
+    (``params.output_major``: a one-row AR step reads them by a row reduction at GEMV bandwidth) and per-layer
+    buffers (``params.unstack_layers``: the stacked layout under ``lax.scan`` makes XLA copy every layer's
+    weights each step, measured 2.8x the AR roofline on an H200); stacked and input-major elsewhere. Same
+    math; the unrolled loop costs a longer compile, which CPU avoids. ``layout`` (default: the
+    ``DDTREE_JAX_LAYOUT`` environment variable, else "auto") forces one of ``LAYOUTS``. Drafters are never
+    output-major (they never multiply one row). Idempotent: callers that decode many times lay out once at
+    load (``generate`` then has nothing to do).
 
     On CPU a tied output projection is also materialised once, in float32 ([D, V]): otherwise XLA:CPU
     converts and transposes the embedding outside the round loop of every call (82 ms per call for
@@ -423,11 +426,17 @@ def device_layout(params, backend: str | None = None, layout: str | None = None)
     if params is None:
         return params
     backend = backend or jax.default_backend()
-    if backend == "cpu" and isinstance(params, TargetParams) and params.lm_head is None:
+    if layout == "auto":
+        layout = GPU_LAYOUT if backend == "gpu" else "stacked"
+    target = isinstance(params, TargetParams)
+    if backend == "cpu" and target and params.lm_head is None and not layout.endswith("out-major"):
         params = dataclasses.replace(params, lm_head=params.embed.T.astype(jnp.float32))
-    if layout == "stacked" or (layout == "auto" and backend != "gpu"):
-        return params
-    return unstack_layers(params)
+    if target and layout.endswith("out-major"):
+        params = output_major(params)
+    return unstack_layers(params) if layout.startswith("unstacked") else params
+
+
+GPU_LAYOUT = "unstacked-out-major"  # device_layout's choice on GPU
 
 
 def round_up(x: int, m: int) -> int:

@@ -40,6 +40,8 @@ class LayerWeights:
     w_gate: Array  # [L, D, F]
     w_up: Array  # [L, D, F]
     w_down: Array  # [L, F, D]
+    # True: the seven matrices are stored output-major, [L, *out, *in] (e.g. wq [L, H, hd, D]; see output_major)
+    output_major: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -48,11 +50,16 @@ class TargetParams:
     embed: Array  # [V, D]
     layers: LayerWeights
     final_norm: Array  # [D]
-    lm_head: Array | None  # [D, V]; None when tied to embed
+    lm_head: Array | None  # [D, V] ([V, D] when output_major); None when tied to embed
+    output_major: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def head(self) -> Array:
         """The output projection [D, V] (the transposed embedding when tied)."""
-        return self.embed.T if self.lm_head is None else self.lm_head
+        return self.embed.T if self.lm_head is None else self.lm_head.T if self.output_major else self.lm_head
+
+    def head_output_major(self) -> Array:
+        """The output projection as [V, D] (the embedding itself when tied): see :func:`output_major`."""
+        return self.embed if self.lm_head is None else self.lm_head if self.output_major else self.lm_head.T
 
 
 @jax.tree_util.register_dataclass
@@ -95,6 +102,8 @@ DRAFT_SPECS: dict[str, Spec] = {
     "hidden_norm": (lambda c: (c.layers.hidden_size,), ("embed",)),
     "final_norm": (lambda c: (c.layers.hidden_size,), ("embed",)),
 }
+# The matrices of a layer and how many of their leading axes (after ``layers``) are inputs (contracted).
+MATRIX_INPUTS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
 NORMS = ("attn_norm", "q_norm", "k_norm", "mlp_norm", "final_norm", "hidden_norm")
 
 
@@ -127,9 +136,16 @@ def logical_axes(params: TargetParams | DraftParams) -> TargetParams | DraftPara
 
     def axes(obj):
         fields = {}
+        om = getattr(obj, "output_major", False)
         for f in dataclasses.fields(obj):
             v = getattr(obj, f.name)
-            fields[f.name] = axes(v) if isinstance(v, LayerWeights) else (None if v is None else specs[f.name][1])
+            if f.metadata.get("static"):
+                fields[f.name] = v
+            elif isinstance(v, LayerWeights):
+                fields[f.name] = axes(v)
+            else:
+                a = None if v is None else specs[f.name][1]
+                fields[f.name] = _out_major_axes(f.name, a) if om and a is not None else a
         return type(obj)(**fields)
 
     return axes(params)
@@ -160,6 +176,40 @@ def unstack_layers(params):
     n = jax.tree.leaves(params.layers)[0].shape[0]
     layers = tuple(jax.tree.map(lambda a, i=i: a[i], params.layers) for i in range(n))
     return dataclasses.replace(params, layers=layers)
+
+
+def _out_major_axes(name: str, axes: tuple) -> tuple:
+    """A weight's axes (or shape) in the output-major order: [layers?] + outputs + inputs (norms and the
+    embedding as they are)."""
+    if name == "lm_head":
+        return axes[::-1]
+    if name not in MATRIX_INPUTS:
+        return axes
+    n_in, lead = MATRIX_INPUTS[name], len(axes) - len(LAYER_SPECS[name][1]) + 1  # lead: 1 if stacked, else 0
+    return axes[:lead] + axes[lead + n_in:] + axes[lead:lead + n_in]
+
+
+def output_major(params: TargetParams) -> TargetParams:
+    """The target with its layer matrices and lm_head stored output-major ([*out, *in], PyTorch's layout).
+
+    Same math; what changes is how a one-row product reads the weights. An autoregressive step at batch 1
+    multiplies one row by every matrix, and ``model.linear`` then takes a row reduction (f32 products summed
+    over the contiguous input axes), which XLA fuses into one pass over the weights: measured on an H200
+    (benchmarks/gemv_ab.py) 3.9 TB/s, where XLA's one-row GEMM over [in, out] weights reads at 2.2 TB/s.
+    Products of more rows stay GEMMs (the transposed operand is free for them). Idempotent; stacked or not."""
+    if params.output_major:
+        return params
+
+    def move(w: LayerWeights) -> LayerWeights:
+        moved = {}
+        for name in MATRIX_INPUTS:
+            x = getattr(w, name)
+            moved[name] = jnp.transpose(x, _out_major_axes(name, tuple(range(x.ndim))))
+        return dataclasses.replace(w, output_major=True, **moved)
+
+    layers = tuple(map(move, params.layers)) if isinstance(params.layers, (tuple, list)) else move(params.layers)
+    lm_head = None if params.lm_head is None else params.lm_head.T
+    return dataclasses.replace(params, layers=layers, lm_head=lm_head, output_major=True)
 
 
 def cast(params, dtype):

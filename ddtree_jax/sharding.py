@@ -243,10 +243,11 @@ def load_shardings(cfg: ModelConfig | DraftConfig, mesh: Mesh, rules: Rules = Ru
 
 
 def expand_kv_heads(layers: params_lib.LayerWeights, copies: int) -> params_lib.LayerWeights:
-    """wk, wv [L, D, K, hd] -> [L, D, K * copies, hd]: head j becomes heads j*copies .. j*copies + copies-1."""
+    """wk, wv [L, D, K, hd] -> [L, D, K * copies, hd] (output-major [L, K, hd, D] -> [L, K * copies, hd, D]):
+    head j becomes heads j*copies .. j*copies + copies-1."""
     if copies == 1:
         return layers
-    rep = functools.partial(jnp.repeat, repeats=copies, axis=2)
+    rep = functools.partial(jnp.repeat, repeats=copies, axis=1 if layers.output_major else 2)
     return dataclasses.replace(layers, wk=rep(layers.wk), wv=rep(layers.wv))
 
 

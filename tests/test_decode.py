@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from ddtree_jax import decode
+from ddtree_jax.params import LayerWeights
 
 
 def tree_paths(tokens, parents):
@@ -148,19 +149,22 @@ def test_bad_requests_are_clear_errors(target, drafter):
         decode.generate(target, [[1]], decode.GenerateOptions(method="beam"))
 
 
-def test_unstacked_layout_gives_the_same_rounds(target, drafter, reference_runs):
-    """The per-layer layout used on GPU (an unrolled loop) computes exactly what the stacked scan does."""
-    from ddtree_jax import params
-
+@pytest.mark.parametrize("layout", ["unstacked", "stacked-out-major", "unstacked-out-major"])
+def test_gpu_layouts_give_the_same_rounds(target, drafter, reference_runs, layout):
+    """The layouts used on GPU (per-layer buffers in an unrolled loop; output-major target matrices, whose
+    one-row AR steps are row reductions) compute what the stacked scan does: the reference's rounds."""
     run = reference_runs[0]
     (cfg, tp), (dcfg, dp) = target, drafter
-    res = decode.generate(
-        (cfg, params.unstack_layers(tp)), [run["prompt"]], options("ddtree", run, tree_budget=16),
-        draft=(dcfg, params.unstack_layers(dp)),
-    )
+    tl, dl = (decode.device_layout(p, backend="gpu", layout=layout) for p in (tp, dp))
+    layers = dl.layers if isinstance(dl.layers, LayerWeights) else dl.layers[0]
+    assert tl.output_major == layout.endswith("out-major") and not layers.output_major
+    res = decode.generate((cfg, tl), [run["prompt"]], options("ddtree", run, tree_budget=16), draft=(dcfg, dl))
     ref = run["ddtree"]["16"]
     assert res.output_ids[0] == ref["output"] and res.acceptance_lengths[0] == ref["acceptance_lengths"]
-    assert decode.device_layout(tp, backend="gpu").layers.__class__ is tuple
+    res = decode.generate((cfg, tl), [run["prompt"]], options("ar", run))
+    assert res.output_ids[0] == run["ar"]
+    auto = decode.device_layout(tp, backend="gpu")
+    assert auto.layers.__class__ is tuple and auto.output_major and decode.GPU_LAYOUT == "unstacked-out-major"
     assert decode.device_layout(tp, backend="cpu") is tp
 
 

@@ -80,3 +80,25 @@ def test_bfloat16_first_tokens_agree(target, reference_runs):
     for r, out in zip(reference_runs, res.output_ids):
         n = len(r["prompt"]) + 8
         assert out == r["ar"][:n]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_output_major_layout_same_logits(target, llama, tied):
+    """Output-major weights ([out, in]): one row goes through a row reduction, more rows through a GEMM;
+    both give the input-major layout's logits, stacked or per layer, for an untied and a tied head."""
+    import jax
+
+    cfg, tp = llama if tied else target
+    tokens = [3, 17, 5, 40, 9]
+    ref, _ = run_chunked(cfg, tp, tokens, chunk=1)
+    for laid in (P.output_major(tp), P.unstack_layers(P.output_major(tp))):
+        assert laid.output_major and P.output_major(laid) is laid
+        for chunk in (1, 4):
+            lg, _ = run_chunked(cfg, laid, tokens, chunk=chunk)
+            np.testing.assert_allclose(lg, ref, atol=2e-5, rtol=0)
+    w = P.output_major(tp).layers.wo[0]  # [D, H, hd]
+    assert w.shape == (cfg.hidden_size, cfg.num_heads, cfg.head_dim)
+    one, many = (jax.make_jaxpr(lambda x: model.linear(x, w, "bthk,hkd->btd", True))(jnp.ones((1, n, cfg.num_heads, cfg.head_dim)))
+                 for n in (1, 3))
+    assert "dot_general" not in str(one) and "reduce_sum" in str(one)  # the one-row form is a reduction
+    assert "dot_general" in str(many)

@@ -8,7 +8,7 @@ report JSON that the tests below assert on:
   acceptance lengths) and 5 sampled with temperature / top-k / top-p (compared with one device, same seeds);
 - the compiled HLO of a 2x2 round (row-parallel all-reduces present, nothing vocabulary-sized gathered) and
   of an 8x1 round and prefill (no collective at all: data parallelism is communication-free);
-- decode.generate(mesh=...) padding a batch of 3 to the data axis; the attention and tree-walk kernels per
+- decode.generate(mesh=...) padding a batch of 3 to the data axis, and with output-major target weights; the attention and tree-walk kernels per
   device under shard_map (the wrappers' splits on 2x2; the Pallas kernels in the Mosaic GPU interpreter on
   1x1); a checkpoint saved from one sharded layout and restored into another; impossible meshes.
 Single-device checks (mesh parsing, error messages, KV-head replication, the CLI flag) run in-process.
@@ -130,6 +130,19 @@ def _script(out_path: str) -> None:
                           tree_budget=BUDGET), draft=drafter, mesh=mesh_of("2x2"))
     report["generate_2x2"] = {"outputs": res.output_ids, "acceptance": res.acceptance_lengths}
     report["seconds"]["generate"] = time.time() - t0
+
+    # output-major target weights (the GPU layout, params.output_major) on meshes: one prompt, so AR multiplies
+    # one row (the row-reduction form) on 1x4 (KV heads repeated along their output-major axis); ddtree on 1x2
+    t0 = time.time()
+    from ddtree_jax import params as params_lib
+
+    om = (target[0], params_lib.output_major(target[1]))
+    report["out_major"] = {
+        f"{shape} {method}": decode.generate(om, prompts[:1], decode.GenerateOptions(
+            method=method, max_new_tokens=40, tree_budget=BUDGET), draft=drafter, mesh=mesh_of(shape)).output_ids[0]
+        for shape, method in (("1x4", "ar"), ("1x2", "ddtree"))
+    }
+    report["seconds"]["out_major"] = time.time() - t0
 
     # the attention kernel per device under shard_map: the wrapper's specs on 2x2 (a jnp stand-in that records
     # the per-device shapes), then the Pallas kernel itself in the Mosaic GPU interpreter on a 1x1 mesh (the
@@ -331,6 +344,12 @@ def test_generate_pads_the_batch_to_the_data_axis(report):
     for acc, r in zip(got["acceptance"], runs):  # the same rounds until the 40th token
         ref = r["ddtree"][str(BUDGET)]["acceptance_lengths"]
         assert acc == ref[: len(acc)] and 1 + sum(acc) >= 40
+
+
+def test_output_major_weights_on_meshes(report):
+    """Output-major target weights sharded on 1x4 (AR, one row) and 1x2 (ddtree): the reference's tokens."""
+    run = _reference_runs()[0]
+    assert report["out_major"] == {k: run["ar"][: len(run["prompt"]) + 40] for k in ("1x4 ar", "1x2 ddtree")}
 
 
 def test_attention_kernel_runs_per_device(report):
