@@ -12,9 +12,9 @@ Subcommands
             configuration: HLO checks (host transfers, big copies), N rounds in one call vs N calls, a
             profiler trace summary, tree-build micro-benchmarks. Writes JSON records (the format of
             benchmarks/results/*.json) and a details file. ``--quick`` runs a tiny shape (CPU-friendly).
-            Layer weights are unstacked by default (params.unstack_layers: one buffer per layer, an
-            unrolled layer loop); ``--layout stacked`` keeps the lax.scan over [L, ...] weights, whose
-            per-layer slices XLA copies on GPU (benchmarks/PERF.md).
+            Weights are laid out as decode.device_layout does on GPU by default (``--layout
+            stacked-out-major``: stacked layers under lax.scan, the target's matrices output-major); the
+            round loop and the stages compile with decode.XLA_OPTIONS (benchmarks/PERF.md).
   pair      a trained pair (default: the default pair) on train_draft's held-out prompts, one at a time or as
             one batch: mean acceptance length and decode tokens/s of ar, dflash and ddtree at budgets.
   kernels   pallas_kernels.bench_kernels, if present, with the remaining arguments.
@@ -174,12 +174,8 @@ def _jitted():
         logits, taps, tokens = outs
         return decode.accept_commit(spec, state, tree, state.dcache, logits, state.cache, taps, tokens)
 
-    @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
-    def one_round(spec, tp, dp, state):
-        return decode.round_step(spec, tp, dp, state)
-
     return dict(randomize=randomize, stage_draft=stage_draft, stage_tree=stage_tree, stage_verify=stage_verify,
-                stage_accept=stage_accept, one_round=one_round)
+                stage_accept=stage_accept)
 
 
 _J: dict = {}
@@ -248,9 +244,12 @@ class Timer:
 
 
 def aot(jitted, *args):
-    """Lower and compile once (ahead of time); returns (compiled, seconds)."""
+    """Lower and compile once (ahead of time) with decode.XLA_OPTIONS, as decode.generate does; returns
+    (compiled, seconds)."""
+    from ddtree_jax import decode
+
     t0 = time.perf_counter()
-    compiled = jitted.lower(*args).compile()
+    compiled = jitted.lower(*args).compile(decode.XLA_OPTIONS)
     return compiled, time.perf_counter() - t0
 
 
@@ -1021,7 +1020,7 @@ def build_parser() -> cli.ArgumentParser:
     m.add_argument("--breakdown-first-only", action="store_true",
                    help="break down only the first prompt/batch configuration (saves compiles)")
     m.add_argument("--layout", choices=("unstacked", "stacked", "unstacked-out-major", "stacked-out-major"),
-                   default="unstacked-out-major",
+                   default="stacked-out-major",
                    help="layer weights as separate per-layer arrays (an unrolled layer loop) or stacked [L, ...] "
                         "arrays under lax.scan (XLA copies each layer's slice on GPU unless fused); -out-major: "
                         "the target's matrices stored [out, in], so a one-row step is a row reduction "
@@ -1101,7 +1100,9 @@ def _pair(args) -> int:
     for name in runs[0]:
         acc = [r[name]["mean_acceptance_length"] for r in runs if r[name]["mean_acceptance_length"] is not None]
         tps = [r[name]["tokens_per_s"] for r in runs if r[name]["tokens_per_s"]]
+        mins = [r[name]["min_acceptance_length"] for r in runs if r[name]["min_acceptance_length"] is not None]
         table[name] = {"mean_acceptance_length": statistics.fmean(acc) if acc else None,
+                       "min_acceptance_length": min(mins) if mins else None,  # < 1 would flag a faulty round
                        "tokens_per_s": statistics.fmean(tps) if tps else None}
     for name, row in table.items():
         ar = table["ar"]["tokens_per_s"]

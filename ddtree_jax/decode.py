@@ -292,6 +292,14 @@ def first_stop(out: Array, state: State, n_out: Array) -> Array:
     return jnp.minimum(state.stop_at, found)
 
 
+# XLA options of every top-level compile of the round loop and prefill (``decode.compiled``, the engine's steps,
+# the bench; jax takes compiler options on top-level jits only; the GPU ones are inert on CPU). Measured on an H200 (benchmarks/PERF.md, fourth run), stacked output-major weights: dynamic-slice fusion
+# lets cuBLAS read each layer's slice of the stacked weights in place, where XLA's Triton GEMMs copy it first (a
+# ddtree-64 round of Qwen3-8B: 9.5 ms with these options, 17.2 ms without); one-row products are row reductions,
+# which neither option touches (AR 5.39 / 5.37 ms). ``bench models --ab`` compiles with others to compare.
+XLA_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_enable_triton_gemm": False}
+
+
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
 @sharding.on_spec_mesh(batched=(3,))
 def run_rounds(spec: Spec, target: TargetParams, drafter: DraftParams | None, state: State, max_rounds: Array):
@@ -408,14 +416,13 @@ LAYOUTS = ("auto", "stacked", "unstacked", "stacked-out-major", "unstacked-out-m
 
 
 def device_layout(params, backend: str | None = None, layout: str | None = None):
-    """The weights laid out for the backend: on GPU the target's matrices output-major
-    (``params.output_major``: a one-row AR step reads them by a row reduction at GEMV bandwidth) and per-layer
-    buffers (``params.unstack_layers``: the stacked layout under ``lax.scan`` makes XLA copy every layer's
-    weights each step, measured 2.8x the AR roofline on an H200); stacked and input-major elsewhere. Same
-    math; the unrolled loop costs a longer compile, which CPU avoids. ``layout`` (default: the
-    ``DDTREE_JAX_LAYOUT`` environment variable, else "auto") forces one of ``LAYOUTS``. Drafters are never
-    output-major (they never multiply one row). Idempotent: callers that decode many times lay out once at
-    load (``generate`` then has nothing to do).
+    """The weights laid out for the backend: on GPU (``GPU_LAYOUT``) the target's matrices output-major
+    (``params.output_major``: a one-row AR step reads them by a row reduction at GEMV bandwidth), layers stacked
+    under ``lax.scan`` (with ``XLA_OPTIONS`` the GEMMs read each layer's slice in place; the per-layer layout,
+    ``params.unstack_layers``, avoids slicing altogether but its unrolled loop compiles for minutes); stacked
+    and input-major elsewhere. Same math. ``layout`` (default: the ``DDTREE_JAX_LAYOUT`` environment variable,
+    else "auto") forces one of ``LAYOUTS``. Drafters are never output-major (they never multiply one row).
+    Idempotent: callers that decode many times lay out once at load (``generate`` then has nothing to do).
 
     On CPU a tied output projection is also materialised once, in float32 ([D, V]): otherwise XLA:CPU
     converts and transposes the embedding outside the round loop of every call (82 ms per call for
@@ -436,7 +443,7 @@ def device_layout(params, backend: str | None = None, layout: str | None = None)
     return unstack_layers(params) if layout.startswith("unstacked") else params
 
 
-GPU_LAYOUT = "unstacked-out-major"  # device_layout's choice on GPU
+GPU_LAYOUT = "stacked-out-major"  # device_layout's choice on GPU (fastest AR and rounds measured, short compiles)
 
 
 def round_up(x: int, m: int) -> int:
@@ -481,7 +488,7 @@ _COMPILED_MAX = 32
 
 
 def compiled(fn, spec: Spec, *args):
-    """``fn.lower(spec, *args).compile()``, kept for later calls with the same spec and the same shapes, dtypes
+    """``fn.lower(spec, *args).compile(XLA_OPTIONS)``, kept for later calls with the same spec and the same shapes, dtypes
     and shardings (what ``jax.jit`` keys on): ahead-of-time compilation is never cached by jax itself, and a
     caller that decodes many times at one shape (evaluations while training, a benchmark's prompts one at a
     time) would otherwise compile every call. Least recently used beyond ``_COMPILED_MAX`` are dropped."""
@@ -490,7 +497,7 @@ def compiled(fn, spec: Spec, *args):
     if key in _COMPILED:
         _COMPILED.move_to_end(key)
         return _COMPILED[key]
-    exe = _COMPILED[key] = fn.lower(spec, *args).compile()
+    exe = _COMPILED[key] = fn.lower(spec, *args).compile(XLA_OPTIONS)
     if len(_COMPILED) > _COMPILED_MAX:
         _COMPILED.popitem(last=False)
     return exe

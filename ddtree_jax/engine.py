@@ -164,8 +164,7 @@ def device_final_length(state: decode.State) -> Array:
     return jnp.minimum(cut, jnp.where(state.stop_at < decode.NEVER, state.stop_at + 1, state.n_out))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(3,))
-def step(spec: decode.Spec, target, drafter, state: decode.State, starts: Array, rounds: int):
+def _step(spec: decode.Spec, target, drafter, state: decode.State, starts: Array, rounds: int):
     """Run up to ``rounds`` rounds for the batch; return the new state and a :class:`Snapshot` whose
     window holds each slot's output from ``starts`` [B] (the first undelivered index) on."""
     n_out0, rounds0 = state.n_out, state.n_rounds
@@ -183,6 +182,16 @@ def step(spec: decode.Spec, target, drafter, state: decode.State, starts: Array,
     return state, snap
 
 
+# jax takes compiler options on top-level jits only: step_rows calls _step, and prefill wraps decode.prefill
+step = jax.jit(_step, static_argnums=(0, 5), donate_argnums=(3,), compiler_options=decode.XLA_OPTIONS)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,), compiler_options=decode.XLA_OPTIONS)
+def prefill(spec: decode.Spec, target, drafter, state: decode.State, tokens: Array) -> decode.State:
+    """decode.prefill compiled with decode.XLA_OPTIONS."""
+    return decode.prefill(spec, target, drafter, state, tokens)
+
+
 def check_batch_buckets(buckets, max_batch: int, data_parallel: int) -> None:
     """ValueError unless every bucket is a smaller slot batch (1 .. max_batch - 1) and the batch is not split
     over a data axis (``data_parallel`` devices: a bucket's rows are gathered from the whole slot batch)."""
@@ -193,10 +202,10 @@ def check_batch_buckets(buckets, max_batch: int, data_parallel: int) -> None:
         raise ValueError("batch buckets need a mesh without a data axis (DxM with D = 1)")
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=(3,))
+@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=(3,), compiler_options=decode.XLA_OPTIONS)
 def step_rows(spec: decode.Spec, target, drafter, state: decode.State, rows: Array, starts: Array, rounds: int):
     """:func:`step` on the slots ``rows`` [n] (distinct) alone: the Snapshot is theirs, in ``rows``' order."""
-    sub, snap = step(spec, target, drafter, decode.take_rows(state, rows), starts, rounds)
+    sub, snap = _step(spec, target, drafter, decode.take_rows(state, rows), starts, rounds)
     return decode.put_rows(state, rows, sub), snap
 
 
@@ -595,7 +604,7 @@ class Engine:
                                  self.layout.capacity, self.layout.out_len, self.dtype)
         one = sharding.create(make, self.mesh)
         toks = jnp.asarray(tokens) if self.mesh is None else jax.device_put(tokens, sharding.batch_sharding(self.mesh, 2))
-        one = decode.prefill(spec, self.tparams, self.dparams, one, toks)
+        one = prefill(spec, self.tparams, self.dparams, one, toks)
         jax.block_until_ready(one.bonus)  # so that the prefill latency metric is the real one
         if rows == 1:
             self.state = decode.insert(self.state, jnp.int32(slot), one)

@@ -164,7 +164,7 @@ def test_gpu_layouts_give_the_same_rounds(target, drafter, reference_runs, layou
     res = decode.generate((cfg, tl), [run["prompt"]], options("ar", run))
     assert res.output_ids[0] == run["ar"]
     auto = decode.device_layout(tp, backend="gpu")
-    assert auto.layers.__class__ is tuple and auto.output_major and decode.GPU_LAYOUT == "unstacked-out-major"
+    assert auto.layers.__class__ is LayerWeights and auto.output_major and decode.GPU_LAYOUT == "stacked-out-major"
     assert decode.device_layout(tp, backend="cpu") is tp
 
 
