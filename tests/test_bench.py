@@ -41,6 +41,7 @@ def test_pair_mode_on_the_fixture_pair(tmp_path, capsys):
     assert list(res["methods"]) == ["ar", "dflash", "ddtree-4"] and res["prompts"] == 2 and res["batch"] == 1
     assert res["methods"]["ar"]["speedup"] == 1.0
     assert res["methods"]["ddtree-4"]["mean_acceptance_length"] >= 1.0
+    assert res["methods"]["dflash"]["min_acceptance_length"] >= 1 and res["methods"]["ar"]["min_acceptance_length"] is None
     assert "ddtree-4" in capsys.readouterr().out
     assert bench.main(["pair", "--target", str(tmp_path / "nope")]) == 2
 
