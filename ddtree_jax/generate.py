@@ -83,7 +83,7 @@ def build_parser() -> cli.ArgumentParser:
                         "the default pair)")
     g.add_argument("--tree-budget", type=cli.positive_int, default=None, metavar="N",
                    help=f"number of draft-tree nodes verified per round, --method ddtree only "
-                        f"(default: {decode.DEFAULT_TREE_BUDGET}; the default pair: 16 on CPU, 64 on GPU)")
+                        f"(default: {decode.DEFAULT_TREE_BUDGET}; the default pair: 16 on CPU, 32 on GPU)")
     g.add_argument("--max-new-tokens", type=cli.positive_int, default=128, metavar="N",
                    help="stop after N generated tokens per prompt (default: 128)")
     g.add_argument("--temperature", type=cli.nonneg_float, default=0.0, metavar="T",
