@@ -120,7 +120,7 @@ def resolve_attention(choice: str) -> str:
     elsewhere; 'pallas' on CPU runs them in interpret mode."""
     on_gpu = jax.default_backend() == "gpu"
     if choice == "auto":
-        return "pallas" if on_gpu and pallas_attention_works() else "xla"
+        return "pallas" if on_gpu and pallas_kernels_work() else "xla"
     if choice == "pallas":
         return "pallas" if on_gpu else "pallas-interpret"
     if choice == "xla":
@@ -129,9 +129,10 @@ def resolve_attention(choice: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def pallas_attention_works() -> bool:
-    """Whether the Pallas tree-attention kernel compiles and runs here and matches the jnp reference
-    (bf16, a small ragged GQA problem with a tree mask). Checked once per process; False -> XLA path."""
+def pallas_kernels_work() -> bool:
+    """Whether the Pallas kernels compile and run here and match their jnp references: tree attention on a
+    small ragged bf16 GQA problem with a tree mask, and the tree walk on DDTree trees whose target choices
+    follow a random path to a random depth. Checked once per process; False -> the XLA path (with a warning)."""
     import warnings
 
     from pallas_kernels import tree_attention as ta
@@ -139,7 +140,7 @@ def pallas_attention_works() -> bool:
 
     try:
         b, t, h, kv, s, hd = 2, 5, 4, 2, 128, 128
-        kq, kk, kvk = jax.random.split(jax.random.key(0), 3)
+        kq, kk, kvk, kl = jax.random.split(jax.random.key(0), 4)
         q = jax.random.normal(kq, (b, t, h, hd), jnp.float32).astype(jnp.bfloat16)
         k = jax.random.normal(kk, (b, s, kv, hd), jnp.float32).astype(jnp.bfloat16)
         v = jax.random.normal(kvk, (b, s, kv, hd), jnp.float32).astype(jnp.bfloat16)
@@ -153,11 +154,35 @@ def pallas_attention_works() -> bool:
         ref = ta.tree_attention_reference(q, k, v, prefix, bits).astype(jnp.float32)
         err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
         if not err < 2e-2:
-            raise ValueError(f"relative error {err:.3g} against the reference")
+            raise ValueError(f"tree attention: relative error {err:.3g} against the reference")
+        tree = trees.best_first(8 * jax.random.normal(kl, (8, 15, 64)), 32)  # peaked: deep trees
+        choice = walk_probe_choices(tree, np.random.default_rng(0))
+        got, want = (jax.jit(functools.partial(accept.walk, max_depth=15, impl=impl))(tree, choice)
+                     for impl in ("pallas", "xla"))
+        if not all(np.array_equal(x, y) for x, y in zip(got, want)):
+            raise ValueError(f"tree walk: lengths {np.asarray(got[1]).tolist()}, reference {np.asarray(want[1]).tolist()}")
         return True
     except Exception as e:  # noqa: BLE001 - any failure means: use the XLA path
-        warnings.warn(f"Pallas tree attention unavailable here, using the XLA path: {str(e)[:300]}")
+        warnings.warn(f"Pallas kernels unavailable here, using the XLA path: {str(e)[:300]}")
         return False
+
+
+def walk_probe_choices(tree: trees.Tree, rng: np.random.Generator) -> Array:
+    """Target choices [B, 1+N] for a tree probe: row i follows the tree from the root for i steps (choosing
+    each next node's token at its parent), where it can, then stops on a token no node carries."""
+    tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parents)
+    choice = np.full(parents.shape, 1 << 30, np.int32)
+    for i in range(parents.shape[0]):
+        node = 0
+        for _ in range(i):
+            kids = np.flatnonzero(parents[i] == node)
+            kids = kids[tokens[i, kids - 1] >= 0]
+            if not len(kids):
+                break
+            nxt = int(rng.choice(kids))
+            choice[i, node] = tokens[i, nxt - 1]
+            node = nxt
+    return jnp.asarray(choice)
 
 
 @jax.tree_util.register_dataclass

@@ -193,3 +193,22 @@ def test_random_trees_respect_depth():
         depth[j] = depth[par[j]] + 1
     assert depth.max() <= 5 and (par[1:] < np.arange(1, 300)).all()
     assert ancestor_mask(par)[7, 0] and ancestor_mask(par)[7, 7]
+
+
+def test_gpu_probe_of_the_tree_walk():
+    """decode.pallas_kernels_work's walk probe: row i follows a path of up to i nodes past the root (deep ones
+    included), and the kernel (in the Mosaic GPU interpreter here) equals the reference on it."""
+    import functools
+
+    import jax
+    import numpy as np
+
+    from ddtree_jax import accept, decode, tree as trees
+
+    tree = trees.best_first(8 * jax.random.normal(jax.random.key(3), (8, 15, 64)), 32)
+    choice = decode.walk_probe_choices(tree, np.random.default_rng(0))
+    got, want = (functools.partial(accept.walk, max_depth=15, impl=impl)(tree, choice)
+                 for impl in ("pallas-interpret", "xla"))
+    lengths = np.asarray(want[1])
+    assert lengths[0] == 1 and (lengths <= np.arange(1, 9)).all() and lengths.max() >= 6
+    assert all(np.array_equal(x, y) for x, y in zip(got, want))
