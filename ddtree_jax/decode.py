@@ -130,59 +130,37 @@ def resolve_attention(choice: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def pallas_kernels_work() -> bool:
-    """Whether the Pallas kernels compile and run here and match their jnp references: tree attention on a
-    small ragged bf16 GQA problem with a tree mask, and the tree walk on DDTree trees whose target choices
-    follow a random path to a random depth. Checked once per process; False -> the XLA path (with a warning)."""
+    """Whether the Pallas kernels compile and run here and match their jnp references (:func:`kernel_mismatch`).
+    Checked once per process; False -> the XLA path, with a warning."""
     import warnings
 
-    from pallas_kernels import tree_attention as ta
-    from pallas_kernels.bitmask import pack_bits
-
     try:
-        b, t, h, kv, s, hd = 2, 5, 4, 2, 128, 128
-        kq, kk, kvk, kl = jax.random.split(jax.random.key(0), 4)
-        q = jax.random.normal(kq, (b, t, h, hd), jnp.float32).astype(jnp.bfloat16)
-        k = jax.random.normal(kk, (b, s, kv, hd), jnp.float32).astype(jnp.bfloat16)
-        v = jax.random.normal(kvk, (b, s, kv, hd), jnp.float32).astype(jnp.bfloat16)
-        prefix = jnp.asarray([3, 70], jnp.int32)
-        parents = np.asarray([-1, 0, 0, 1, 2])  # a small tree: root, two children, one grandchild each
-        vis = np.eye(t, dtype=bool)
-        for j in range(1, t):
-            vis[j] |= vis[parents[j]]
-        bits = jnp.broadcast_to(pack_bits(jnp.asarray(vis)), (b, t, 1))
-        out = jax.jit(ta.tree_attention)(q, k, v, prefix, bits).astype(jnp.float32)
-        ref = ta.tree_attention_reference(q, k, v, prefix, bits).astype(jnp.float32)
-        err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-        if not err < 2e-2:
-            raise ValueError(f"tree attention: relative error {err:.3g} against the reference")
-        tree = trees.best_first(8 * jax.random.normal(kl, (8, 15, 64)), 32)  # peaked: deep trees
-        choice = walk_probe_choices(tree, np.random.default_rng(0))
-        got, want = (jax.jit(functools.partial(accept.walk, max_depth=15, impl=impl))(tree, choice)
-                     for impl in ("pallas", "xla"))
-        if not all(np.array_equal(x, y) for x, y in zip(got, want)):
-            raise ValueError(f"tree walk: lengths {np.asarray(got[1]).tolist()}, reference {np.asarray(want[1]).tolist()}")
-        return True
+        problem = kernel_mismatch()
     except Exception as e:  # noqa: BLE001 - any failure means: use the XLA path
-        warnings.warn(f"Pallas kernels unavailable here, using the XLA path: {str(e)[:300]}")
-        return False
+        problem = str(e)
+    if problem:
+        warnings.warn(f"Pallas kernels unavailable here, using the XLA path: {problem[:300]}")
+    return not problem
 
 
-def walk_probe_choices(tree: trees.Tree, rng: np.random.Generator) -> Array:
-    """Target choices [B, 1+N] for a tree probe: row i follows the tree from the root for i steps (choosing
-    each next node's token at its parent), where it can, then stops on a token no node carries."""
-    tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parents)
-    choice = np.full(parents.shape, 1 << 30, np.int32)
-    for i in range(parents.shape[0]):
-        node = 0
-        for _ in range(i):
-            kids = np.flatnonzero(parents[i] == node)
-            kids = kids[tokens[i, kids - 1] >= 0]
-            if not len(kids):
-                break
-            nxt = int(rng.choice(kids))
-            choice[i, node] = tokens[i, nxt - 1]
-            node = nxt
-    return jnp.asarray(choice)
+def kernel_mismatch(interpret: bool = False) -> str | None:
+    """Run each Pallas kernel once on a small random problem (``pallas_kernels.inputs``: a ragged bf16 GQA tree
+    attention; tree walks whose target choices mostly follow the tree, so paths go deep) and compare it with its
+    jnp reference. Returns a description of the first mismatch, or None. ``interpret``: the Mosaic GPU interpreter."""
+    from pallas_kernels import inputs, tree_accept as tw, tree_attention as ta
+
+    q, k, v, prefix, bits = inputs.attention_inputs(0, 2, 5, 4, 2, 128, 128, [3, 70])
+    out = jax.jit(functools.partial(ta.tree_attention, interpret=interpret))(q, k, v, prefix, bits)
+    ref = ta.tree_attention_reference(q, k, v, prefix, bits).astype(jnp.float32)
+    err = float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+    if not err < 2e-2:
+        return f"tree attention: relative error {err:.3g} against the reference"
+    tok, par, tgt = inputs.accept_inputs(np.random.default_rng(0), 8, 65, "random", 15)
+    got = jax.jit(functools.partial(tw.tree_accept, max_depth=15, interpret=interpret))(tok, par, tgt)
+    want = tw.tree_accept_reference(tok, par, tgt, max_depth=15)
+    if not all(np.array_equal(x, y) for x, y in zip(got, want)):
+        return f"tree walk: lengths {np.asarray(got[1]).tolist()}, reference {np.asarray(want[1]).tolist()}"
+    return None
 
 
 @jax.tree_util.register_dataclass
@@ -318,10 +296,11 @@ def first_stop(out: Array, state: State, n_out: Array) -> Array:
 
 
 # XLA options of every top-level compile of the round loop and prefill (``decode.compiled``, the engine's steps,
-# the bench; jax takes compiler options on top-level jits only; the GPU ones are inert on CPU). Measured on an H200 (benchmarks/PERF.md, fourth run), stacked output-major weights: dynamic-slice fusion
-# lets cuBLAS read each layer's slice of the stacked weights in place, where XLA's Triton GEMMs copy it first (a
-# ddtree-64 round of Qwen3-8B: 9.5 ms with these options, 17.2 ms without); one-row products are row reductions,
-# which neither option touches (AR 5.39 / 5.37 ms). ``bench models --ab`` compiles with others to compare.
+# the bench; jax takes compiler options on top-level jits only; the GPU ones are inert on CPU). Measured on an
+# H200 (benchmarks/PERF.md, fourth run), stacked output-major weights: dynamic-slice fusion lets cuBLAS read each
+# layer's slice of the stacked weights in place, where XLA's Triton GEMMs copy it first (a ddtree-64 round of
+# Qwen3-8B: 9.5 ms with these options, 17.2 ms without); one-row products are row reductions, which neither
+# option touches (AR 5.39 / 5.37 ms). ``bench models --ab`` compiles with others to compare.
 XLA_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_enable_triton_gemm": False}
 
 
@@ -513,8 +492,8 @@ _COMPILED_MAX = 32
 
 
 def compiled(fn, spec: Spec, *args):
-    """``fn.lower(spec, *args).compile(XLA_OPTIONS)``, kept for later calls with the same spec and the same shapes, dtypes
-    and shardings (what ``jax.jit`` keys on): ahead-of-time compilation is never cached by jax itself, and a
+    """``fn.lower(spec, *args).compile(XLA_OPTIONS)``, kept for later calls with the same spec and the same
+    shapes, dtypes and shardings (what ``jax.jit`` keys on): ahead-of-time compilation is never cached by jax itself, and a
     caller that decodes many times at one shape (evaluations while training, a benchmark's prompts one at a
     time) would otherwise compile every call. Least recently used beyond ``_COMPILED_MAX`` are dropped."""
     leaves, treedef = jax.tree.flatten(args)

@@ -36,54 +36,11 @@ import jax.numpy as jnp
 
 from pallas_kernels import tree_accept as ta
 from pallas_kernels import tree_attention as tat
-from pallas_kernels.bitmask import pack_bits
+from pallas_kernels.inputs import accept_inputs, attention_inputs
 
 QWEN3_8B = dict(h=32, kv=8, hd=128)
 LAST_BREAKDOWN: list = []  # (kernel name, median us) of the last CUPTI measurement
 KW: dict = {}  # extra kernel kwargs ({"interpret": True} under --dry-run, a CPU rehearsal of the script)
-
-
-# ------------------------------------------------------------------------------------------ inputs
-def random_parents(rng: np.random.Generator, n1: int, kind: str, max_depth: int | None = None) -> np.ndarray:
-    """Parents [n1] (index 0 = root, -1) of a tree: 'random', 'chain' or 'star'; depth <= max_depth."""
-    if kind == "chain":
-        return np.arange(-1, n1 - 1, dtype=np.int32)
-    if kind == "star":
-        return np.concatenate([[-1], np.zeros(n1 - 1, np.int32)]).astype(np.int32)
-    max_depth = n1 if max_depth is None else max_depth
-    par = np.zeros(n1, np.int32)
-    depth = np.zeros(n1, np.int32)
-    par[0] = -1
-    for j in range(1, n1):  # bias toward recent nodes: deeper trees, like best-first ones
-        lo = max(0, j - 1 - int(rng.integers(0, 8)) ** 2)
-        cand = int(rng.integers(lo, j))
-        while depth[cand] >= max_depth:
-            cand = par[cand]
-        par[j], depth[j] = cand, depth[cand] + 1
-    return par
-
-
-def ancestor_mask(par: np.ndarray) -> np.ndarray:
-    """[n1, n1] bool: row j sees column a iff a is j or an ancestor of j."""
-    n1 = len(par)
-    vis = np.zeros((n1, n1), bool)
-    for j in range(n1):
-        vis[j] = vis[par[j]] if j else vis[j]
-        vis[j, j] = True
-    return vis
-
-
-def tree_bits(rng, b: int, t: int, kind: str) -> jax.Array:
-    return pack_bits(jnp.asarray(np.stack([ancestor_mask(random_parents(rng, t, kind)) for _ in range(b)])))
-
-
-def attention_inputs(seed, b, t, h, kv, s, hd, plens, kind="random", dtype=jnp.bfloat16):
-    rng = np.random.default_rng(seed)
-    kq, kk, kvv = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(kq, (b, t, h, hd), jnp.float32).astype(dtype)
-    k = jax.random.normal(kk, (b, s, kv, hd), jnp.float32).astype(dtype)
-    v = jax.random.normal(kvv, (b, s, kv, hd), jnp.float32).astype(dtype)
-    return q, k, v, jnp.asarray(plens, jnp.int32), tree_bits(rng, b, t, kind)
 
 
 def reference_f32(q, k, v, p, bits):
@@ -295,19 +252,6 @@ def stage_validate(rec, args, deadline):
     rows.append({"fixtures": golden_accept_check()})
     rec.add({"kernel": "tree_accept", "cases": rows})
     print("validate accept", rows)
-
-
-def accept_inputs(rng, b, n1, kind, max_depth=None):
-    """Random trees (depth <= max_depth) whose siblings carry distinct tokens; targets mostly agree."""
-    toks, pars, tgts = [], [], []
-    for _ in range(b):
-        par = random_parents(rng, n1, kind, max_depth)
-        tok = np.full(n1, -1, np.int32)
-        for j in range(1, n1):  # siblings: distinct tokens (child rank within its parent)
-            tok[j] = int(np.sum(par[1:j] == par[j]))
-        tgt = np.where(rng.random(n1) < 0.7, 0, rng.integers(0, 4, n1)).astype(np.int32)
-        toks.append(tok), pars.append(par), tgts.append(tgt)
-    return tuple(jnp.asarray(np.stack(x)) for x in (toks, pars, tgts))
 
 
 def golden_accept_check() -> dict:

@@ -152,7 +152,7 @@ def _script(out_path: str) -> None:
     from jax.sharding import NamedSharding
 
     from pallas_kernels import tree_attention as tat
-    from pallas_kernels.bench_kernels import attention_inputs
+    from pallas_kernels.inputs import attention_inputs
 
     b, t, h, kv, hd, plens = 2, 3, 4, 2, 64, [5, 13]
     q, k, v, p, bits = attention_inputs(sum(plens) + t, b, t, h, kv, max(plens) + t + 64, hd, plens, "random")
