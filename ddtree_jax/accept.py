@@ -84,3 +84,18 @@ def walk(tree: Tree, choice: Array, max_depth: int, impl: str = "xla") -> tuple[
         return tree_accept_lib.tree_accept_reference(tokens, tree.parents, choice, max_depth=max_depth)
     kernel = sharding.per_device_walk(tree_accept_lib.tree_accept)  # per device under a mesh
     return kernel(tokens, tree.parents, choice, max_depth=max_depth, interpret=impl == "pallas-interpret")
+
+
+def walk_host(node_tokens, parents, choices) -> list[int]:
+    """The walk of one traced round in plain Python (no jax, no kernel): an independent check of ``walk``.
+
+    node_tokens [N] (tree index j + 1), parents [1+N] (parents[0] = -1), choices [1+N] = the target's token at
+    every tree index. Returns the accepted tree indices, root first; the bonus is ``choices[path[-1]]``.
+    """
+    path = [0]
+    while True:
+        agree = [j for j in range(1, len(parents)) if parents[j] == path[-1] and node_tokens[j - 1] == choices[path[-1]]]
+        if not agree:
+            return path
+        path.append(min(agree))
+

@@ -1064,6 +1064,12 @@ def build_parser() -> cli.ArgumentParser:
     q.add_argument("--batched", action="store_true",
                    help="all prompts as one batch (default: one prompt at a time, batch 1)")
     q.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="(default: bfloat16)")
+    q.add_argument("--attention", choices=("auto", "pallas", "xla"), default="auto",
+                   help="tree attention and tree walk: the Pallas kernels, the XLA path, or auto (Pallas on a GPU "
+                        "where its probe passes) (default: auto)")
+    q.add_argument("--check", action="store_true",
+                   help="also compare every method's tokens with ar's and replay each round's tree walk on the host "
+                        "from a traced run (columns same-as-ar, first divergence, walk mismatches)")
     q.add_argument("--json", default=None, help="write the results (a JSON object) to this file")
 
     sub.add_parser("kernels", help="pallas_kernels.bench_kernels with the remaining arguments", add_help=False)
@@ -1095,7 +1101,8 @@ def _pair(args) -> int:
     stop = tuple(dict.fromkeys(tok.eos_token_ids + target[0].eos_token_ids))
     groups = [prompts] if args.batched else [[p] for p in prompts]
     runs = [train_draft.benchmark(target, draft, g, budgets=args.budgets, max_new_tokens=args.max_new_tokens,
-                                  stop_ids=stop, log=lambda m: None) for g in groups]
+                                  stop_ids=stop, attention=args.attention, check=args.check, log=lambda m: None)
+            for g in groups]
     table = {}
     for name in runs[0]:
         acc = [r[name]["mean_acceptance_length"] for r in runs if r[name]["mean_acceptance_length"] is not None]
@@ -1104,17 +1111,29 @@ def _pair(args) -> int:
         table[name] = {"mean_acceptance_length": statistics.fmean(acc) if acc else None,
                        "min_acceptance_length": min(mins) if mins else None,  # < 1 would flag a faulty round
                        "tokens_per_s": statistics.fmean(tps) if tps else None}
+        if args.check and name != "ar":
+            firsts = [r[name]["first_divergence"] for r in runs if r[name]["first_divergence"] is not None]
+            table[name].update({k: sum(r[name][k] for r in runs) for k in ("same_as_ar", "walk_mismatches",
+                                                                             "traced_rounds")})
+            table[name]["first_divergence"] = min(firsts, default=None)
+            table[name]["traced_same_as_untraced"] = all(r[name]["traced_same_as_untraced"] for r in runs)
     for name, row in table.items():
         ar = table["ar"]["tokens_per_s"]
         row["speedup"] = row["tokens_per_s"] / ar if ar and row["tokens_per_s"] else None
     out = {"date": _now(), "command": _command(), "device": jax.devices()[0].device_kind,
            "backend": jax.default_backend(), "target": target_path, "draft": draft_path, "dtype": args.dtype,
            "prompts": len(prompts), "batch": len(prompts) if args.batched else 1,
-           "max_new_tokens": args.max_new_tokens, "methods": table}
-    print(f"{'method':<12} {'acceptance':>10} {'tok/s':>8} {'vs ar':>6}")
+           "max_new_tokens": args.max_new_tokens, "attention": args.attention, "methods": table}
+    extra = f" {'min':>4} {'same-as-ar':>10} {'diverges at':>11} {'walk mismatches':>15}" if args.check else ""
+    print(f"{'method':<12} {'acceptance':>10} {'tok/s':>8} {'vs ar':>6}{extra}")
     for name, row in table.items():
         acc = "-" if row["mean_acceptance_length"] is None or name == "ar" else f"{row['mean_acceptance_length']:.2f}"
-        print(f"{name:<12} {acc:>10} {row['tokens_per_s']:>8.1f} {row['speedup']:>5.2f}x")
+        line = f"{name:<12} {acc:>10} {row['tokens_per_s']:>8.1f} {row['speedup']:>5.2f}x"
+        if args.check and name != "ar":
+            div = "-" if row["first_divergence"] is None else str(row["first_divergence"])
+            line += (f" {row['min_acceptance_length']:>4} {row['same_as_ar']:>4}/{len(prompts):<5} {div:>11} "
+                     f"{row['walk_mismatches']:>6}/{row['traced_rounds']:<8}")
+        print(line)
     if args.json:
         _write_json(args.json, out)
     return 0

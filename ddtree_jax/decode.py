@@ -58,7 +58,7 @@ class GenerateResult:
     output_ids: list[list[int]]  # per prompt: prompt + generated ids
     num_generated: list[int]
     acceptance_lengths: list[list[int]]  # per prompt, per round (empty for ar)
-    rounds: list[list[dict]] | None  # with trace: per prompt, per round {"tree": {...}, "accepted_indices": [...]}
+    rounds: list[list[dict]] | None  # with trace: per prompt, per round {"tree", "accepted_indices", "target_choices"}
     prefill_s: float
     decode_s: float
     compile_s: float = 0.0  # ahead-of-time compilation of prefill and the round loop (not in the two above;
@@ -263,7 +263,8 @@ def accept_commit(spec: Spec, state: State, tree: trees.Tree, dcache, logits, ca
     trace = state.trace
     if spec.trace:
         at = jnp.where(active, state.n_rounds, spec.max_rounds)
-        new = {"tokens": tree.tokens, "depths": tree.depths, "parents": tree.parents, "path": path, "length": length}
+        new = {"tokens": tree.tokens, "depths": tree.depths, "parents": tree.parents, "path": path, "length": length,
+               "choice": choice}
         trace = {k: v.at[jnp.arange(b), at].set(new[k], mode="drop") for k, v in state.trace.items()}
 
     context = None
@@ -389,6 +390,7 @@ def init_state(spec: Spec, prompt_lens, options_per_seq, capacity: int, out_len:
             "parents": jnp.zeros((b, r, n + 1), jnp.int32),
             "path": jnp.zeros((b, r, spec.path_len), jnp.int32),
             "length": jnp.zeros((b, r), jnp.int32),
+            "choice": jnp.zeros((b, r, n + 1), jnp.int32),
         }
     return State(
         cache=cache,
@@ -465,6 +467,23 @@ def layout(spec: Spec, prompt_lens: list[int], max_new_tokens: int) -> tuple[int
     return p_pad, capacity, round_up(max(p_pad, longest + max_new_tokens + spec.path_len + 1), 64)
 
 
+def round_statistics_problem(spec: Spec, n_rounds: np.ndarray, hist: np.ndarray) -> str | None:
+    """What is impossible in a finished run's round statistics (n_rounds [B], accept_hist [B, R]), or None.
+
+    Every round commits its accepted path (the root at least, at most ``path_len`` nodes), so a sequence takes at
+    most ``max_new_tokens`` rounds and every recorded length is in [1, path_len]. Anything else means the compiled
+    program computed wrong values: on an H200, a traced run under XLA's default GPU options (not
+    ``XLA_OPTIONS``) once took more rounds than tokens (docs/DEFAULT_PAIR.md). Checked after the loop, on the host."""
+    for i, n in enumerate(n_rounds.tolist()):
+        if n > spec.max_rounds:
+            return f"sequence {i} took {n} rounds for at most {spec.max_rounds} new tokens"
+        seen = hist[i, :n]
+        if seen.size and not (1 <= seen.min() and seen.max() <= spec.path_len):
+            return (f"sequence {i} recorded acceptance lengths {seen.min()}..{seen.max()}, outside "
+                    f"[1, {spec.path_len}]")
+    return None
+
+
 def final_length(state: State) -> np.ndarray:
     n_out, limit, stop_at = (np.asarray(x) for x in (state.n_out, state.limit, state.stop_at))
     return np.minimum(np.minimum(n_out, limit), np.where(stop_at < NEVER, stop_at + 1, n_out))
@@ -482,6 +501,7 @@ def trace_rounds(spec: Spec, state: State, b: int) -> list[dict]:
                     "parents": t["parents"][r].tolist(),
                 },
                 "accepted_indices": t["path"][r][: t["length"][r]].tolist(),
+                "target_choices": t["choice"][r].tolist(),
             }
         )
     return rounds
@@ -568,7 +588,7 @@ def generate(
 
     t0 = time.perf_counter()
     emitted = np.asarray(lens)
-    while True:
+    for _ in range(-(-spec.max_rounds // int(budget_rounds))):  # every round commits a token: enough calls
         state = rounds_fn(tparams, dparams, state, budget_rounds)
         if on_tokens is not None:
             ends = final_length(state)
@@ -577,6 +597,8 @@ def generate(
             emitted = np.maximum(emitted, ends)
         if bool(jnp.all(state.done)):
             break
+    else:
+        raise RuntimeError(f"decode fault, the outputs cannot be trusted: not finished after {spec.max_rounds} rounds")
     jax.block_until_ready(state.out)
     decode_s = time.perf_counter() - t0
 
@@ -584,6 +606,9 @@ def generate(
     out = np.asarray(state.out)
     hist = np.asarray(state.accept_hist)
     n_rounds = np.asarray(state.n_rounds)
+    problem = round_statistics_problem(spec, n_rounds[: len(prompts)], hist[: len(prompts)])
+    if problem:
+        raise RuntimeError(f"decode fault, the outputs cannot be trusted: {problem}")
     return GenerateResult(
         output_ids=[out[i, : ends[i]].tolist() for i in range(len(prompts))],
         num_generated=[int(ends[i] - lens[i]) for i in range(len(prompts))],

@@ -123,8 +123,9 @@ def build_parser() -> cli.ArgumentParser:
                    help="print exactly one JSON object on stdout instead of streamed text (schema below)")
     o.add_argument("--trace", action="store_true",
                    help="with --json, add per-round 'rounds' to each result: {'tree': {'node_token_ids', "
-                        "'node_depths', 'parents'}, 'accepted_indices'} (tree index 0 is the root, parent -1; "
-                        "node k of the lists is tree index k+1)")
+                        "'node_depths', 'parents'}, 'accepted_indices', 'target_choices'} (tree index 0 is the root, "
+                        "parent -1; node k of the node lists is tree index k+1; target_choices[i] is the target's "
+                        "token at tree index i)")
     return p
 
 

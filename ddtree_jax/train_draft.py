@@ -485,19 +485,26 @@ def acceptance(target, draft, prompts: list[list[int]], *, budget: int, max_new_
 
 
 def benchmark(target, draft, prompts: list[list[int]], *, budgets: Sequence[int], max_new_tokens: int,
-              stop_ids: Sequence[int] = (), log=print) -> dict[str, Any]:
+              stop_ids: Sequence[int] = (), attention: str = "auto", check: bool = False, log=print) -> dict[str, Any]:
     """Greedy ar / dflash / ddtree(budget) on the prompts as one batch (one compilation per method): mean
     acceptance length and decode tokens/s (generated tokens / the on-device decode loop's time: no prefill,
-    no compilation, no streaming round trips), speedup over ar."""
+    no compilation, no streaming round trips), speedup over ar.
+
+    check: also compare each method's tokens with ar's (``same_as_ar``: prompts whose outputs are equal;
+    ``first_divergence``: the earliest generated position where one differs) and run it again traced, replaying
+    every round's walk on the host from the traced tree and target choices (``walk_mismatches``: rounds whose
+    accepted path differs from :func:`accept.walk_host`'s). Greedy speculative decoding in bf16 may part from
+    ar where two logits nearly tie (the verify's matrix shapes differ from ar's); a walk mismatch is a fault."""
     from ddtree_jax import decode
 
     # laid out for the backend once here, not in each decode.generate call below
     target, draft = ((cfg, decode.device_layout(p)) for cfg, p in (target, draft))
     runs = [("ar", 0), ("dflash", 0)] + [("ddtree", b) for b in budgets]
     out: dict[str, Any] = {}
+    ar_ids = None
     for method, budget in runs:
         opts = decode.GenerateOptions(method=method, tree_budget=budget or 1, max_new_tokens=max_new_tokens,
-                                      stop_token_ids=tuple(stop_ids))
+                                      stop_token_ids=tuple(stop_ids), attention=attention)
         res = decode.generate(target, prompts, opts, draft=None if method == "ar" else draft)
         acc = [a for seq in res.acceptance_lengths for a in seq]
         tokens = sum(res.num_generated)
@@ -509,8 +516,30 @@ def benchmark(target, draft, prompts: list[list[int]], *, budgets: Sequence[int]
                      "tokens_per_s": tokens / res.decode_s if res.decode_s > 0 else None}
         if name != "ar" and out["ar"]["tokens_per_s"] and out[name]["tokens_per_s"]:
             out[name]["speedup"] = out[name]["tokens_per_s"] / out["ar"]["tokens_per_s"]
+        if method == "ar":
+            ar_ids = res.output_ids
+        elif check:
+            out[name].update(_check(res, ar_ids, prompts, target, draft, dataclasses.replace(opts, trace=True)))
         log(f"{name}: {json.dumps(out[name])}")
     return out
+
+
+def _check(res, ar_ids, prompts, target, draft, traced_opts) -> dict[str, Any]:
+    """``benchmark``'s check of one method: its outputs against ar's, and a traced run's walks replayed."""
+    from ddtree_jax import accept, decode
+
+    starts = [len(p) for p in prompts]
+    firsts = [next((i - s for i, (x, y) in enumerate(zip(mine, theirs)) if i >= s and x != y),
+                   None if len(mine) == len(theirs) else min(len(mine), len(theirs)) - s)
+              for mine, theirs, s in zip(res.output_ids, ar_ids, starts)]
+    traced = decode.generate(target, prompts, traced_opts, draft=draft)
+    rounds = [r for seq in traced.rounds for r in seq]
+    bad = sum(accept.walk_host(r["tree"]["node_token_ids"], r["tree"]["parents"], r["target_choices"])
+              != r["accepted_indices"] for r in rounds)
+    return {"same_as_ar": sum(f is None for f in firsts), "prompts": len(prompts),
+            "first_divergence": min((f for f in firsts if f is not None), default=None),
+            "walk_mismatches": bad, "traced_rounds": len(rounds),
+            "traced_same_as_untraced": traced.output_ids == res.output_ids}
 
 
 # ---------------------------------------------------------------------------------------------- train

@@ -35,14 +35,18 @@ def test_pair_mode_on_the_fixture_pair(tmp_path, capsys):
     out = tmp_path / "pair.json"
     code = bench.main(["pair", "--target", fixture_path("target"), "--draft", fixture_path("draft"),
                        "--budgets", "4", "--prompts", "2", "--max-new-tokens", "8", "--dtype", "float32",
-                       "--json", str(out)])
+                       "--check", "--json", str(out)])
     assert code == 0
     res = json.loads(out.read_text())
     assert list(res["methods"]) == ["ar", "dflash", "ddtree-4"] and res["prompts"] == 2 and res["batch"] == 1
     assert res["methods"]["ar"]["speedup"] == 1.0
     assert res["methods"]["ddtree-4"]["mean_acceptance_length"] >= 1.0
     assert res["methods"]["dflash"]["min_acceptance_length"] >= 1 and res["methods"]["ar"]["min_acceptance_length"] is None
-    assert "ddtree-4" in capsys.readouterr().out
+    for name in ("dflash", "ddtree-4"):  # --check: f32 greedy equals ar; every traced walk replays on the host
+        row = res["methods"][name]
+        assert row["same_as_ar"] == 2 and row["first_divergence"] is None and row["traced_same_as_untraced"]
+        assert row["walk_mismatches"] == 0 and row["traced_rounds"] >= 2 * 8 / 16
+    assert "walk mismatches" in capsys.readouterr().out
     assert bench.main(["pair", "--target", str(tmp_path / "nope")]) == 2
 
 

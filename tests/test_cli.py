@@ -377,7 +377,8 @@ def test_ddtree_trace_matches_reference(capsys):
     assert r["mean_acceptance_length"] == pytest.approx(sum(ref["acceptance_lengths"]) / len(ref["acceptance_lengths"]))
     assert len(r["rounds"]) == len(ref["rounds"])
     for mine, theirs in zip(r["rounds"], ref["rounds"]):
-        assert set(mine) == {"tree", "accepted_indices"}
+        assert set(mine) == {"tree", "accepted_indices", "target_choices"}
+        assert len(mine["target_choices"]) == 1 + len(mine["tree"]["node_token_ids"])
         assert set(mine["tree"]) >= {"node_token_ids", "node_depths", "parents"}
         assert len(mine["accepted_indices"]) == len(theirs["accepted_indices"])
 

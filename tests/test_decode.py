@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax import decode
+from ddtree_jax import accept, decode
 from ddtree_jax.params import LayerWeights
 
 
@@ -67,6 +67,9 @@ def test_ddtree_matches_reference_round_by_round(target, drafter, reference_runs
         for mine, theirs, ok in zip(rounds, ref["rounds"], whole):
             assert mine["tree"]["parents"][0] == -1 and len(mine["tree"]["node_token_ids"]) == budget
             assert accepted_tokens(mine) == accepted_tokens(theirs)
+            # the traced target choices replay the round's walk on the host
+            tree = mine["tree"]
+            assert accept.walk_host(tree["node_token_ids"], tree["parents"], mine["target_choices"]) == mine["accepted_indices"]
             if not ok:
                 continue
             compared += 1
@@ -147,6 +150,32 @@ def test_bad_requests_are_clear_errors(target, drafter):
         decode.generate(target, [[1, 9999]], decode.GenerateOptions())
     with pytest.raises(ValueError, match="unknown method"):
         decode.generate(target, [[1]], decode.GenerateOptions(method="beam"))
+
+
+def test_impossible_round_statistics_are_an_error(target, drafter, reference_runs, monkeypatch):
+    """A round that commits nothing (a faulty walk, here simulated) cannot happen in a correct run: generate
+    raises instead of returning outputs it cannot vouch for."""
+    spec = decode.make_spec(target[0], drafter[0], decode.GenerateOptions(method="dflash", max_new_tokens=8))
+    ok = np.ones((1, 8), np.int32)
+    assert decode.round_statistics_problem(spec, np.array([8]), ok) is None
+    assert "9 rounds" in decode.round_statistics_problem(spec, np.array([9]), ok)
+    assert "0..1" in decode.round_statistics_problem(spec, np.array([8]), ok * (np.arange(8) != 3))
+    too_long = ok.copy()
+    too_long[0, 0] = spec.path_len + 1
+    assert "outside" in decode.round_statistics_problem(spec, np.array([8]), too_long)
+
+    real = decode.accept.walk
+    def faulty(tree, choice, max_depth, impl="xla"):  # every third position commits nothing
+        path, length, bonus = real(tree, choice, max_depth, impl)
+        return path, jnp.where(choice[:, 0] % 3 == 0, 0, length), bonus
+
+    monkeypatch.setattr(decode.accept, "walk", faulty)
+    monkeypatch.setattr(decode, "_COMPILED", type(decode._COMPILED)())
+    jax.clear_caches()
+    run = reference_runs[0]
+    with pytest.raises(RuntimeError, match="decode fault"):
+        decode.generate(target, [run["prompt"]], options("dflash", run), draft=drafter)
+    jax.clear_caches()
 
 
 @pytest.mark.parametrize("layout", ["unstacked", "stacked-out-major", "unstacked-out-major"])
