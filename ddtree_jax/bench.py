@@ -664,7 +664,8 @@ class Bench:
         return out, cs
 
     def ab_variants(self, spec, tp, dp, state, prompt_len, n, base_ms):
-        """run_rounds compiled with other XLA options (``--ab name:key=value,...``): time and HLO checks."""
+        """run_rounds compiled with decode.XLA_OPTIONS updated by other XLA options (``--ab name:key=value,...``):
+        time and HLO checks."""
         import jax.numpy as jnp
 
         from ddtree_jax import decode
@@ -672,7 +673,7 @@ class Bench:
         out = {"base_ms_per_round": base_ms}
         for variant in self.args.ab:
             name, _, opts = variant.partition(":")
-            options = {}
+            options = dict(decode.XLA_OPTIONS)
             for kv in filter(None, opts.split(",")):
                 key, _, val = kv.partition("=")
                 options[key] = {"true": True, "false": False}.get(val.lower(), int(val) if val.lstrip("-").isdigit() else val)
@@ -1028,8 +1029,8 @@ def build_parser() -> cli.ArgumentParser:
     m.add_argument("--breakdown-all", action="store_true",
                    help="break down every ddtree budget (default: only the --key-budgets)")
     m.add_argument("--ab", action="append", default=[], metavar="NAME:KEY=VAL,...",
-                   help="on the first configuration, also compile run_rounds with these XLA options and time "
-                        "it (repeatable), e.g. dsf:xla_gpu_enable_dynamic_slice_fusion=true")
+                   help="on the first configuration, also compile run_rounds with decode.XLA_OPTIONS updated by "
+                        "these XLA options and time it (repeatable), e.g. nomerge:xla_gpu_dot_merger_threshold_mb=0")
     m.add_argument("--no-hlo", dest="hlo", action="store_false", help="skip the HLO checks")
     m.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiler trace")
     m.add_argument("--profile-rounds", type=int, default=5, help="rounds inside the profiler trace (default: 5)")
