@@ -94,8 +94,8 @@ def walk_host(node_tokens, parents, choices) -> list[int]:
     """
     path = [0]
     while True:
-        agree = [j for j in range(1, len(parents)) if parents[j] == path[-1] and node_tokens[j - 1] == choices[path[-1]]]
+        want = choices[path[-1]]
+        agree = [j for j in range(1, len(parents)) if parents[j] == path[-1] and node_tokens[j - 1] == want]
         if not agree:
             return path
         path.append(min(agree))
-

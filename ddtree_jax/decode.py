@@ -58,7 +58,7 @@ class GenerateResult:
     output_ids: list[list[int]]  # per prompt: prompt + generated ids
     num_generated: list[int]
     acceptance_lengths: list[list[int]]  # per prompt, per round (empty for ar)
-    rounds: list[list[dict]] | None  # with trace: per prompt, per round {"tree", "accepted_indices", "target_choices"}
+    rounds: list[list[dict]] | None  # with trace: per prompt, per round {tree, accepted_indices, target_choices}
     prefill_s: float
     decode_s: float
     compile_s: float = 0.0  # ahead-of-time compilation of prefill and the round loop (not in the two above;
@@ -472,8 +472,8 @@ def round_statistics_problem(spec: Spec, n_rounds: np.ndarray, hist: np.ndarray)
 
     Every round commits its accepted path (the root at least, at most ``path_len`` nodes), so a sequence takes at
     most ``max_new_tokens`` rounds and every recorded length is in [1, path_len]. Anything else means the compiled
-    program computed wrong values: on an H200, a traced run under XLA's default GPU options (not
-    ``XLA_OPTIONS``) once took more rounds than tokens (docs/DEFAULT_PAIR.md). Checked after the loop, on the host."""
+    program computed wrong values: on an H200, traced runs under XLA's default GPU options (without
+    ``XLA_OPTIONS``) took more rounds than tokens (docs/DEFAULT_PAIR.md). Checked after the loop, on the host."""
     for i, n in enumerate(n_rounds.tolist()):
         if n > spec.max_rounds:
             return f"sequence {i} took {n} rounds for at most {spec.max_rounds} new tokens"
@@ -598,7 +598,7 @@ def generate(
         if bool(jnp.all(state.done)):
             break
     else:
-        raise RuntimeError(f"decode fault, the outputs cannot be trusted: not finished after {spec.max_rounds} rounds")
+        raise RuntimeError(f"decode fault, the outputs cannot be trusted: unfinished after {spec.max_rounds} rounds")
     jax.block_until_ready(state.out)
     decode_s = time.perf_counter() - t0
 

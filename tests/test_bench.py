@@ -45,7 +45,7 @@ def test_pair_mode_on_the_fixture_pair(tmp_path, capsys):
     for name in ("dflash", "ddtree-4"):  # --check: f32 greedy equals ar; every traced walk replays on the host
         row = res["methods"][name]
         assert row["same_as_ar"] == 2 and row["first_divergence"] is None and row["traced_same_as_untraced"]
-        assert row["walk_mismatches"] == 0 and row["traced_rounds"] >= 2 * 8 / 16
+        assert row["walk_mismatches"] == 0 and row["traced_rounds"] >= 2  # a round per prompt at least
     assert "walk mismatches" in capsys.readouterr().out
     assert bench.main(["pair", "--target", str(tmp_path / "nope")]) == 2
 

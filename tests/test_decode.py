@@ -68,8 +68,8 @@ def test_ddtree_matches_reference_round_by_round(target, drafter, reference_runs
             assert mine["tree"]["parents"][0] == -1 and len(mine["tree"]["node_token_ids"]) == budget
             assert accepted_tokens(mine) == accepted_tokens(theirs)
             # the traced target choices replay the round's walk on the host
-            tree = mine["tree"]
-            assert accept.walk_host(tree["node_token_ids"], tree["parents"], mine["target_choices"]) == mine["accepted_indices"]
+            tree, path = mine["tree"], mine["accepted_indices"]
+            assert accept.walk_host(tree["node_token_ids"], tree["parents"], mine["target_choices"]) == path
             if not ok:
                 continue
             compared += 1
