@@ -649,6 +649,12 @@ class Engine:
         for s, job in enumerate(self.slots):
             if job is None:
                 continue
+            if int(snap.new_tokens[s]) < int(snap.new_rounds[s]):  # every round commits a token at least
+                log.error("decode fault in slot %d: %d rounds committed %d tokens", s, int(snap.new_rounds[s]),
+                          int(snap.new_tokens[s]))
+                self._end(job, "error", error="decode fault: a round committed no token; the output cannot be "
+                                               "trusted (see README, Known limits)")
+                continue
             end = int(snap.end[s])
             new = [int(t) for t in snap.window[s, : max(end - int(starts[s]), 0)]]
             job.emitted = max(job.emitted, end)
