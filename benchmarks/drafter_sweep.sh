@@ -6,6 +6,7 @@
 #   benchmarks/drafter_sweep.sh OUTDIR bench [BUDGETS]   # bench pair for every trained drafter (default 32,64)
 # Configurations: CONFIGS="name:flags;..." (default below: 1, 2 and 4 layers of the target's MLP width 1536, and 2
 # layers of twice that width). Needs the target like train_default_pair.sh; work in $SWEEP (default /root/sweep).
+# CHECK=1 adds `bench pair --check` (outputs against AR's, every traced walk replayed on the host; about 1.5x the time).
 set -u
 OUT=${1:?output directory}; PHASE=${2:?train or bench}; ARG=${3:-}
 SWEEP=${SWEEP:-/root/sweep}
@@ -31,7 +32,7 @@ for c in "${configs[@]}"; do
   elif [ -f "$work/drafter/model.safetensors" ]; then
     echo "=== bench $name ($flags)"
     python3 -m ddtree_jax.bench pair --draft "$work/drafter" --budgets "${ARG:-32,64}" --prompts 4 \
-      --max-new-tokens 64 --json "$OUT/sweep_$name.json" 2>&1 | quiet | tail -n 8
+      --max-new-tokens 64 ${CHECK:+--check} --json "$OUT/sweep_$name.json" 2>&1 | quiet | tail -n 8
   fi
 done
 ls -la "$OUT"
