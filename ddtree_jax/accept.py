@@ -74,7 +74,8 @@ def walk(tree: Tree, choice: Array, max_depth: int, impl: str = "xla") -> tuple[
     the choice at its parent and its parent is accepted; the accepted nodes form one path.
     Returns (path [B, max_depth+1] tree indices root-first, padded with the last accepted index;
     length [B] accepted nodes including the root; bonus [B] = the choice at the path's end).
-    impl: "xla" (the jnp reference), "pallas" or "pallas-interpret" (the kernel).
+    impl: "xla" (the jnp reference), or an attention implementation of the Pallas kernels ("pallas",
+    "pallas-inplace", "-interpret" in the Mosaic GPU interpreter): the walk kernel.
     """
     b = choice.shape[0]
     if tree.size == 0:  # autoregressive: the root alone
@@ -83,7 +84,7 @@ def walk(tree: Tree, choice: Array, max_depth: int, impl: str = "xla") -> tuple[
     if impl == "xla":
         return tree_accept_lib.tree_accept_reference(tokens, tree.parents, choice, max_depth=max_depth)
     kernel = sharding.per_device_walk(tree_accept_lib.tree_accept)  # per device under a mesh
-    return kernel(tokens, tree.parents, choice, max_depth=max_depth, interpret=impl == "pallas-interpret")
+    return kernel(tokens, tree.parents, choice, max_depth=max_depth, interpret=impl.endswith("-interpret"))
 
 
 def walk_host(node_tokens, parents, choices) -> list[int]:

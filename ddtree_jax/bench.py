@@ -1039,8 +1039,7 @@ def build_parser() -> cli.ArgumentParser:
     m.add_argument("--tree-budgets", type=_ints, default=[64, 256, 512],
                    help="budgets of the tree micro-benchmarks (default: 64,256,512)")
     m.add_argument("--tree-iters", type=int, default=16, help="trees per micro-benchmark loop (default: 16)")
-    m.add_argument("--attention", choices=("auto", "pallas", "xla"), default="auto",
-                   help="tree attention implementation (default: auto = Pallas on GPU when it works)")
+    m.add_argument("--attention", choices=cli.ATTENTIONS, default="auto", help=cli.ATTENTION_HELP)
     m.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weights and caches")
     m.add_argument("--mesh", default=None, metavar="DxM",
                    help="run_rounds on a data x model mesh (ddtree_jax.sharding); --mesh 1x1 against the default "
@@ -1065,9 +1064,7 @@ def build_parser() -> cli.ArgumentParser:
     q.add_argument("--batched", action="store_true",
                    help="all prompts as one batch (default: one prompt at a time, batch 1)")
     q.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="(default: bfloat16)")
-    q.add_argument("--attention", choices=("auto", "pallas", "xla"), default="auto",
-                   help="tree attention and tree walk: the Pallas kernels, the XLA path, or auto (Pallas on a GPU "
-                        "where its probe passes) (default: auto)")
+    q.add_argument("--attention", choices=cli.ATTENTIONS, default="auto", help=cli.ATTENTION_HELP)
     q.add_argument("--check", action="store_true",
                    help="also compare every method's tokens with ar's and replay each round's tree walk on the host "
                         "from a traced run (columns same-as-ar, first divergence, walk mismatches)")

@@ -23,6 +23,12 @@ EXIT_INTERNAL = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 DEBUG_ENV = "DDTREE_JAX_DEBUG"
+# --attention of every command (decode.resolve_attention): the Pallas kernels, the kernels with the attention
+# reading each layer's K/V in place from the stacked cache, the XLA path, or auto (Pallas on a GPU where it works)
+ATTENTIONS = ("auto", "pallas", "pallas-inplace", "xla")
+ATTENTION_HELP = ("attention: pallas (GPU kernels), pallas-inplace (the same, the attention kernel reading each "
+                  "layer's K/V in place from the stacked cache; not yet timed on a GPU), xla (portable), auto (pallas "
+                  "on a GPU where its probe passes, xla elsewhere; default)")
 
 
 class UsageError(ValueError):

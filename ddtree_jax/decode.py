@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import accept, draft as dflash, model, tree as trees
+from ddtree_jax import accept, cli, draft as dflash, model, tree as trees
 from ddtree_jax import cache as kvcache, sharding
 from ddtree_jax.config import DraftConfig, ModelConfig, check_pair
 from ddtree_jax.params import DraftParams, TargetParams, output_major, unstack_layers
@@ -48,7 +48,7 @@ class GenerateOptions:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     stop_token_ids: tuple[int, ...] = ()
-    attention: str = "auto"  # "auto" | "pallas" | "xla"
+    attention: str = "auto"  # "auto" | "pallas" | "pallas-inplace" | "xla"
     trace: bool = False
     seed: int = 0
 
@@ -117,15 +117,17 @@ def make_spec(target_cfg: ModelConfig, draft_cfg: DraftConfig | None, options: G
 
 def resolve_attention(choice: str) -> str:
     """'auto' -> Pallas kernels on GPU (when a small probe compiles and matches the reference), XLA
-    elsewhere; 'pallas' on CPU runs them in interpret mode."""
+    elsewhere; 'pallas' on CPU runs them in interpret mode. 'pallas-inplace': the attention kernel reads each
+    layer's K/V in place from the stacked cache instead of from a copied slice (not yet timed on a GPU:
+    benchmarks/PERF.md)."""
     on_gpu = jax.default_backend() == "gpu"
     if choice == "auto":
         return "pallas" if on_gpu and pallas_kernels_work() else "xla"
-    if choice == "pallas":
-        return "pallas" if on_gpu else "pallas-interpret"
+    if choice in ("pallas", "pallas-inplace"):
+        return choice if on_gpu else f"{choice}-interpret"
     if choice == "xla":
         return "xla"
-    raise ValueError(f"unknown attention {choice!r} (choose auto, pallas or xla)")
+    raise ValueError(f"unknown attention {choice!r} (choose {', '.join(cli.ATTENTIONS)})")
 
 
 @functools.lru_cache(maxsize=None)

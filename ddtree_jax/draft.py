@@ -98,7 +98,7 @@ def propose(
         k_all = kvcache.write_layer(k_all, i, k, start)
         v_all = kvcache.write_layer(v_all, i, v, start)
         if window is None:
-            o = attend(q, k_all[i], v_all[i], start, bits)
+            o = attend(q, k_all, v_all, start, bits, layer=i)
         else:
             extra = jnp.where(sliding[i], window, True)
             o = model.tree_attention_lib.tree_attention_reference(q, k_all[i], v_all[i], start, bits, extra_mask=extra)

@@ -28,7 +28,6 @@ from ddtree_jax.tokenizer import Tokenizer, load_tokenizer
 
 METHODS = ("ar", "dflash", "ddtree")
 DTYPES = ("bfloat16", "float32")
-ATTENTIONS = ("auto", "pallas", "xla")
 
 _EPILOG = """\
 output (--json): one object on stdout,
@@ -98,9 +97,7 @@ def build_parser() -> cli.ArgumentParser:
                    help="comma-separated token ids that end a sequence (kept in the output); 'none' for no "
                         "stop tokens (default: the eos ids of tokenizer_config.json, generation_config.json "
                         "and config.json)")
-    g.add_argument("--attention", choices=ATTENTIONS, default="auto",
-                   help="attention implementation: pallas (GPU kernels), xla (portable), auto (pallas on "
-                        "GPU, xla elsewhere; default)")
+    g.add_argument("--attention", choices=cli.ATTENTIONS, default="auto", help=cli.ATTENTION_HELP)
     g.add_argument("--mesh", default=None, metavar="DxM",
                    help="run on several devices as a data x model mesh: 1x8 splits every layer over 8 devices "
                         "(tensor parallel), 8x1 splits the prompts over them (data parallel), 2x4 both. D*M must "

@@ -46,20 +46,31 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return x * cos + rotated * sin
 
 
+ATTENTION_IMPLS = ("xla", "pallas", "pallas-interpret", "pallas-inplace", "pallas-inplace-interpret")
+
+
 def attention_fn(impl: str):
-    """The tree attention implementation: 'xla' (jnp reference) or 'pallas' / 'pallas-interpret'."""
+    """The tree attention implementation ``attend(q, k, v, prefix_len, tree_bits, layer=None, **kw)``: 'xla' (the
+    jnp reference), 'pallas' (the kernel), 'pallas-inplace' (the kernel reading the layer's K/V in place from the
+    stacked cache), each '-interpret' in the Mosaic GPU interpreter. With ``layer``, k and v are the stacked
+    cache [L, B, S, K, hd]: 'pallas' slices it (XLA copies a slice for a custom call), the others do not."""
     if impl == "xla":
         return tree_attention_lib.tree_attention_reference
-    if impl in ("pallas", "pallas-interpret"):  # per device under shard_map when a mesh is active
-        kernel = functools.partial(tree_attention_lib.tree_attention, interpret=impl == "pallas-interpret")
+    if impl in ATTENTION_IMPLS:  # per device under shard_map when a mesh is active
+        kernel = functools.partial(tree_attention_lib.tree_attention, interpret=impl.endswith("-interpret"))
         sharded = per_device_attention(kernel)
+        in_place = per_device_attention(kernel, stacked=True) if impl.startswith("pallas-inplace") else None
 
-        def attend(q, k, v, prefix_len, tree_bits, **kw):
+        def attend(q, k, v, prefix_len, tree_bits, layer=None, **kw):
             # The kernel takes 16-bit floats and head_dim 64/128; anything else (e.g. an f32 model on
             # GPU) takes the reference path, decided at trace time from the static dtype and shape.
-            if tree_attention_lib.supports(q, k) and not kw:
+            if not tree_attention_lib.supports(q, k) or kw:
+                return tree_attention_lib.tree_attention_reference(q, k, v, prefix_len, tree_bits, layer=layer, **kw)
+            if layer is None:
                 return sharded(q, k, v, prefix_len, tree_bits)
-            return tree_attention_lib.tree_attention_reference(q, k, v, prefix_len, tree_bits, **kw)
+            if in_place is not None:
+                return in_place(q, k, v, prefix_len, tree_bits, layer)
+            return sharded(q, k[layer], v[layer], prefix_len, tree_bits)
 
         return attend
     raise ValueError(f"unknown attention implementation {impl!r}")
@@ -140,7 +151,7 @@ def forward(
         q, k, v = qkv(h, w, cfg.rms_norm_eps, cos, sin)
         k_all = kvcache.write_layer(k_all, i, k, start)
         v_all = kvcache.write_layer(v_all, i, v, start)
-        o = attend(q, k_all[i], v_all[i], start, tree_bits)
+        o = attend(q, k_all, v_all, start, tree_bits, layer=i)
         x = x + linear(o, w.wo, "bthk,hkd->btd", w.output_major, jnp.float32)
         x = x + mlp(rms_norm(x, w.mlp_norm, cfg.rms_norm_eps), w)
         x = constrain(x, ("batch", "seq", "embed"))

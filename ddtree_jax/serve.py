@@ -48,7 +48,6 @@ log = logging.getLogger("ddtree_jax.serve")
 
 METHODS = ("ar", "dflash", "ddtree")
 DTYPES = ("bfloat16", "float32")
-ATTENTIONS = ("auto", "pallas", "xla")
 MAX_STOP_STRINGS = 16
 RANDOM_PREFIX = "random:"  # --target random:SHAPE
 NO_TOKENIZER_JSON = "the model directory has no tokenizer.json"
@@ -621,9 +620,7 @@ def build_parser() -> cli.ArgumentParser:
     g.add_argument("--tree-budget", type=cli.positive_int, default=None, metavar="N",
                    help=f"draft-tree nodes verified per round, --method ddtree only "
                         f"(default: {decode.DEFAULT_TREE_BUDGET})")
-    g.add_argument("--attention", choices=ATTENTIONS, default="auto",
-                   help="attention implementation: pallas (GPU kernels), xla (portable), auto (pallas on GPU, "
-                        "xla elsewhere; default)")
+    g.add_argument("--attention", choices=cli.ATTENTIONS, default="auto", help=cli.ATTENTION_HELP)
     g.add_argument("--mesh", type=parse_mesh, default=(1, 1), metavar="DxM",
                    help="device mesh, data x model: the slots are split over D devices (data parallel), heads, "
                         "MLP and vocabulary over M (tensor parallel); D*M must equal the visible devices "

@@ -446,13 +446,18 @@ def per_device(fn: Callable, in_axes: tuple, out_axes) -> Callable:
     return sharded
 
 
-def per_device_attention(fn: Callable) -> Callable:
+def per_device_attention(fn: Callable, stacked: bool = False) -> Callable:
     """A tree-attention function (q, k, v, prefix_len, tree_bits, **kw) per device (:func:`per_device`):
     each device sees its batch rows and its heads (q [b, T, H/M, hd], k/v [b, S, K/M, hd]), all it needs
     (query head h reads KV head h // (H/K) on the same device). For the Pallas kernels; XLA partitions the
-    jnp reference by itself."""
+    jnp reference by itself. ``stacked``: (q, k, v, prefix_len, tree_bits, layer) with the stacked cache
+    k/v [L, b, S, K/M, hd] and the layer index (the same on every device)."""
     q, kv = ("batch", None, "heads", None), ("batch", None, "kv_heads", None)
-    return per_device(fn, (q, kv, kv, ("batch",), ("batch", None, None)), q)
+    if not stacked:
+        return per_device(fn, (q, kv, kv, ("batch",), ("batch", None, None)), q)
+    kv = (None, *kv)
+    return per_device(lambda q, k, v, p, bits, layer: fn(q, k, v, p, bits, layer=layer),
+                      (q, kv, kv, ("batch",), ("batch", None, None), ()), q)
 
 
 def per_device_walk(fn: Callable) -> Callable:

@@ -3,7 +3,8 @@
 Semantics (shared by the reference below and the Pallas kernel):
     q           [B, T, H, hd]   the T new tokens (tree nodes, prefill chunk or one AR token)
     k, v        [B, S, K, hd]   the cache, with the T new tokens' K/V already written at slots
-                                prefix_len[b] .. prefix_len[b] + T - 1
+                                prefix_len[b] .. prefix_len[b] + T - 1; or, with ``layer``, the stacked
+                                cache [L, B, S, K, hd] of which layer ``layer`` (int32, may be traced) is used
     prefix_len  [B] int32       cache slots [0, prefix_len[b]) are visible to every query
     tree_bits   [B, T, W] uint32  query t sees block slot prefix_len[b] + j iff bit j of row t is set
     returns     [B, T, H, hd]   softmax(q k^T * scale) v over the visible slots, f32 accumulation
@@ -29,8 +30,11 @@ def visibility(prefix_len: jax.Array, tree_bits: jax.Array, t: int, s: int) -> j
     return (slot < start) | (in_block & seen)
 
 
-def tree_attention_reference(q, k, v, prefix_len, tree_bits, *, scale: float | None = None, extra_mask=None):
+def tree_attention_reference(q, k, v, prefix_len, tree_bits, *, scale: float | None = None, extra_mask=None,
+                             layer=None):
     """Pure-jnp tree attention (the XLA path). ``extra_mask`` [B, T, S] bool further restricts slots."""
+    if layer is not None:  # XLA fuses the slice of the stacked cache into its consumers
+        k, v = k[layer], v[layer]
     b, t, h, hd = q.shape
     s, kv = k.shape[1], k.shape[2]
     g = h // kv
@@ -145,17 +149,20 @@ def _shifted_bits(tree_bits: jax.Array, prefix_len: jax.Array, t: int, words: in
 def supports(q, k) -> bool:
     """Whether the kernel handles these shapes and dtypes (head_dim 64/128, 16-bit floats, GQA)."""
     return q.shape[-1] in (64, 128) and q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and (
-        q.shape[2] % k.shape[2] == 0
+        q.shape[2] % k.shape[-2] == 0
     )
 
 
 def tree_attention(q, k, v, prefix_len, tree_bits, *, scale: float | None = None, interpret=False,
-                   config: tuple[int, int, int, int] | None = None):
+                   config: tuple[int, int, int, int] | None = None, layer=None):
     """Pallas (Mosaic GPU) tree attention with the semantics of ``tree_attention_reference``.
 
     q [B, T, H, hd] bf16 or f16; k, v [B, S, K, hd] same dtype; prefix_len [B] int32 with
     prefix_len + T <= S; tree_bits [B, T, ceil(T/32)] uint32. Returns [B, T, H, hd] in q.dtype.
     hd must be 64 or 128. The cache is read in place when S % 8 == 0 (else it is padded: a copy).
+    ``layer`` (an int32 scalar, may be traced): k, v are the stacked cache [L, B, S, K, hd] and the kernel reads
+    layer ``layer`` in place, as rows layer * B .. of its [L * B, S, K, hd] view (a free reshape), where
+    ``k[layer]`` would be a copy of the layer's cache: XLA materialises a slice for a custom call.
     ``interpret=True`` runs the kernel in the Mosaic GPU interpreter (CPU).
     ``config`` = (wgs, block_kv, stages, splits[, pingpong]) overrides ``default_config``.
     """
@@ -164,7 +171,9 @@ def tree_attention(q, k, v, prefix_len, tree_bits, *, scale: float | None = None
     from jax import lax
 
     b, t, h, hd = q.shape
-    s, kv = k.shape[1], k.shape[2]
+    s, kv = k.shape[-3], k.shape[-2]
+    if layer is not None and (k.ndim != 5 or k.shape[1] != b):
+        raise ValueError(f"with layer, k and v are [L, B, S, K, hd] with B = {b}, got {k.shape}")
     if h % kv:
         raise ValueError(f"{h=} must be a multiple of {kv=}")
     if hd not in (64, 128):
@@ -187,9 +196,16 @@ def tree_attention(q, k, v, prefix_len, tree_bits, *, scale: float | None = None
     # Kernel layouts. K/V are read in place, with no copy, when S is a multiple of 8 and at least one
     # tile (the TMA descriptor tiles the slot axis by 8); otherwise they are padded (a full copy).
     s_pad = max(-(-s // _ALIGN) * _ALIGN, bkv)
+    if layer is not None and s_pad != s:  # a cache shorter than one key tile: slice and pad that layer only
+        k, v, layer = k[layer], v[layer], None
     if s_pad != s:
         pad = [(0, 0), (0, s_pad - s), (0, 0), (0, 0)]
         k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+    stacked = layer is not None
+    extra_inputs = ()
+    if stacked:  # [L, B, S, K, hd] -> [L * B, S, K, hd]; the layer goes in as an int32 [1] (a bitcast of the scalar)
+        k, v = (x.reshape(x.shape[0] * b, *x.shape[2:]) for x in (k, v))
+        extra_inputs = (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),)
     prefix_len = prefix_len.astype(jnp.int32)
     qp = jnp.pad(_pack_rows(q, kv), [(0, 0), (0, 0), (0, rows_pad - rows), (0, 0)])
     bits = jnp.repeat(_shifted_bits(tree_bits, prefix_len, t, words), g, axis=1)  # [B, R, words]
@@ -201,6 +217,8 @@ def tree_attention(q, k, v, prefix_len, tree_bits, *, scale: float | None = None
     use_run_state = not interpret  # the interpreter lacks pl.run_state: accumulate via a scratch ACC
 
     def kernel(q_ref, k_ref, v_ref, p_ref, bits_ref, *rest):
+        if stacked:
+            row_ref, *rest = rest
         if splits > 1:
             o_ref, lse_ref, scratch, barriers = rest
         else:
@@ -223,6 +241,7 @@ def tree_attention(q, k, v, prefix_len, tree_bits, *, scale: float | None = None
         kh = lax.rem(bk, jnp.int32(kv))
         wg = lax.axis_index("wg")
 
+        kb = row_ref[0] * b + bi if stacked else bi  # this sequence's row of the (stacked) cache
         p = p_ref[bi]
         off = lax.rem(p, jnp.int32(_ALIGN))
         base = pl.multiple_of(p - off, _ALIGN)
@@ -347,8 +366,8 @@ def tree_attention(q, k, v, prefix_len, tree_bits, *, scale: float | None = None
 
             def issue(i, slot):
                 start = tile_start(i)
-                plgpu.copy_gmem_to_smem(k_ref.at[bi, pl.ds(start, bkv), kh], k_smem.at[slot], k_bars.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[bi, pl.ds(start, bkv), kh], v_smem.at[slot], v_bars.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[kb, pl.ds(start, bkv), kh], k_smem.at[slot], k_bars.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[kb, pl.ds(start, bkv), kh], v_smem.at[slot], v_bars.at[slot])
 
             for st in range(stages):
                 @pl.when(st < steps)
@@ -411,7 +430,7 @@ def tree_attention(q, k, v, prefix_len, tree_bits, *, scale: float | None = None
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret or None,
     )
-    res = call(qp, k, v, prefix_len, bits)
+    res = call(qp, k, v, prefix_len, bits, *extra_inputs)
     if splits > 1:
         o_part, lse = res
         mx = jnp.max(lse, axis=0)

@@ -59,6 +59,26 @@ def test_tree_attention_interpret_matches_reference(case):
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
 
 
+def test_tree_attention_reads_a_layer_of_the_stacked_cache_in_place():
+    """With ``layer`` (traced, as inside the layer scan) the kernel reads that layer of the stacked [L, B, S, K, hd]
+    cache through a [L * B, ...] view: exactly what it computes on the sliced layer, and the reference's answer."""
+    import jax
+
+    b, t, h, kv, hd, plens = 2, 5, 4, 2, 64, [9, 70]
+    s = max(plens) + t + 64
+    q, k1, v1, p, bits = attention_inputs(1, b, t, h, kv, s, hd, plens, "random")
+    k0, v0, k2, v2 = (x[::-1] for x in (k1, v1, k1[:, ::-1], v1[:, ::-1]))  # other layers, other values
+    k, v = jnp.stack([k0, k1, k2]), jnp.stack([v0, v1, v2])
+    run = jax.jit(lambda q, k, v, p, bits, layer: tat.tree_attention(q, k, v, p, bits, interpret=True, layer=layer))
+    got = run(q, k, v, p, bits, jnp.int32(1))
+    want = tat.tree_attention(q, k1, v1, p, bits, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    np.testing.assert_array_equal(np.asarray(tat.tree_attention_reference(q, k, v, p, bits, layer=2), np.float32),
+                                  np.asarray(tat.tree_attention_reference(q, k2, v2, p, bits), np.float32))
+    with pytest.raises(ValueError, match="L, B, S, K, hd"):
+        tat.tree_attention(q, k1, v1, p, bits, interpret=True, layer=0)
+
+
 def test_tree_attention_no_races_pingpong_ring_split(monkeypatch):
     """The interpreter's happy-before race detector over ping-pong + split-K partials in the K/V ring."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -203,3 +223,27 @@ def test_the_gpu_probe_passes_in_the_interpreter():
     assert decode.kernel_mismatch(interpret=True) is None
     tok, par, tgt = accept_inputs(np.random.default_rng(0), 8, 65, "random", 15)
     assert int(np.max(np.asarray(ta.tree_accept_reference(tok, par, tgt, max_depth=15)[1]))) >= 4
+
+
+def test_the_model_reads_the_stacked_cache_in_place_with_pallas_inplace():
+    """model.forward with the attention reading each layer's K/V in place ('pallas-inplace') computes exactly what
+    the kernel on copied slices does ('pallas'), on a bf16 model of head_dim 64 with a cache holding a prefix."""
+    from ddtree_jax import cache as kvcache, model, shapes
+    from pallas_kernels.bitmask import causal_bits
+
+    tcfg, dcfg = shapes.model_configs(shapes.SHAPES["tiny"])
+    tparams, _ = shapes.build_params(tcfg, dcfg, jnp.bfloat16)
+    b, t, prefix, capacity = 2, 4, 21, 128
+    rng = np.random.default_rng(0)
+    cache = kvcache.init(tcfg.num_layers, b, capacity, tcfg.num_kv_heads, tcfg.head_dim, jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal(cache.k.shape), jnp.bfloat16) for _ in range(2))
+    cache = kvcache.KVCache(k, v, jnp.full((b,), prefix, jnp.int32))
+    tokens = jnp.asarray(rng.integers(0, tcfg.vocab_size, (b, t)), jnp.int32)
+    positions = prefix + jnp.arange(t)[None].repeat(b, 0)
+    outs = {impl: model.forward(tparams, tcfg, tokens, positions, cache, causal_bits(b, t), attention=impl)
+            for impl in ("pallas-interpret", "pallas-inplace-interpret", "xla")}
+    sliced, in_place, xla = (np.asarray(outs[i][0], np.float32) for i in outs)
+    np.testing.assert_array_equal(in_place, sliced)
+    np.testing.assert_array_equal(np.asarray(outs["pallas-inplace-interpret"][1].v, np.float32),
+                                  np.asarray(outs["pallas-interpret"][1].v, np.float32))
+    assert np.abs(in_place - xla).max() < 0.1 * np.abs(xla).max()

@@ -179,6 +179,21 @@ def _script(out_path: str) -> None:
     with jax.default_matmul_precision("highest"):
         ref = tat.tree_attention_reference(q32, k32, v32, p, bits)
     xla = tat.tree_attention_reference(q, k, v, p, bits).astype(jnp.float32)
+    # 'pallas-inplace': the stacked cache [L, B, S, K, hd] and the layer go to every device (its rows, its heads)
+    seen_stacked = []
+
+    def stand_in_stacked(q, k, v, p, bits, *, layer):
+        seen_stacked.append([list(x.shape) for x in (q, k, v, p, bits)])
+        return tat.tree_attention_reference(q, k, v, p, bits, layer=layer)
+
+    def attend_stacked(q, k, v, p, bits, layer):
+        with sharding.use_mesh(mesh_of("2x2")):
+            return sharding.per_device_attention(stand_in_stacked, stacked=True)(q, k, v, p, bits, layer)
+
+    stacked = NamedSharding(mesh_of("2x2"), P(None, "data", None, "model", None))
+    qs, _, _, ps, bs = place(mesh_of("2x2"))
+    ks, vs = (jax.device_put(jnp.stack([x[:, ::-1], x]), stacked) for x in (k, v))
+    out_stacked = jax.jit(attend_stacked)(qs, ks, vs, ps, bs, jnp.int32(1))
     # the tree-walk kernel likewise: split on the batch, whole on every model device
     from ddtree_jax import accept
     from ddtree_jax.tree import Tree
@@ -215,6 +230,8 @@ def _script(out_path: str) -> None:
         "stand_in_shapes": seen[0],
         "stand_in_spec": str(out.sharding.spec),
         "stand_in_same": bool(jnp.array_equal(out, tat.tree_attention_reference(q, k, v, p, bits))),
+        "stacked_shapes": seen_stacked[0],
+        "stacked_same": bool(jnp.array_equal(out_stacked, tat.tree_attention_reference(q, k, v, p, bits))),
         "err": float(jnp.abs(pallas.astype(jnp.float32) - ref).max()),
         "xla_err": float(jnp.abs(xla - ref).max()),
     }
@@ -357,6 +374,9 @@ def test_attention_kernel_runs_per_device(report):
     # per device on 2x2: one sequence, two of the four query heads and one of the two KV heads
     assert got["stand_in_shapes"] == [[1, 3, 2, 64], [1, 80, 1, 64], [1, 80, 1, 64], [1], [1, 3, 1]]
     assert got["stand_in_spec"] == "P('data', None, 'model', None)" and got["stand_in_same"]
+    # pallas-inplace: each device gets both layers of its rows and heads, and reads the layer asked for
+    assert got["stacked_shapes"] == [[1, 3, 2, 64], [2, 1, 80, 1, 64], [2, 1, 80, 1, 64], [1], [1, 3, 1]]
+    assert got["stacked_same"]
     assert got["err"] <= max(2 * got["xla_err"], 1e-2), got  # the Pallas kernel under shard_map (bf16)
 
 
