@@ -88,7 +88,8 @@ def walk(tree: Tree, choice: Array, max_depth: int, impl: str = "xla") -> tuple[
 
 
 def walk_host(node_tokens, parents, choices) -> list[int]:
-    """The walk of one traced round in plain Python (no jax, no kernel): an independent check of ``walk``.
+    """The walk of one round in plain Python, step by step as the official ``follow_verified_tree`` (no jax, no
+    kernel): the oracle of ``walk``'s tests and of ``bench pair --check``.
 
     node_tokens [N] (tree index j + 1), parents [1+N] (parents[0] = -1), choices [1+N] = the target's token at
     every tree index. Returns the accepted tree indices, root first; the bonus is ``choices[path[-1]]``.

@@ -96,13 +96,7 @@ def test_walk_rejects_unused_slots_and_matches_a_python_walk():
     tree = Tree(jnp.asarray(tokens), jnp.asarray(depths), jnp.asarray(parents), ancestor_bits(jnp.asarray(parents), md))
     path, length, bonus = accept.walk(tree, jnp.asarray(choice), md)
     for r in range(b):
-        cur, want = 0, [0]
-        while True:  # follow_verified_tree: the first child whose token is the target's choice
-            kids = [j for j in range(1, n + 1) if parents[r, j] == cur and tokens[r, j - 1] == choice[r, cur]]
-            if not kids:
-                break
-            cur = kids[0]
-            want.append(cur)
+        want = accept.walk_host(tokens[r], parents[r], choice[r])  # follow_verified_tree, step by step
         assert int(length[r]) == len(want)
         assert np.asarray(path[r, : len(want)]).tolist() == want
         assert int(bonus[r]) == choice[r, want[-1]]

@@ -192,15 +192,12 @@ def test_tree_accept_reference_is_the_walk():
     rng = np.random.default_rng(0)
     tok, par, tgt = accept_inputs(rng, 32, 50, "random", 6)
     path, length, bonus = ta.tree_accept_reference(tok, par, tgt, max_depth=6)
+    from ddtree_jax import accept
+
     tok, par, tgt = np.asarray(tok), np.asarray(par), np.asarray(tgt)
     for i in range(32):
-        cur, walk = 0, [0]
-        while True:
-            kids = [j for j in range(50) if par[i, j] == cur and tok[i, j] == tgt[i, cur]]
-            if not kids:
-                break
-            cur = kids[0]
-            walk.append(cur)
+        walk = accept.walk_host(tok[i, 1:], par[i], tgt[i])  # tok[:, 0] is the root's (unused) slot
+        cur = walk[-1]
         assert int(length[i]) == len(walk) and int(bonus[i]) == tgt[i, cur]
         np.testing.assert_array_equal(np.asarray(path[i]), walk + [cur] * (7 - len(walk)))
 
