@@ -576,7 +576,8 @@ def generate(
     per_row += [dataclasses.replace(options, max_new_tokens=1)] * (len(rows) - len(prompts))
     state = sharding.create(functools.partial(init_state, spec, lens, per_row, capacity, out_len, dtype), mesh)
     tokens = jnp.asarray(tokens) if mesh is None else jax.device_put(tokens, sharding.batch_sharding(mesh, 2))
-    budget_rounds = jnp.int32(stream_every if on_tokens else options.max_new_tokens + 1)
+    per_call = stream_every if on_tokens else options.max_new_tokens + 1  # rounds per run_rounds call
+    budget_rounds = jnp.int32(per_call)
 
     t0 = time.perf_counter()  # compile ahead of time so that the timings below are execution only
     prefill_fn = compiled(prefill, spec, tparams, dparams, state, tokens)
@@ -590,7 +591,7 @@ def generate(
 
     t0 = time.perf_counter()
     emitted = np.asarray(lens)
-    for _ in range(-(-spec.max_rounds // int(budget_rounds))):  # every round commits a token: enough calls
+    for _ in range(-(-spec.max_rounds // per_call)):  # every round commits a token: enough calls
         state = rounds_fn(tparams, dparams, state, budget_rounds)
         if on_tokens is not None:
             ends = final_length(state)
