@@ -47,3 +47,27 @@ def reference_runs():
 @pytest.fixture(scope="session")
 def logits_npz():
     return dict(np.load(fixture_path("logits.npz")))
+
+
+@pytest.fixture
+def faulty_walk(monkeypatch):
+    """A simulated decode fault: ``accept.walk`` reports no accepted node (a round that commits nothing) whenever
+    the target's choice at the root is a multiple of 3. jax's and decode's compile caches are emptied on the
+    way in and out, so that programs traced with the fault never serve another test."""
+    import jax
+    import jax.numpy as jnp
+
+    from ddtree_jax import accept, decode
+
+    real = accept.walk
+
+    def faulty(tree, choice, max_depth, impl="xla"):
+        path, length, bonus = real(tree, choice, max_depth, impl)
+        return path, jnp.where(choice[:, 0] % 3 == 0, 0, length), bonus
+
+    monkeypatch.setattr(accept, "walk", faulty)
+    monkeypatch.setattr(decode, "_COMPILED", type(decode._COMPILED)())
+    jax.clear_caches()
+    yield
+    monkeypatch.undo()
+    jax.clear_caches()

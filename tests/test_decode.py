@@ -152,9 +152,9 @@ def test_bad_requests_are_clear_errors(target, drafter):
         decode.generate(target, [[1]], decode.GenerateOptions(method="beam"))
 
 
-def test_impossible_round_statistics_are_an_error(target, drafter, reference_runs, monkeypatch):
-    """A round that commits nothing (a faulty walk, here simulated) cannot happen in a correct run: generate
-    raises instead of returning outputs it cannot vouch for."""
+def test_impossible_round_statistics_are_an_error(target, drafter, reference_runs):
+    """A round that commits nothing, or more than a path, or more rounds than tokens, cannot happen in a correct
+    run: round_statistics_problem names it (and generate then raises: next test, with a simulated fault)."""
     spec = decode.make_spec(target[0], drafter[0], decode.GenerateOptions(method="dflash", max_new_tokens=8))
     ok = np.ones((1, 8), np.int32)
     assert decode.round_statistics_problem(spec, np.array([8]), ok) is None
@@ -164,18 +164,11 @@ def test_impossible_round_statistics_are_an_error(target, drafter, reference_run
     too_long[0, 0] = spec.path_len + 1
     assert "outside" in decode.round_statistics_problem(spec, np.array([8]), too_long)
 
-    real = decode.accept.walk
-    def faulty(tree, choice, max_depth, impl="xla"):  # every third position commits nothing
-        path, length, bonus = real(tree, choice, max_depth, impl)
-        return path, jnp.where(choice[:, 0] % 3 == 0, 0, length), bonus
 
-    monkeypatch.setattr(decode.accept, "walk", faulty)
-    monkeypatch.setattr(decode, "_COMPILED", type(decode._COMPILED)())
-    jax.clear_caches()
+def test_a_faulty_round_makes_generate_raise(target, drafter, reference_runs, faulty_walk):
     run = reference_runs[0]
     with pytest.raises(RuntimeError, match="decode fault"):
         decode.generate(target, [run["prompt"]], options("dflash", run), draft=drafter)
-    jax.clear_caches()
 
 
 @pytest.mark.parametrize("layout", ["unstacked", "stacked-out-major", "unstacked-out-major"])

@@ -278,22 +278,9 @@ def test_batch_buckets_run_only_the_live_slots(target, drafter, tokenizer, refer
 
 
 def test_a_round_that_commits_nothing_ends_the_request_with_an_error(target, drafter, tokenizer, reference_runs,
-                                                                     monkeypatch):
+                                                                     faulty_walk):
     """Every round commits a token at least; a step where a slot ran more rounds than it committed tokens (a
     faulty walk, simulated here) ends that request with a 'decode fault' error instead of serving its output."""
-    import jax
-    import jax.numpy as jnp
-
-    from ddtree_jax import decode
-
-    real = decode.accept.walk
-
-    def faulty(tree, choice, max_depth, impl="xla"):  # commits nothing when the root's choice is a multiple of 3
-        path, length, bonus = real(tree, choice, max_depth, impl)
-        return path, jnp.where(choice[:, 0] % 3 == 0, 0, length), bonus
-
-    monkeypatch.setattr(decode.accept, "walk", faulty)
-    jax.clear_caches()
     cfg = engines.EngineConfig(method="dflash", max_batch=1, max_len=MAX_LEN, rounds_per_step=2)
     eng = engines.Engine(target, drafter, cfg, tokenizer=tokenizer).start()
     try:
@@ -302,5 +289,3 @@ def test_a_round_that_commits_nothing_ends_the_request_with_an_error(target, dra
         assert res.finish_reason == "error" and "decode fault" in res.error
     finally:
         eng.stop()
-        monkeypatch.undo()
-        jax.clear_caches()
