@@ -820,30 +820,23 @@ class Bench:
                 kk = min(budget, shape.vocab)
                 row: dict[str, Any] = {}
                 row["empty_loop_us"] = loop_us(lambda x: x[:, :, :1], xs)
-                variants = {
-                    "best_first": lambda x, bb=budget: trees.best_first(x, bb),
-                    "best_first_chunk32": lambda x, bb=budget: trees.best_first(x, bb, chunk=32),
-                    "best_first_unrolled": lambda x, bb=budget: trees.best_first(x, bb, unroll=True),
-                    "best_first_chunk32_unrolled": lambda x, bb=budget: trees.best_first(x, bb, chunk=32, unroll=True),
-                    "part_top_log_probs": lambda x, kk=kk: trees.top_log_probs(x, kk),
-                    "part_top_log_probs_chunk32": lambda x, kk=kk: trees.top_log_probs(x, kk, 32),
+                variants = {  # the defaults (chunked vocabulary top-k, unrolled depth loop), each selection
+                    f"best_first_{sel}": lambda x, bb=budget, sel=sel: trees.best_first(x, bb, select=sel)
+                    for sel in trees.SELECTS
                 }
+                variants["part_top_log_probs"] = lambda x, kk=kk: trees.top_log_probs(x, kk, trees.TOPK_CHUNK)
                 for name, fn in variants.items():
                     row[name + "_us"] = loop_us(fn, xs)
-                lp, ids = jax.jit(trees.top_log_probs, static_argnums=1)(xs, kk)  # [K, b, Dp, kk]
-                core = jax.vmap(trees._best_first_one, in_axes=(0, 0, None, None))
-                for name, unroll in (("part_best_first_core", 1), ("part_best_first_core_unrolled", True)):
-                    row[name + "_us"] = loop_us(lambda p, bb=budget, u=unroll: core(p[0], p[1], bb, u), (lp, ids))
+                lp, ids = jax.jit(trees.top_log_probs, static_argnums=(1, 2))(xs, kk, trees.TOPK_CHUNK)
+                for sel in trees.SELECTS:
+                    core = jax.vmap(functools.partial(trees._best_first_one, budget=budget, unroll=True, select=sel))
+                    row[f"part_best_first_core_{sel}_us"] = loop_us(lambda p, c=core: c(p[0], p[1]), (lp, ids))
                 par = jax.jit(jax.vmap(lambda x, bb=budget: trees.best_first(x, bb).parents))(xs)
                 row["part_ancestor_bits_us"] = loop_us(lambda p: trees.ancestor_bits(p, dp_), par)
-                same = jax.jit(lambda x: [variants["best_first"](x)] + [variants[n](x) for n in
-                               ("best_first_chunk32", "best_first_unrolled", "best_first_chunk32_unrolled")])(xs[1])
-                ref = same[0]
-                for name, got in zip(("best_first_chunk32", "best_first_unrolled", "best_first_chunk32_unrolled"),
-                                     same[1:]):
-                    row[name + "_equal"] = bool(all(
-                        np.array_equal(np.asarray(getattr(ref, f)), np.asarray(getattr(got, f)))
-                        for f in ("tokens", "depths", "parents", "bits")))
+                got = jax.jit(lambda x: [variants[f"best_first_{sel}"](x) for sel in trees.SELECTS])(xs[1])
+                row["selects_equal"] = bool(all(
+                    np.array_equal(np.asarray(getattr(got[0], f)), np.asarray(getattr(other, f)))
+                    for other in got[1:] for f in ("tokens", "depths", "parents", "bits")))
                 res[f"b{b}_budget{budget}"] = row
                 _log(f"  tree b{b} budget {budget}: " + ", ".join(
                     f"{kk_}={v:.1f}" if isinstance(v, float) else f"{kk_}={v}" for kk_, v in row.items()))
@@ -1030,7 +1023,7 @@ def build_parser() -> cli.ArgumentParser:
                    help="break down every ddtree budget (default: only the --key-budgets)")
     m.add_argument("--ab", action="append", default=[], metavar="NAME:KEY=VAL,...",
                    help="on the first configuration, also compile run_rounds with decode.XLA_OPTIONS updated by "
-                        "these XLA options and time it (repeatable), e.g. nomerge:xla_gpu_dot_merger_threshold_mb=0")
+                        "these XLA options and time it (repeatable), e.g. merge:xla_gpu_dot_merger_threshold_mb=32")
     m.add_argument("--no-hlo", dest="hlo", action="store_false", help="skip the HLO checks")
     m.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiler trace")
     m.add_argument("--profile-rounds", type=int, default=5, help="rounds inside the profiler trace (default: 5)")

@@ -10,6 +10,11 @@ width-``budget`` frontier (the best paths of the current depth): the paths of de
 answer extend frontier paths of depth d. Frontier and per-depth top-k lists are sorted, so candidate
 (i, j) = frontier i + token rank j has at least (i+1)(j+1)-1 candidates above it; only pairs with
 (i+1)(j+1) <= budget can make the cut (about budget * ln(budget) pairs instead of budget^2).
+
+Each depth then selects the best ``budget`` of those candidates, and a last selection takes the best ``budget``
+over all depths. ``select="sort"`` does it with ``lax.top_k`` (a sort on GPU: 15 dependent sorts per tree);
+``select="count"`` ranks every candidate by counting the candidates before it (one compare-and-sum fusion, no
+sort), the same result bit for bit; the default is "count" on GPU, "sort" elsewhere (benchmarks/PERF.md).
 """
 
 from __future__ import annotations
@@ -68,10 +73,45 @@ def ancestor_bits(parents: Array, max_depth: int) -> Array:
     return words
 
 
-def _best_first_one(log_probs: Array, token_ids: Array, budget: int, unroll: int | bool = 1):
-    """One sequence. log_probs, token_ids [Dp, K] sorted descending per depth. ``unroll``: of the scan."""
+def top_k_by_count(x: Array, k: int) -> tuple[Array, Array]:
+    """Exactly ``lax.top_k(x, k)`` over the last axis (values, ids, ties: lower index first), without a sort.
+
+    An entry's rank is the number of entries before it in that order (larger, or equal at a lower index): a
+    permutation of 0..n-1, computed in one compare-and-sum over [n, n]. Slot r takes the id whose rank is r
+    (a one-hot sum over [k, n]). O(n^2) work in two fusions: for the few thousand candidates of a tree, far
+    less time on a GPU than a sort's many passes; on CPU a sort is cheaper. Floats are compared in top_k's
+    total order (-0.0 below +0.0) through their bits: float32 only."""
+    if x.dtype != jnp.float32:
+        raise ValueError(f"top_k_by_count takes float32, got {x.dtype}")
+    n = x.shape[-1]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int32 order = float total order
+    xi, xj = key[..., :, None], key[..., None, :]
+    before = (xj > xi) | ((xj == xi) & (idx[None, :] < idx[:, None]))  # [..., n, n]: j comes before i
+    rank = jnp.sum(before, axis=-1, dtype=jnp.int32)  # [..., n]
+    slot = jnp.arange(k, dtype=jnp.int32)[:, None]
+    ids = jnp.sum(jnp.where(rank[..., None, :] == slot, idx, 0), axis=-1, dtype=jnp.int32)  # [..., k]
+    return jnp.take_along_axis(x, ids, axis=-1), ids
+
+
+SELECTS = ("sort", "count")
+
+
+def _selector(select: str):
+    if select not in SELECTS:
+        raise ValueError(f"select must be one of {SELECTS}, got {select!r}")
+    return jax.lax.top_k if select == "sort" else top_k_by_count
+
+
+def _best_first_one(
+    log_probs: Array, token_ids: Array, budget: int, unroll: int | bool = 1, select: str = "sort"
+):
+    """One sequence. log_probs, token_ids [Dp, K] sorted descending per depth. ``unroll``: of the scan;
+    ``select``: how each top-``budget`` selection is made (see the module doc)."""
     depth_count, k = log_probs.shape
     width = budget
+    top = _selector(select)
     ii, jj = (jnp.asarray(a) for a in _candidate_pairs(budget, k))
 
     first = jnp.full((width,), -jnp.inf).at[: min(k, width)].set(log_probs[0, :width])
@@ -81,7 +121,7 @@ def _best_first_one(log_probs: Array, token_ids: Array, budget: int, unroll: int
     def step(frontier, row):
         lp, ids = row
         scores = frontier[ii] + lp[jj]
-        best, pick = jax.lax.top_k(scores, width)
+        best, pick = top(scores, width)
         return best, (best, ids[jj[pick]], ii[pick])
 
     _, (scores, toks, parent_slot) = jax.lax.scan(step, first, (log_probs[1:], token_ids[1:]), unroll=unroll)
@@ -90,7 +130,7 @@ def _best_first_one(log_probs: Array, token_ids: Array, budget: int, unroll: int
     parent_slot = jnp.concatenate([first_parent[None], parent_slot])
 
     flat_scores = scores.reshape(-1)
-    top_scores, chosen = jax.lax.top_k(flat_scores, budget)  # ties: shallower first, so parents precede
+    top_scores, chosen = top(flat_scores, budget)  # ties: shallower first, so parents precede
     depth = chosen // width
     valid = top_scores > -jnp.inf
     rank_of = jnp.full((depth_count * width,), -1, jnp.int32).at[chosen].set(jnp.arange(budget, dtype=jnp.int32))
@@ -133,16 +173,32 @@ def top_log_probs(draft_logits: Array, k: int, chunk: int | None = None) -> tupl
 TOPK_CHUNK = 32  # best_first's default vocabulary chunk (H200, Qwen3 vocab, budget 256: top-k 630 -> 139 us)
 
 
-def best_first(draft_logits: Array, budget: int, *, chunk: int | None = None, unroll: int | bool = True) -> Tree:
+def default_select() -> str:
+    """The selection :func:`best_first` uses unless told: rank counting on GPU, ``lax.top_k`` elsewhere."""
+    return "count" if jax.default_backend() == "gpu" else "sort"
+
+
+def best_first(
+    draft_logits: Array,
+    budget: int,
+    *,
+    chunk: int | None = None,
+    unroll: int | bool = True,
+    select: str | None = None,
+) -> Tree:
     """DDTree's tree of ``budget`` nodes from draft logits [B, Dp, V] (untempered, as the reference).
-    ``chunk`` and ``unroll`` change how, never what: see :func:`top_log_probs` and the depth scan.
-    Defaults: the chunked top-k (``TOPK_CHUNK``; on each vocabulary shard under a mesh, see
-    ``sharding.top_k``) and a fully unrolled depth loop, both measured faster on an H200 (benchmarks/PERF.md)."""
+    ``chunk``, ``unroll`` and ``select`` change how, never what: see :func:`top_log_probs`, the depth scan
+    and the module doc. Defaults: the chunked top-k (``TOPK_CHUNK``; on each vocabulary shard under a mesh,
+    see ``sharding.top_k``), a fully unrolled depth loop and :func:`default_select`, each measured faster on
+    an H200 (benchmarks/PERF.md)."""
     b, depth_count, vocab = draft_logits.shape
     if chunk is None:
         chunk = TOPK_CHUNK
+    if select is None:
+        select = default_select()
     lp, ids = top_log_probs(draft_logits, min(budget, vocab), chunk)
-    tokens, depths, parents = jax.vmap(_best_first_one, in_axes=(0, 0, None, None))(lp, ids, budget, unroll)
+    one = functools.partial(_best_first_one, budget=budget, unroll=unroll, select=select)
+    tokens, depths, parents = jax.vmap(one)(lp, ids)
     parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parents], axis=1)
     return Tree(tokens, depths, parents, ancestor_bits(parents, depth_count))
 

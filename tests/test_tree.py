@@ -187,6 +187,33 @@ def test_brute_force_frontier_over_full_product():
         assert {path_of(tokens, parents, j) for j in range(1, budget + 1)} == want
 
 
+@pytest.mark.parametrize("shape,k", [((7,), 3), ((2, 50), 50), ((3, 4, 100), 17)])
+def test_top_k_by_count_is_lax_top_k_exactly(shape, k):
+    """Same values, ids and tie order as lax.top_k, with heavy ties, -inf and both zeros (-0.0 ranks below +0.0)."""
+    rng = np.random.default_rng(k)
+    x = np.round(rng.standard_normal(shape)).astype(np.float32)
+    x[..., ::3] = -np.inf
+    x[..., 1::5] = -0.0
+    for arr in (x, rng.standard_normal(shape).astype(np.float32)):
+        want = jax.lax.top_k(jnp.asarray(arr), k)
+        got = trees.top_k_by_count(jnp.asarray(arr), k)
+        for w, g in zip(want, got):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+            assert g.dtype == w.dtype
+
+
+@pytest.mark.parametrize("budget,vocab,scale", [(16, 256, 3.0), (64, 1000, 1.0), (130, 100, 5.0), (40, 3, 1.0),
+                                                (32, 64, 0.0)])
+def test_selections_build_the_same_tree(budget, vocab, scale):
+    """select='count' (the GPU default) and select='sort' give the same tree, field for field (scale 0: all ties)."""
+    logits = jnp.asarray((scale * np.random.default_rng(budget).standard_normal((2, 7, vocab))).astype(np.float32))
+    by = {s: jax.jit(lambda x, s=s: trees.best_first(x, budget, select=s))(logits) for s in trees.SELECTS}
+    for name in ("tokens", "depths", "parents", "bits"):
+        np.testing.assert_array_equal(np.asarray(getattr(by["count"], name)), np.asarray(getattr(by["sort"], name)))
+    with pytest.raises(ValueError, match="select"):
+        trees.best_first(logits, budget, select="heap")
+
+
 def test_best_first_is_jittable_and_batch_independent():
     rng = np.random.default_rng(3)
     logits = rng.standard_normal((5, 7, 256)).astype(np.float32)
