@@ -27,8 +27,8 @@ DEBUG_ENV = "DDTREE_JAX_DEBUG"
 # reading each layer's K/V in place from the stacked cache, the XLA path, or auto (Pallas on a GPU where it works)
 ATTENTIONS = ("auto", "pallas", "pallas-inplace", "xla")
 ATTENTION_HELP = ("attention: pallas (GPU kernels), pallas-inplace (the same, the attention kernel reading each "
-                  "layer's K/V in place from the stacked cache; not yet timed on a GPU), xla (portable), auto (pallas "
-                  "on a GPU where its probe passes, xla elsewhere; default)")
+                  "layer's K/V in place from the stacked cache: no per-layer copy), xla (portable), auto (on a GPU "
+                  "pallas-inplace, else pallas, whichever passes its probe first; xla elsewhere; default)")
 
 
 class UsageError(ValueError):

@@ -116,13 +116,15 @@ def make_spec(target_cfg: ModelConfig, draft_cfg: DraftConfig | None, options: G
 
 
 def resolve_attention(choice: str) -> str:
-    """'auto' -> Pallas kernels on GPU (when a small probe compiles and matches the reference), XLA
-    elsewhere; 'pallas' on CPU runs them in interpret mode. 'pallas-inplace': the attention kernel reads each
-    layer's K/V in place from the stacked cache instead of from a copied slice (not yet timed on a GPU:
-    benchmarks/PERF.md)."""
+    """'auto' -> on a GPU, the Pallas kernels with the attention reading each layer's K/V in place
+    ('pallas-inplace', measured faster than the sliced kernel: benchmarks/PERF.md, sixth run) when the probe of
+    it passes, else the sliced kernel ('pallas') when its probe passes, else XLA; XLA elsewhere. 'pallas' and
+    'pallas-inplace' on CPU run the kernels in interpret mode."""
     on_gpu = jax.default_backend() == "gpu"
     if choice == "auto":
-        return "pallas" if on_gpu and pallas_kernels_work() else "xla"
+        if not on_gpu:
+            return "xla"
+        return next((impl for impl in ("pallas-inplace", "pallas") if pallas_kernels_work(impl)), "xla")
     if choice in ("pallas", "pallas-inplace"):
         return choice if on_gpu else f"{choice}-interpret"
     if choice == "xla":
@@ -131,32 +133,40 @@ def resolve_attention(choice: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def pallas_kernels_work() -> bool:
-    """Whether the Pallas kernels compile and run here and match their jnp references (:func:`kernel_mismatch`).
-    Checked once per process; False -> the XLA path, with a warning."""
+def pallas_kernels_work(impl: str = "pallas") -> bool:
+    """Whether the Pallas kernels of ``impl`` ('pallas' or 'pallas-inplace') compile and run here and match their
+    jnp references (:func:`kernel_mismatch`). Checked once per process and impl; False -> the next choice of
+    'auto' (the sliced kernel, then the XLA path), with a warning."""
     import warnings
 
     try:
-        problem = kernel_mismatch()
-    except Exception as e:  # noqa: BLE001 - any failure means: use the XLA path
+        problem = kernel_mismatch(in_place=impl == "pallas-inplace")
+    except Exception as e:  # noqa: BLE001 - any failure means: do not use these kernels
         problem = str(e)
     if problem:
-        warnings.warn(f"Pallas kernels unavailable here, using the XLA path: {problem[:300]}")
+        warnings.warn(f"Pallas kernels ({impl}) unavailable here: {problem[:300]}")
     return not problem
 
 
-def kernel_mismatch(interpret: bool = False) -> str | None:
+def kernel_mismatch(interpret: bool = False, in_place: bool = False) -> str | None:
     """Run each Pallas kernel once on a small random problem (``pallas_kernels.inputs``: a ragged bf16 GQA tree
     attention; tree walks whose target choices mostly follow the tree, so paths go deep) and compare it with its
-    jnp reference. Returns a description of the first mismatch, or None. ``interpret``: the Mosaic GPU interpreter."""
+    jnp reference. ``in_place``: the attention reads one layer (traced, not the first) of a stacked cache of
+    three distinct layers in place, as ``pallas-inplace`` does. Returns a description of the first mismatch, or
+    None. ``interpret``: the Mosaic GPU interpreter."""
     from pallas_kernels import inputs, tree_accept as tw, tree_attention as ta
 
     q, k, v, prefix, bits = inputs.attention_inputs(0, 2, 5, 4, 2, 128, 128, [3, 70])
-    out = jax.jit(functools.partial(ta.tree_attention, interpret=interpret))(q, k, v, prefix, bits)
-    ref = ta.tree_attention_reference(q, k, v, prefix, bits).astype(jnp.float32)
+    layer = None
+    if in_place:  # layers 0 and 2 differ from layer 1 (the one read): a wrong row offset cannot match
+        k, v = (jnp.stack([-x[:, ::-1], x, x[:, ::-1]]) for x in (k, v))
+        layer = jnp.int32(1)
+    attend = functools.partial(ta.tree_attention, interpret=interpret)
+    out = jax.jit(lambda q, k, v, p, m, i: attend(q, k, v, p, m, layer=i))(q, k, v, prefix, bits, layer)
+    ref = ta.tree_attention_reference(q, k, v, prefix, bits, layer=layer).astype(jnp.float32)
     err = float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
     if not err < 2e-2:
-        return f"tree attention: relative error {err:.3g} against the reference"
+        return f"tree attention{' (in place)' if in_place else ''}: relative error {err:.3g} against the reference"
     tok, par, tgt = inputs.accept_inputs(np.random.default_rng(0), 8, 65, "random", 15)
     got = jax.jit(functools.partial(tw.tree_accept, max_depth=15, interpret=interpret))(tok, par, tgt)
     want = tw.tree_accept_reference(tok, par, tgt, max_depth=15)
@@ -303,8 +313,14 @@ def first_stop(out: Array, state: State, n_out: Array) -> Array:
 # H200 (benchmarks/PERF.md, fourth run), stacked output-major weights: dynamic-slice fusion lets cuBLAS read each
 # layer's slice of the stacked weights in place, where XLA's Triton GEMMs copy it first (a ddtree-64 round of
 # Qwen3-8B: 9.5 ms with these options, 17.2 ms without); one-row products are row reductions, which neither
-# option touches (AR 5.39 / 5.37 ms). ``bench models --ab`` compiles with others to compare.
-XLA_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_enable_triton_gemm": False}
+# option touches (AR 5.39 / 5.37 ms). A dot-merger threshold of 0 stops XLA from concatenating each layer's
+# gate+up and q/k/v weights into new buffers every round to merge their products (sixth run: a ddtree-64 round of
+# Qwen3-4B 8.61 -> 6.97 ms; Qwen3-8B and AR unchanged within 1.5 %). ``bench models --ab`` compiles with others.
+XLA_OPTIONS = {
+    "xla_gpu_enable_dynamic_slice_fusion": True,
+    "xla_gpu_enable_triton_gemm": False,
+    "xla_gpu_dot_merger_threshold_mb": 0,
+}
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))

@@ -222,6 +222,29 @@ def test_the_gpu_probe_passes_in_the_interpreter():
     assert int(np.max(np.asarray(ta.tree_accept_reference(tok, par, tgt, max_depth=15)[1]))) >= 4
 
 
+def test_the_in_place_probe_passes_and_catches_a_wrong_layer(monkeypatch):
+    """The probe behind auto's choice of 'pallas-inplace' passes in the interpreter, and it fails when the kernel
+    reads another layer of the stacked cache than the one asked for."""
+    from ddtree_jax import decode
+
+    assert decode.kernel_mismatch(interpret=True, in_place=True) is None
+    right = tat.tree_attention
+    monkeypatch.setattr(tat, "tree_attention", lambda *a, layer=None, **kw: right(*a, layer=layer + 1, **kw))
+    assert "in place" in decode.kernel_mismatch(interpret=True, in_place=True)
+
+
+def test_auto_prefers_in_place_then_sliced_then_xla_on_a_gpu(monkeypatch):
+    from ddtree_jax import decode
+
+    monkeypatch.setattr(decode.jax, "default_backend", lambda: "gpu")
+    for works, want in [({"pallas-inplace", "pallas"}, "pallas-inplace"), ({"pallas"}, "pallas"), (set(), "xla")]:
+        monkeypatch.setattr(decode, "pallas_kernels_work", lambda impl, works=works: impl in works)
+        assert decode.resolve_attention("auto") == want
+    monkeypatch.setattr(decode.jax, "default_backend", lambda: "cpu")
+    assert decode.resolve_attention("auto") == "xla"
+    assert decode.resolve_attention("pallas-inplace") == "pallas-inplace-interpret"
+
+
 def test_the_model_reads_the_stacked_cache_in_place_with_pallas_inplace():
     """model.forward with the attention reading each layer's K/V in place ('pallas-inplace') computes exactly what
     the kernel on copied slices does ('pallas'), on a bf16 model of head_dim 64 with a cache holding a prefix."""
