@@ -315,7 +315,7 @@ def first_stop(out: Array, state: State, n_out: Array) -> Array:
 # Qwen3-8B: 9.5 ms with these options, 17.2 ms without); one-row products are row reductions, which neither
 # option touches (AR 5.39 / 5.37 ms). A dot-merger threshold of 0 stops XLA from concatenating each layer's
 # gate+up and q/k/v weights into new buffers every round to merge their products (sixth run: a ddtree-64 round of
-# Qwen3-4B 8.61 -> 6.97 ms; Qwen3-8B and AR unchanged within 1.5 %). ``bench models --ab`` compiles with others.
+# Qwen3-4B 8.61 -> 6.97 ms; Qwen3-8B and AR within 4 % either way). ``bench models --ab`` compiles with others.
 XLA_OPTIONS = {
     "xla_gpu_enable_dynamic_slice_fusion": True,
     "xla_gpu_enable_triton_gemm": False,
