@@ -14,7 +14,8 @@ answer extend frontier paths of depth d. Frontier and per-depth top-k lists are 
 Each depth then selects the best ``budget`` of those candidates, and a last selection takes the best ``budget``
 over all depths. ``select="sort"`` does it with ``lax.top_k`` (a sort on GPU: 15 dependent sorts per tree);
 ``select="count"`` ranks every candidate by counting the candidates before it (one compare-and-sum fusion, no
-sort), the same result bit for bit; the default is "count" on GPU, "sort" elsewhere (benchmarks/PERF.md).
+sort), the same result bit for bit; the default is "count" on GPU up to budget 256, "sort" otherwise
+(benchmarks/PERF.md).
 """
 
 from __future__ import annotations
@@ -173,9 +174,13 @@ def top_log_probs(draft_logits: Array, k: int, chunk: int | None = None) -> tupl
 TOPK_CHUNK = 32  # best_first's default vocabulary chunk (H200, Qwen3 vocab, budget 256: top-k 630 -> 139 us)
 
 
-def default_select() -> str:
-    """The selection :func:`best_first` uses unless told: rank counting on GPU, ``lax.top_k`` elsewhere."""
-    return "count" if jax.default_backend() == "gpu" else "sort"
+COUNT_MAX_BUDGET = 256  # the largest budget at which rank counting was measured faster (H200, batch 1)
+
+
+def default_select(budget: int) -> str:
+    """The selection :func:`best_first` uses unless told: rank counting on GPU up to ``COUNT_MAX_BUDGET`` (its
+    O(n^2) compares grow with the budget squared and were not timed beyond), ``lax.top_k`` otherwise."""
+    return "count" if jax.default_backend() == "gpu" and budget <= COUNT_MAX_BUDGET else "sort"
 
 
 def best_first(
@@ -195,7 +200,7 @@ def best_first(
     if chunk is None:
         chunk = TOPK_CHUNK
     if select is None:
-        select = default_select()
+        select = default_select(budget)
     lp, ids = top_log_probs(draft_logits, min(budget, vocab), chunk)
     one = functools.partial(_best_first_one, budget=budget, unroll=unroll, select=select)
     tokens, depths, parents = jax.vmap(one)(lp, ids)

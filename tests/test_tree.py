@@ -214,6 +214,13 @@ def test_selections_build_the_same_tree(budget, vocab, scale):
         trees.best_first(logits, budget, select="heap")
 
 
+def test_default_selection_counts_on_gpu_up_to_the_timed_budget(monkeypatch):
+    monkeypatch.setattr(trees.jax, "default_backend", lambda: "gpu")
+    assert [trees.default_select(b) for b in (16, 256, 257, 512)] == ["count", "count", "sort", "sort"]
+    monkeypatch.setattr(trees.jax, "default_backend", lambda: "cpu")
+    assert trees.default_select(16) == "sort"
+
+
 def test_best_first_is_jittable_and_batch_independent():
     rng = np.random.default_rng(3)
     logits = rng.standard_normal((5, 7, 256)).astype(np.float32)
