@@ -140,7 +140,7 @@ def pallas_kernels_work(impl: str = "pallas") -> bool:
     import warnings
 
     try:
-        problem = kernel_mismatch(in_place=impl == "pallas-inplace")
+        problem = kernel_mismatch(impl)
     except Exception as e:  # noqa: BLE001 - any failure means: do not use these kernels
         problem = str(e)
     if problem:
@@ -148,26 +148,25 @@ def pallas_kernels_work(impl: str = "pallas") -> bool:
     return not problem
 
 
-def kernel_mismatch(interpret: bool = False, in_place: bool = False) -> str | None:
-    """Run each Pallas kernel once on a small random problem (``pallas_kernels.inputs``: a ragged bf16 GQA tree
-    attention; tree walks whose target choices mostly follow the tree, so paths go deep) and compare it with its
-    jnp reference. ``in_place``: the attention reads one layer (traced, not the first) of a stacked cache of
-    three distinct layers in place, as ``pallas-inplace`` does. Returns a description of the first mismatch, or
-    None. ``interpret``: the Mosaic GPU interpreter."""
+def kernel_mismatch(impl: str = "pallas") -> str | None:
+    """Run the Pallas kernels of ``impl`` ('pallas' or 'pallas-inplace'; '-interpret': in the Mosaic GPU
+    interpreter) once on small random problems (``pallas_kernels.inputs``) and compare them with their jnp
+    references: the attention as the model calls it (``model.attention_fn(impl)``), on a ragged bf16 GQA tree
+    problem, reading the middle layer (traced) of a stacked cache whose other layers differ, so a wrong layer
+    cannot match; the tree walk, on trees whose target choices mostly follow the tree, so paths go deep.
+    Returns a description of the first mismatch, or None."""
     from pallas_kernels import inputs, tree_accept as tw, tree_attention as ta
 
     q, k, v, prefix, bits = inputs.attention_inputs(0, 2, 5, 4, 2, 128, 128, [3, 70])
-    layer = None
-    if in_place:  # layers 0 and 2 differ from layer 1 (the one read): a wrong row offset cannot match
-        k, v = (jnp.stack([-x[:, ::-1], x, x[:, ::-1]]) for x in (k, v))
-        layer = jnp.int32(1)
-    attend = functools.partial(ta.tree_attention, interpret=interpret)
-    out = jax.jit(lambda q, k, v, p, m, i: attend(q, k, v, p, m, layer=i))(q, k, v, prefix, bits, layer)
-    ref = ta.tree_attention_reference(q, k, v, prefix, bits, layer=layer).astype(jnp.float32)
+    stacked = [jnp.stack([-x[:, ::-1], x, x[:, ::-1]]) for x in (k, v)]  # [3, B, S, K, hd]: layer 1 is (k, v)
+    attend = model.attention_fn(impl)
+    out = jax.jit(lambda *a: attend(*a[:5], layer=a[5]))(q, *stacked, prefix, bits, jnp.int32(1))
+    ref = ta.tree_attention_reference(q, k, v, prefix, bits).astype(jnp.float32)
     err = float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
     if not err < 2e-2:
-        return f"tree attention{' (in place)' if in_place else ''}: relative error {err:.3g} against the reference"
+        return f"tree attention ({impl}): relative error {err:.3g} against the reference"
     tok, par, tgt = inputs.accept_inputs(np.random.default_rng(0), 8, 65, "random", 15)
+    interpret = impl.endswith("-interpret")
     got = jax.jit(functools.partial(tw.tree_accept, max_depth=15, interpret=interpret))(tok, par, tgt)
     want = tw.tree_accept_reference(tok, par, tgt, max_depth=15)
     if not all(np.array_equal(x, y) for x, y in zip(got, want)):
@@ -531,8 +530,8 @@ _COMPILED_MAX = 32
 
 def compiled(fn, spec: Spec, *args):
     """``fn.lower(spec, *args).compile(XLA_OPTIONS)``, kept for later calls with the same spec and the same
-    shapes, dtypes and shardings (what ``jax.jit`` keys on): ahead-of-time compilation is never cached by jax itself, and a
-    caller that decodes many times at one shape (evaluations while training, a benchmark's prompts one at a
+    shapes, dtypes and shardings (what ``jax.jit`` keys on): ahead-of-time compilation is never cached by jax
+    itself, and a caller that decodes many times at one shape (evaluations while training, a benchmark's prompts one at a
     time) would otherwise compile every call. Least recently used beyond ``_COMPILED_MAX`` are dropped."""
     leaves, treedef = jax.tree.flatten(args)
     key = (fn, spec, treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))

@@ -217,7 +217,7 @@ def test_the_gpu_probe_passes_in_the_interpreter():
     match their references on its problems, and its walks go deep (it checks more than the root)."""
     from ddtree_jax import decode
 
-    assert decode.kernel_mismatch(interpret=True) is None
+    assert decode.kernel_mismatch("pallas-interpret") is None
     tok, par, tgt = accept_inputs(np.random.default_rng(0), 8, 65, "random", 15)
     assert int(np.max(np.asarray(ta.tree_accept_reference(tok, par, tgt, max_depth=15)[1]))) >= 4
 
@@ -227,10 +227,10 @@ def test_the_in_place_probe_passes_and_catches_a_wrong_layer(monkeypatch):
     reads another layer of the stacked cache than the one asked for."""
     from ddtree_jax import decode
 
-    assert decode.kernel_mismatch(interpret=True, in_place=True) is None
+    assert decode.kernel_mismatch("pallas-inplace-interpret") is None
     right = tat.tree_attention
     monkeypatch.setattr(tat, "tree_attention", lambda *a, layer=None, **kw: right(*a, layer=layer + 1, **kw))
-    assert "in place" in decode.kernel_mismatch(interpret=True, in_place=True)
+    assert "pallas-inplace" in decode.kernel_mismatch("pallas-inplace-interpret")
 
 
 def test_auto_prefers_in_place_then_sliced_then_xla_on_a_gpu(monkeypatch):
