@@ -528,7 +528,7 @@ class Bench:
         import jax
         import jax.numpy as jnp
 
-        from ddtree_jax import decode, tree as trees
+        from ddtree_jax import decode
 
         args, c = self.args, self.ctx
         tcfg, dcfg, tp, dp, shape = c["tcfg"], c["dcfg"], c["tp"], c["dp"], c["shape"]
@@ -1033,7 +1033,7 @@ def build_parser() -> cli.ArgumentParser:
                    help="budgets of the tree micro-benchmarks (default: 64,256,512)")
     m.add_argument("--tree-iters", type=int, default=16, help="trees per micro-benchmark loop (default: 16)")
     m.add_argument("--attention", choices=cli.ATTENTIONS, default="auto", help=cli.ATTENTION_HELP)
-    m.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weights and caches")
+    m.add_argument("--dtype", choices=cli.DTYPES, default="bfloat16", help="weights and caches")
     m.add_argument("--mesh", default=None, metavar="DxM",
                    help="run_rounds on a data x model mesh (ddtree_jax.sharding); --mesh 1x1 against the default "
                         "measures the sharded path's overhead on one device (the stage breakdown stays unsharded)")
@@ -1056,7 +1056,7 @@ def build_parser() -> cli.ArgumentParser:
     q.add_argument("--max-new-tokens", type=cli.positive_int, default=64, help="tokens per prompt (default: 64)")
     q.add_argument("--batched", action="store_true",
                    help="all prompts as one batch (default: one prompt at a time, batch 1)")
-    q.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="(default: bfloat16)")
+    q.add_argument("--dtype", choices=cli.DTYPES, default="bfloat16", help="(default: bfloat16)")
     q.add_argument("--attention", choices=cli.ATTENTIONS, default="auto", help=cli.ATTENTION_HELP)
     q.add_argument("--check", action="store_true",
                    help="also compare every method's tokens with ar's and replay each round's tree walk on the host "

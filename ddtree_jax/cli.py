@@ -26,6 +26,7 @@ DEBUG_ENV = "DDTREE_JAX_DEBUG"
 # --attention of every command (decode.resolve_attention): the Pallas kernels, the kernels with the attention
 # reading each layer's K/V in place from the stacked cache, the XLA path, or auto (Pallas on a GPU where it works)
 ATTENTIONS = ("auto", "pallas", "pallas-inplace", "xla")
+DTYPES = ("bfloat16", "float32")  # --dtype of every command: weights and matmul operands
 ATTENTION_HELP = ("attention: pallas (GPU kernels), pallas-inplace (the same, the attention kernel reading each "
                   "layer's K/V in place from the stacked cache: no per-layer copy), xla (portable), auto (on a GPU "
                   "pallas-inplace, else pallas, whichever passes its probe first; xla elsewhere; default)")

@@ -26,8 +26,6 @@ from typing import Any, Sequence, TextIO
 from ddtree_jax import cli, config, decode
 from ddtree_jax.tokenizer import Tokenizer, load_tokenizer
 
-METHODS = ("ar", "dflash", "ddtree")
-DTYPES = ("bfloat16", "float32")
 
 _EPILOG = """\
 output (--json): one object on stdout,
@@ -70,13 +68,13 @@ def build_parser() -> cli.ArgumentParser:
                         "speed comparison against AR.")
     m.add_argument("--draft", metavar="PATH",
                    help="DFlash drafter directory (z-lab layout); required by --method dflash and ddtree")
-    m.add_argument("--dtype", choices=DTYPES, default="bfloat16",
+    m.add_argument("--dtype", choices=cli.DTYPES, default="bfloat16",
                    help="weights and activations dtype (default: bfloat16, with float32 accumulation and "
                         "softmax). float32 reproduces the reference fixtures exactly and is a fine choice on "
                         "CPU.")
 
     g = p.add_argument_group("decoding")
-    g.add_argument("--method", choices=METHODS, default=None,
+    g.add_argument("--method", choices=decode.METHODS, default=None,
                    help="ar: plain autoregressive; dflash: DFlash chain speculation (block size from the "
                         "drafter); ddtree: DDTree draft tree of --tree-budget nodes (default: ar; ddtree for "
                         "the default pair)")

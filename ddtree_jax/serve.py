@@ -46,8 +46,6 @@ from ddtree_jax.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 log = logging.getLogger("ddtree_jax.serve")
 
-METHODS = ("ar", "dflash", "ddtree")
-DTYPES = ("bfloat16", "float32")
 MAX_STOP_STRINGS = 16
 RANDOM_PREFIX = "random:"  # --target random:SHAPE
 NO_TOKENIZER_JSON = "the model directory has no tokenizer.json"
@@ -609,12 +607,12 @@ def build_parser() -> cli.ArgumentParser:
     m.add_argument("--served-model-name", metavar="NAME",
                    help="the model id clients send and /v1/models lists (default: the --target directory's "
                         "name, or random:SHAPE); any other model id is answered with 400")
-    m.add_argument("--dtype", choices=DTYPES, default="bfloat16",
+    m.add_argument("--dtype", choices=cli.DTYPES, default="bfloat16",
                    help="weights and activations dtype (default: bfloat16, with float32 accumulation and "
                         "softmax); float32 reproduces the reference fixtures exactly")
 
     g = p.add_argument_group("decoding")
-    g.add_argument("--method", choices=METHODS, default=None,
+    g.add_argument("--method", choices=decode.METHODS, default=None,
                    help="ar: plain autoregressive; dflash: DFlash chain speculation; ddtree: DDTree draft tree "
                         "of --tree-budget nodes (default: ddtree with --draft or a random target, ar otherwise)")
     g.add_argument("--tree-budget", type=cli.positive_int, default=None, metavar="N",

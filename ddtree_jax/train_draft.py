@@ -742,7 +742,7 @@ def build_parser() -> cli.ArgumentParser:
     p.add_argument("--target", required=True, metavar="PATH",
                    help="target model directory (Hugging Face or converted), or 'default' for SmolLM2-135M-Instruct")
     p.add_argument("--out", required=True, metavar="DIR", help="work directory: data.npz, ckpt/, drafter/")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+    p.add_argument("--dtype", choices=cli.DTYPES, default="bfloat16",
                    help="target dtype for data generation, features and evaluation")
     m = p.add_argument_group("drafter")
     m.add_argument("--layers", type=cli.positive_int, default=1, help="drafter layers (of the target's width)")
