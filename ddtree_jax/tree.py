@@ -14,7 +14,7 @@ answer extend frontier paths of depth d. Frontier and per-depth top-k lists are 
 Each depth then selects the best ``budget`` of those candidates, and a last selection takes the best ``budget``
 over all depths. ``select="sort"`` does it with ``lax.top_k`` (a sort on GPU: 15 dependent sorts per tree);
 ``select="count"`` ranks every candidate by counting the candidates before it (one compare-and-sum fusion, no
-sort), the same result bit for bit; the default is "count" on GPU up to budget 256, "sort" otherwise
+sort), the same result bit for bit; the default is "count" on GPU at batch 1 up to budget 512, "sort" otherwise
 (benchmarks/PERF.md).
 """
 
@@ -174,13 +174,16 @@ def top_log_probs(draft_logits: Array, k: int, chunk: int | None = None) -> tupl
 TOPK_CHUNK = 32  # best_first's default vocabulary chunk (H200, Qwen3 vocab, budget 256: top-k 630 -> 139 us)
 
 
-COUNT_MAX_BUDGET = 256  # the largest budget at which rank counting was measured faster (H200, batch 1)
+COUNT_MAX_BUDGET = 512  # the largest budget at which rank counting was measured faster (H200, batch 1)
 
 
-def default_select(budget: int) -> str:
-    """The selection :func:`best_first` uses unless told: rank counting on GPU up to ``COUNT_MAX_BUDGET`` (its
-    O(n^2) compares grow with the budget squared and were not timed beyond), ``lax.top_k`` otherwise."""
-    return "count" if jax.default_backend() == "gpu" and budget <= COUNT_MAX_BUDGET else "sort"
+def default_select(budget: int, batch: int = 1) -> str:
+    """The selection :func:`best_first` uses unless told: rank counting on GPU for one sequence up to
+    ``COUNT_MAX_BUDGET``, ``lax.top_k`` otherwise. Its O(n^2) compares grow with the budget squared and with the
+    batch: on an H200 it built a tree faster at batch 1 and budgets 64-512 (229 / 287 / 354 against 314 / 440 /
+    679 us) and slower at batch 8, budget 256 (715 against 648 us; benchmarks/PERF.md, seventh run)."""
+    on_gpu = jax.default_backend() == "gpu"
+    return "count" if on_gpu and batch == 1 and budget <= COUNT_MAX_BUDGET else "sort"
 
 
 def best_first(
@@ -200,7 +203,7 @@ def best_first(
     if chunk is None:
         chunk = TOPK_CHUNK
     if select is None:
-        select = default_select(budget)
+        select = default_select(budget, b)
     lp, ids = top_log_probs(draft_logits, min(budget, vocab), chunk)
     one = functools.partial(_best_first_one, budget=budget, unroll=unroll, select=select)
     tokens, depths, parents = jax.vmap(one)(lp, ids)

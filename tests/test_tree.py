@@ -214,9 +214,11 @@ def test_selections_build_the_same_tree(budget, vocab, scale):
         trees.best_first(logits, budget, select="heap")
 
 
-def test_default_selection_counts_on_gpu_up_to_the_timed_budget(monkeypatch):
+def test_default_selection_counts_on_gpu_where_timed_faster(monkeypatch):
+    """Rank counting at batch 1 up to budget 512 (timed faster there), a sort beyond, at batch 8, and on CPU."""
     monkeypatch.setattr(trees.jax, "default_backend", lambda: "gpu")
-    assert [trees.default_select(b) for b in (16, 256, 257, 512)] == ["count", "count", "sort", "sort"]
+    assert [trees.default_select(b) for b in (16, 256, 512, 513)] == ["count", "count", "count", "sort"]
+    assert [trees.default_select(256, b) for b in (1, 2, 8)] == ["count", "sort", "sort"]
     monkeypatch.setattr(trees.jax, "default_backend", lambda: "cpu")
     assert trees.default_select(16) == "sort"
 
