@@ -200,11 +200,12 @@ def reset(state, prompt_len: int):
                                done=jnp.zeros((b,), bool), n_out=jnp.full((b,), prompt_len + 1, jnp.int32))
 
 
-def make_spec(tcfg, dcfg, method: str, budget: int, attention: str, mesh=None):
+def make_spec(tcfg, dcfg, method: str, budget: int, attention: str, mesh=None, verify_align: int | None = None):
     from ddtree_jax import decode
 
     opts = decode.GenerateOptions(method=method, max_new_tokens=256, tree_budget=max(budget, 1), attention=attention)
-    return decode.make_spec(tcfg, dcfg if method != "ar" else None, opts, mesh=mesh)
+    kw = {} if verify_align is None else {"verify_align": verify_align}
+    return decode.make_spec(tcfg, dcfg if method != "ar" else None, opts, mesh=mesh, **kw)
 
 
 def make_state(spec, vocab: int, batch: int, prompt_len: int, capacity: int, out_len: int, dtype, seed: int = 1):
@@ -520,7 +521,8 @@ class Bench:
         second prompt length recompiles nothing). Attention reads only the prefix."""
         from ddtree_jax import decode
 
-        big = make_spec(self.ctx["tcfg"], self.ctx["dcfg"], "ddtree", max(self.args.budgets), self.args.attention)
+        big = make_spec(self.ctx["tcfg"], self.ctx["dcfg"], "ddtree", max(self.args.budgets), self.args.attention,
+                        verify_align=self.args.verify_align)
         _, capacity, out_len = decode.layout(big, [max(prompt_len, *self.args.prompts)] * batch, 256)
         return capacity, out_len
 
@@ -532,7 +534,7 @@ class Bench:
 
         args, c = self.args, self.ctx
         tcfg, dcfg, tp, dp, shape = c["tcfg"], c["dcfg"], c["tp"], c["dp"], c["shape"]
-        spec = make_spec(tcfg, dcfg, method, budget, args.attention, self.mesh)
+        spec = make_spec(tcfg, dcfg, method, budget, args.attention, self.mesh, args.verify_align)
         dpp = dp if method != "ar" else None
         capacity, out_len = self.capacity(spec, batch, prompt_len)
         state = make_state(spec, shape.vocab, batch, prompt_len, capacity, out_len, self.dtype)
@@ -1013,12 +1015,17 @@ def build_parser() -> cli.ArgumentParser:
     m.add_argument("--no-breakdown", dest="breakdown", action="store_false", help="skip the stage breakdown")
     m.add_argument("--breakdown-first-only", action="store_true",
                    help="break down only the first prompt/batch configuration (saves compiles)")
-    m.add_argument("--layout", choices=("unstacked", "stacked", "unstacked-out-major", "stacked-out-major"),
-                   default="stacked-out-major",
+    m.add_argument("--layout", choices=("unstacked", "stacked", "unstacked-out-major", "stacked-out-major",
+                                        "stacked-out-major-fused"),
+                   default="stacked-out-major-fused",
                    help="layer weights as separate per-layer arrays (an unrolled layer loop) or stacked [L, ...] "
                         "arrays under lax.scan (XLA copies each layer's slice on GPU unless fused); -out-major: "
-                        "the target's matrices stored [out, in], so a one-row step is a row reduction "
-                        "(decode.device_layout; default: %(default)s, the GPU default)")
+                        "the target's matrices stored [out, in], so a one-row step is a row reduction; -fused: "
+                        "also q/k/v and gate/up as one matrix each (decode.device_layout; default: %(default)s, "
+                        "the GPU default)")
+    m.add_argument("--verify-align", type=int, default=None, metavar="N",
+                   help="pad each verify block's rows to a multiple of N (default: decode.default_verify_align: "
+                        "8 on GPU for dflash/ddtree, else 1)")
     m.add_argument("--breakdown-all", action="store_true",
                    help="break down every ddtree budget (default: only the --key-budgets)")
     m.add_argument("--ab", action="append", default=[], metavar="NAME:KEY=VAL,...",

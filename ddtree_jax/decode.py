@@ -28,8 +28,8 @@ import numpy as np
 from ddtree_jax import accept, cli, draft as dflash, model, tree as trees
 from ddtree_jax import cache as kvcache, sharding
 from ddtree_jax.config import DraftConfig, ModelConfig, check_pair
-from ddtree_jax.params import DraftParams, TargetParams, output_major, unstack_layers
-from pallas_kernels.bitmask import causal_bits
+from ddtree_jax.params import DraftParams, TargetParams, fuse_projections, output_major, unstack_layers
+from pallas_kernels.bitmask import causal_bits, pad_rows
 
 Array = jax.Array
 
@@ -79,6 +79,17 @@ class Spec:
     prefill_chunk: int = 512
     proposer: Callable | None = None  # replaces the DFlash drafter's propose (same signature), e.g. an oracle
     mesh: jax.sharding.Mesh | None = None  # data x model mesh: traced under sharding.use_mesh (None: one device)
+    verify_align: int = 1  # the verify block's rows rounded up to a multiple of this (see verify_len)
+
+    @property
+    def verify_len(self) -> int:
+        """Rows of the verify forward: the root and the tree, padded to a multiple of ``verify_align``."""
+        return -(-(1 + self.budget) // self.verify_align) * self.verify_align
+
+    @property
+    def scratch_slots(self) -> int:
+        """Cache slots past the committed length that a round writes: the verify block and the drafter's."""
+        return self.verify_len + (self.draft.block_size if self.draft else 0)
 
     @property
     def max_depth(self) -> int:
@@ -103,6 +114,7 @@ def make_spec(target_cfg: ModelConfig, draft_cfg: DraftConfig | None, options: G
     if options.method == "ddtree" and options.tree_budget < 1:
         raise ValueError(f"tree budget must be at least 1, got {options.tree_budget}")
     budget = {"ar": 0, "dflash": (draft_cfg.block_size - 1) if draft_cfg else 0, "ddtree": options.tree_budget}
+    kw.setdefault("verify_align", default_verify_align(options.method))
     return Spec(
         target=target_cfg,
         draft=draft_cfg if options.method != "ar" else None,
@@ -113,6 +125,17 @@ def make_spec(target_cfg: ModelConfig, draft_cfg: DraftConfig | None, options: G
         trace=options.trace,
         **kw,
     )
+
+
+GPU_VERIFY_ALIGN = 8
+
+
+def default_verify_align(method: str) -> int:
+    """Rows of a verify block are padded to a multiple of this: ``GPU_VERIFY_ALIGN`` on GPU for trees and chains,
+    the multiple XLA pads a bf16 cuBLAS GEMM's rows to anyway (at 65 rows it pads every GEMM input of every
+    layer: about six small copies per layer; benchmarks/PERF.md, seventh run). Nothing elsewhere, nor for an AR
+    step (one row: row reductions, no GEMMs), where padding would only add work."""
+    return GPU_VERIFY_ALIGN if jax.default_backend() == "gpu" and method != "ar" else 1
 
 
 def resolve_attention(choice: str) -> str:
@@ -228,14 +251,20 @@ def draft_step(spec: Spec, target: TargetParams, drafter: DraftParams | None, st
 
 
 def verify(spec: Spec, target: TargetParams, state: State, tree: trees.Tree):
-    """Target forward over [root + nodes] at positions length + depth: (logits [B, 1+N, V], cache, taps)."""
+    """Target forward over [root + nodes] at positions length + depth: (logits [B, 1+N, V], cache, taps
+    [B, T, taps*D], tokens [B, 1+N]). The block has T = ``spec.verify_len`` rows: after the 1+N real ones,
+    padding rows (token 0 at the root's position) that see the prefix and themselves only; no real row sees
+    them, their K/V land in scratch slots, and they have no logits."""
+    n = 1 + tree.size
+    pad = spec.verify_len - n
     tokens = jnp.concatenate([state.bonus[:, None], jnp.maximum(tree.tokens, 0)], axis=1)
     depths = jnp.concatenate([jnp.zeros_like(state.bonus)[:, None], tree.depths], axis=1)
-    positions = state.cache.length[:, None] + depths
+    positions = state.cache.length[:, None] + jnp.pad(depths, [(0, 0), (0, pad)])
     hidden, cache, taps = model.forward(
-        target, spec.target, tokens, positions, state.cache, tree.bits, taps=spec.taps, attention=spec.attention
+        target, spec.target, jnp.pad(tokens, [(0, 0), (0, pad)]), positions, state.cache,
+        pad_rows(tree.bits, spec.verify_len), taps=spec.taps, attention=spec.attention,
     )
-    return model.logits(target, hidden), cache, taps, tokens
+    return model.logits(target, hidden[:, :n]), cache, taps, tokens
 
 
 def round_step(spec: Spec, target: TargetParams, drafter: DraftParams | None, state: State) -> State:
@@ -435,16 +464,19 @@ def init_state(spec: Spec, prompt_lens, options_per_seq, capacity: int, out_len:
 # ----------------------------------------------------------------------------------------- host API
 
 
-LAYOUTS = ("auto", "stacked", "unstacked", "stacked-out-major", "unstacked-out-major")
+LAYOUTS = ("auto", "stacked", "unstacked", "stacked-out-major", "unstacked-out-major", "stacked-out-major-fused")
 
 
 def device_layout(params, backend: str | None = None, layout: str | None = None):
     """The weights laid out for the backend: on GPU (``GPU_LAYOUT``) the target's matrices output-major
-    (``params.output_major``: a one-row AR step reads them by a row reduction at GEMV bandwidth), layers stacked
+    (``params.output_major``: a one-row AR step reads them by a row reduction at GEMV bandwidth) with q/k/v and
+    gate/up fused into one matrix each (``params.fuse_projections``: fewer, larger products), layers stacked
     under ``lax.scan`` (with ``XLA_OPTIONS`` the GEMMs read each layer's slice in place; the per-layer layout,
     ``params.unstack_layers``, avoids slicing altogether but its unrolled loop compiles for minutes); stacked
     and input-major elsewhere. Same math. ``layout`` (default: the ``DDTREE_JAX_LAYOUT`` environment variable,
-    else "auto") forces one of ``LAYOUTS``. Drafters are never output-major (they never multiply one row).
+    else "auto") forces one of ``LAYOUTS``; "-fused" also concatenates each layer's q/k/v and gate/up matrices
+    (``params.fuse_projections``; skipped for weights split across devices). Drafters are never output-major (they
+    never multiply one row) nor fused.
     Idempotent: callers that decode many times lay out once at load (``generate`` then has nothing to do).
 
     On CPU a tied output projection is also materialised once, in float32 ([D, V]): otherwise XLA:CPU
@@ -459,14 +491,23 @@ def device_layout(params, backend: str | None = None, layout: str | None = None)
     if layout == "auto":
         layout = GPU_LAYOUT if backend == "gpu" else "stacked"
     target = isinstance(params, TargetParams)
-    if backend == "cpu" and target and params.lm_head is None and not layout.endswith("out-major"):
+    if backend == "cpu" and target and params.lm_head is None and "out-major" not in layout:
         params = dataclasses.replace(params, lm_head=params.embed.T.astype(jnp.float32))
-    if target and layout.endswith("out-major"):
+    if target and "out-major" in layout:
         params = output_major(params)
+    if target and layout.endswith("-fused") and _replicated(params.layers):
+        params = fuse_projections(params)
     return unstack_layers(params) if layout.startswith("unstacked") else params
 
 
-GPU_LAYOUT = "stacked-out-major"  # device_layout's choice on GPU (fastest AR and rounds measured, short compiles)
+def _replicated(tree) -> bool:
+    """Whether every array of ``tree`` is whole on each of its devices (one device, or replicated)."""
+    return all(getattr(getattr(x, "sharding", None), "is_fully_replicated", True) for x in jax.tree.leaves(tree))
+
+
+# device_layout's choice on GPU: fastest AR and rounds measured, short compiles (benchmarks/PERF.md, seventh run:
+# fusing q/k/v and gate/up took a Qwen3-8B ddtree-64 round from 8.73 to 7.87 ms, AR 5.08 to 4.98 ms)
+GPU_LAYOUT = "stacked-out-major-fused"
 
 
 def round_up(x: int, m: int) -> int:
@@ -479,8 +520,7 @@ def layout(spec: Spec, prompt_lens: list[int], max_new_tokens: int) -> tuple[int
     longest = max(prompt_lens)
     chunk = min(spec.prefill_chunk, round_up(longest, 16))
     p_pad = round_up(longest, chunk)
-    block = 1 + spec.budget + (spec.draft.block_size if spec.draft else 0)
-    capacity = round_up(max(p_pad, longest + max_new_tokens + block), 64)
+    capacity = round_up(max(p_pad, longest + max_new_tokens + spec.scratch_slots), 64)
     return p_pad, capacity, round_up(max(p_pad, longest + max_new_tokens + spec.path_len + 1), 64)
 
 

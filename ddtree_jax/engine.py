@@ -240,8 +240,7 @@ class Layout:
     def of(cls, spec: decode.Spec, max_len: int) -> "Layout":
         max_prompt = max_len - 1
         top = decode.round_up(max_prompt, 512) if max_prompt > 512 else decode.round_up(max(max_prompt, 1), MIN_BUCKET)
-        block = 1 + spec.budget + (spec.draft.block_size if spec.draft else 0)
-        capacity = decode.round_up(max(top, max_len + block), 64)
+        capacity = decode.round_up(max(top, max_len + spec.scratch_slots), 64)
         return cls(max_len, max_prompt, top, capacity, max(top, max_len + spec.path_len + 1))
 
     def bucket(self, n: int) -> int:

@@ -100,14 +100,23 @@ def linear(x: Array, w: Array, spec: str, output_major: bool = False, out_dtype=
 def mlp(x: Array, w: LayerWeights) -> Array:
     """SwiGLU; x [B, T, D] in the weights' dtype, f32 result."""
     om, f32 = w.output_major, jnp.float32
-    gate, up = (linear(x, m, "btd,df->btf", om, f32) for m in (w.w_gate, w.w_up))
+    if w.fused:  # one product for both (params.fuse_projections)
+        gate, up = jnp.split(linear(x, w.w_gate, "btd,df->btf", om, f32), 2, axis=-1)
+    else:
+        gate, up = (linear(x, m, "btd,df->btf", om, f32) for m in (w.w_gate, w.w_up))
     h = constrain((jax.nn.silu(gate) * up).astype(x.dtype), ("batch", "seq", "mlp"))
     return linear(h, w.w_down, "btf,fd->btd", om, f32)
 
 
 def qkv(x: Array, w: LayerWeights, eps: float, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
     """Project x [B, T, D] to q [B, T, H, hd], k, v [B, T, K, hd] with optional q/k norm and RoPE."""
-    q, k, v = (linear(x, m, "btd,dhk->bthk", w.output_major) for m in (w.wq, w.wk, w.wv))
+    if w.fused:  # one product for the three (params.fuse_projections): [B, T, H + 2K, hd]
+        heads = w.wo.shape[-2]  # wo [D, H, hd]: fused weights are output-major
+        qkv_ = linear(x, w.wq, "btd,dhk->bthk", w.output_major)
+        kv = (qkv_.shape[2] - heads) // 2
+        q, k, v = jnp.split(qkv_, [heads, heads + kv], axis=2)
+    else:
+        q, k, v = (linear(x, m, "btd,dhk->bthk", w.output_major) for m in (w.wq, w.wk, w.wv))
     if w.q_norm is not None:
         q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v

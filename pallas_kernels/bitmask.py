@@ -38,3 +38,14 @@ def causal_bits(batch: int, t: int) -> jax.Array:
 def full_bits(batch: int, t: int) -> jax.Array:
     """Packed all-visible mask [batch, t, ceil(t/32)]: the drafter's non-causal block."""
     return jnp.broadcast_to(pack_bits(jnp.ones((t, t), dtype=bool)), (batch, t, num_words(t)))
+
+
+def pad_rows(words: jax.Array, t: int) -> jax.Array:
+    """A packed mask [B, n, ceil(n/32)] grown to [B, t, ceil(t/32)]: the n rows unchanged (they see no new key),
+    each added row seeing itself only."""
+    b, n, w = words.shape
+    if t == n:
+        return words
+    own = pack_bits(jnp.eye(t, dtype=bool)[n:])  # [t - n, ceil(t/32)], a constant
+    grown = jnp.pad(words, [(0, 0), (0, 0), (0, num_words(t) - w)])
+    return jnp.concatenate([grown, jnp.broadcast_to(own, (b, *own.shape))], axis=1)

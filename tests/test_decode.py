@@ -171,23 +171,61 @@ def test_a_faulty_round_makes_generate_raise(target, drafter, reference_runs, fa
         decode.generate(target, [run["prompt"]], options("dflash", run), draft=drafter)
 
 
-@pytest.mark.parametrize("layout", ["unstacked", "stacked-out-major", "unstacked-out-major"])
+@pytest.mark.parametrize("layout", ["unstacked", "stacked-out-major", "unstacked-out-major", "stacked-out-major-fused"])
 def test_gpu_layouts_give_the_same_rounds(target, drafter, reference_runs, layout):
     """The layouts used on GPU (per-layer buffers in an unrolled loop; output-major target matrices, whose
-    one-row AR steps are row reductions) compute what the stacked scan does: the reference's rounds."""
+    one-row AR steps are row reductions; q/k/v and gate/up fused into one matrix each) compute what the
+    stacked scan does: the reference's rounds."""
     run = reference_runs[0]
     (cfg, tp), (dcfg, dp) = target, drafter
     tl, dl = (decode.device_layout(p, backend="gpu", layout=layout) for p in (tp, dp))
     layers = dl.layers if isinstance(dl.layers, LayerWeights) else dl.layers[0]
-    assert tl.output_major == layout.endswith("out-major") and not layers.output_major
+    assert tl.output_major == ("out-major" in layout) and not layers.output_major and not layers.fused
+    fused, tlayers = layout.endswith("-fused"), tl.layers if isinstance(tl.layers, LayerWeights) else tl.layers[0]
+    assert tlayers.fused == fused and (tlayers.wk is None) == fused and (tlayers.w_up is None) == fused
     res = decode.generate((cfg, tl), [run["prompt"]], options("ddtree", run, tree_budget=16), draft=(dcfg, dl))
     ref = run["ddtree"]["16"]
     assert res.output_ids[0] == ref["output"] and res.acceptance_lengths[0] == ref["acceptance_lengths"]
     res = decode.generate((cfg, tl), [run["prompt"]], options("ar", run))
     assert res.output_ids[0] == run["ar"]
     auto = decode.device_layout(tp, backend="gpu")
-    assert auto.layers.__class__ is LayerWeights and auto.output_major and decode.GPU_LAYOUT == "stacked-out-major"
+    assert auto.layers.__class__ is LayerWeights and auto.output_major and auto.layers.fused
+    assert decode.GPU_LAYOUT == "stacked-out-major-fused"
     assert decode.device_layout(tp, backend="cpu") is tp
+
+
+def test_fused_projections_are_the_separate_ones(target):
+    """fuse_projections: wq = [q | k | v] along the heads, w_gate = [gate | up]; output-major only; idempotent."""
+    from ddtree_jax import params as params_lib
+
+    cfg, tp = target
+    om = params_lib.output_major(tp)
+    fused = params_lib.fuse_projections(om)
+    w, f = om.layers, fused.layers
+    h, k = cfg.num_heads, cfg.num_kv_heads
+    for part, got in ((w.wq, f.wq[:, :h]), (w.wk, f.wq[:, h:h + k]), (w.wv, f.wq[:, h + k:])):
+        np.testing.assert_array_equal(np.asarray(part), np.asarray(got))
+    i = cfg.intermediate_size
+    np.testing.assert_array_equal(np.asarray(w.w_up), np.asarray(f.w_gate[:, i:]))
+    assert params_lib.fuse_projections(fused) is fused or params_lib.fuse_projections(fused).layers is f
+    with pytest.raises(ValueError, match="output-major"):
+        params_lib.fuse_projections(tp)
+
+
+@pytest.mark.parametrize("align", [8, 16])
+def test_a_padded_verify_block_changes_nothing(target, drafter, reference_runs, monkeypatch, align):
+    """On GPU the verify block's rows are padded to a multiple of 8 (decode.default_verify_align: XLA pads its
+    GEMMs so anyway). Padding rows see the prefix and themselves only and have no logits: the rounds are the
+    reference's, whatever the padding."""
+    monkeypatch.setattr(decode, "default_verify_align", lambda method: 1 if method == "ar" else align)
+    run = reference_runs[0]
+    for budget in (4, 16):  # 5 rows -> 8 or 16, 17 -> 24 or 32
+        opts = options("ddtree", run, tree_budget=budget)
+        spec = decode.make_spec(target[0], drafter[0], opts)
+        assert spec.verify_len == -(-(1 + budget) // align) * align > 1 + budget
+        res = decode.generate(target, [run["prompt"]], opts, draft=drafter)
+        ref = run["ddtree"][str(budget)]
+        assert res.output_ids[0] == ref["output"] and res.acceptance_lengths[0] == ref["acceptance_lengths"]
 
 
 def test_layout_can_be_forced(target, monkeypatch):

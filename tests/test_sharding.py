@@ -143,6 +143,12 @@ def _script(out_path: str) -> None:
         for shape, method in (("1x4", "ar"), ("1x2", "ddtree"))
     }
     report["seconds"]["out_major"] = time.time() - t0
+    # the fused layout (q/k/v and gate/up concatenated) only where each device holds whole matrices
+    report["fused"] = {
+        shape: decode.device_layout(sharding.shard_model(target, mesh_of(shape))[1], backend="gpu",
+                                    layout="stacked-out-major-fused").layers.fused
+        for shape in ("1x4", "4x1")
+    }
 
     # the attention kernel per device under shard_map: the wrapper's specs on 2x2 (a jnp stand-in that records
     # the per-device shapes), then the Pallas kernel itself in the Mosaic GPU interpreter on a 1x1 mesh (the
@@ -367,6 +373,11 @@ def test_output_major_weights_on_meshes(report):
     """Output-major target weights sharded on 1x4 (AR, one row) and 1x2 (ddtree): the reference's tokens."""
     run = _reference_runs()[0]
     assert report["out_major"] == {k: run["ar"][: len(run["prompt"]) + 40] for k in ("1x4 ar", "1x2 ddtree")}
+
+
+def test_fused_layout_only_for_whole_matrices(report):
+    """A column split of [q | k | v] is no split of the heads: split weights stay unfused, replicated ones fuse."""
+    assert report["fused"] == {"1x4": False, "4x1": True}
 
 
 def test_attention_kernel_runs_per_device(report):
