@@ -116,6 +116,21 @@ def test_tree_attention_rejects_unsupported():
         tat.tree_attention(q, q, q, jnp.zeros((1,), jnp.int32), jnp.zeros((1, 2, 1), jnp.uint32))
 
 
+@pytest.mark.parametrize("n,t", [(5, 5), (5, 8), (31, 40), (65, 72), (33, 96)])
+def test_pad_rows_adds_rows_that_see_themselves_only(n, t):
+    """A verify block padded from n to t rows (decode.verify): the old rows see exactly what they saw, the new
+    rows only themselves."""
+    from pallas_kernels.bitmask import pad_rows
+
+    vis = np.random.default_rng(n).random((2, n, n)) < 0.5
+    got = np.asarray(unpack_bits(pad_rows(pack_bits(jnp.asarray(vis)), t), t))
+    want = np.zeros((2, t, t), bool)
+    want[:, :n, :n] = vis
+    want[:, np.arange(n, t), np.arange(n, t)] = True
+    np.testing.assert_array_equal(got, want)
+    assert pad_rows(pack_bits(jnp.asarray(vis)), t).shape == (2, t, -(-t // 32))
+
+
 @pytest.mark.parametrize("t", [1, 31, 33, 100])
 def test_shifted_bits(t):
     """The kernel's mask rows: shifted left by p % 8, low bits (prefix slots base..p-1) set."""
