@@ -13,8 +13,9 @@ Subcommands
             profiler trace summary, tree-build micro-benchmarks. Writes JSON records (the format of
             benchmarks/results/*.json) and a details file. ``--quick`` runs a tiny shape (CPU-friendly).
             Weights are laid out as decode.device_layout does on GPU by default (``--layout
-            stacked-out-major``: stacked layers under lax.scan, the target's matrices output-major); the
-            round loop and the stages compile with decode.XLA_OPTIONS (benchmarks/PERF.md).
+            stacked-out-major-fused``: stacked layers under lax.scan, the target's matrices output-major, its
+            q/k/v and gate/up fused); the round loop and the stages compile with decode.XLA_OPTIONS, and the
+            verify rows are padded as decode.default_verify_align says (benchmarks/PERF.md).
   pair      a trained pair (default: the default pair) on train_draft's held-out prompts, one at a time or as
             one batch: mean acceptance length and decode tokens/s of ar, dflash and ddtree at budgets.
   kernels   pallas_kernels.bench_kernels, if present, with the remaining arguments.
