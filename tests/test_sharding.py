@@ -503,6 +503,17 @@ def test_generate_cli_rejects_bad_meshes(capsys):
         assert code == 2 and out == "" and msg in err, err
 
 
+def test_fused_weights_are_refused_by_shard_model():
+    """Fused q/k/v (decode.device_layout's GPU layout) cannot be split by heads: a clear error, not a wrong split."""
+    from ddtree_jax import decode, sharding, weights
+
+    cfg, params = weights.load_target(TARGET)
+    fused = decode.device_layout(params, backend="gpu", layout="stacked-out-major-fused")
+    assert fused.layers.fused
+    with pytest.raises(ValueError, match="unfused weights"):
+        sharding.shard_model((cfg, fused), sharding.make_mesh("1x1"))
+
+
 def test_no_mesh_is_the_identity():
     import jax.numpy as jnp
 
