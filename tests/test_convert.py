@@ -196,7 +196,6 @@ def test_cli_help_describes_every_flag():
 
 def write_synthetic(dst: Path, d=1024, heads=8, f=4096, layers=4, vocab=4096) -> tuple[int, int]:
     """A float32 Llama-shaped model written tensor by tensor; returns (its bf16 output bytes, largest tensor bytes)."""
-    hd = d // heads
     shapes = {"model.embed_tokens.weight": (vocab, d), "model.norm.weight": (d,), "lm_head.weight": (vocab, d)}
     for i in range(layers):
         p = f"model.layers.{i}."
