@@ -1024,7 +1024,7 @@ def build_parser() -> cli.ArgumentParser:
                         "the target's matrices stored [out, in], so a one-row step is a row reduction; -fused: "
                         "also q/k/v and gate/up as one matrix each (decode.device_layout; default: %(default)s, "
                         "the GPU default)")
-    m.add_argument("--verify-align", type=int, default=None, metavar="N",
+    m.add_argument("--verify-align", type=cli.positive_int, default=None, metavar="N",
                    help="pad each verify block's rows to a multiple of N (default: decode.default_verify_align: "
                         "8 on GPU for dflash/ddtree, else 1)")
     m.add_argument("--breakdown-all", action="store_true",

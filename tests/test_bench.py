@@ -56,7 +56,8 @@ def test_help(argv, capsys):
     assert "usage" in capsys.readouterr().out
 
 
-def test_bad_flag_is_one_line_error(capsys):
-    assert bench.main(["models", "--budgets", "0"]) == 2
+@pytest.mark.parametrize("argv", [["models", "--budgets", "0"], ["models", "--verify-align", "0"]])
+def test_bad_flag_is_one_line_error(argv, capsys):
+    assert bench.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:")
