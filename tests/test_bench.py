@@ -50,6 +50,29 @@ def test_pair_mode_on_the_fixture_pair(tmp_path, capsys):
     assert bench.main(["pair", "--target", str(tmp_path / "nope")]) == 2
 
 
+def test_models_mode_writes_the_issue_records(tmp_path):
+    """``bench models`` on the tiny shape (CPU): one record per method with the fields the results files hold
+    (model, method, budget, batch, prompt_len, ms_per_round, breakdown_ms, roofline_ms, date, command), AR against
+    its roofline, rounds against AR, the stage breakdown of the breakdown configurations."""
+    code = bench.main(["models", "--quick", "--batches", "1", "--budgets", "4", "--no-hlo", "--no-profile",
+                       "--no-tree-micro", "--out", str(tmp_path)])
+    assert code == 0
+    records = json.loads((tmp_path / "results.json").read_text())
+    assert sorted((r["method"], r["budget"]) for r in records) == [("ar", None), ("ddtree", 4), ("dflash", None)]
+    for r in records:
+        assert {"model", "method", "budget", "batch", "prompt_len", "ms_per_round", "breakdown_ms", "roofline_ms",
+                "date", "command"} <= set(r)
+        assert r["model"] == "tiny" and r["batch"] == 1 and r["prompt_len"] == 64 and r["ms_per_round"] > 0
+        assert r["command"].startswith("python -m ddtree_jax.bench models")
+    by = {r["method"]: r for r in records}
+    assert by["ar"]["roofline_ms"] > 0 and by["ar"]["ratio_to_roofline"] > 0
+    assert set(by["ar"]["breakdown_ms"]) >= {"verify", "accept_commit"}
+    assert set(by["dflash"]["breakdown_ms"]) >= {"draft", "tree", "verify", "accept_commit"}
+    for m in ("dflash", "ddtree"):
+        assert by[m]["roofline_ms"] is None and by[m]["ratio_to_ar"] > 0 and by[m]["floor_ms"] > 0
+    assert "ceilings" in json.loads((tmp_path / "bench_details.json").read_text())
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["fixtures", "--help"], ["models", "--help"], ["pair", "--help"]])
 def test_help(argv, capsys):
     assert bench.main(argv) == 0
