@@ -201,12 +201,19 @@ def reset(state, prompt_len: int):
                                done=jnp.zeros((b,), bool), n_out=jnp.full((b,), prompt_len + 1, jnp.int32))
 
 
-def make_spec(tcfg, dcfg, method: str, budget: int, attention: str, mesh=None, verify_align: int | None = None):
+def make_spec(tcfg, dcfg, method: str, budget: int, attention: str, mesh=None, **overrides):
+    """decode.make_spec for one grid point; ``overrides``: Spec fields (verify_align, norm, layer_unroll), None
+    meaning decode's default."""
     from ddtree_jax import decode
 
     opts = decode.GenerateOptions(method=method, max_new_tokens=256, tree_budget=max(budget, 1), attention=attention)
-    kw = {} if verify_align is None else {"verify_align": verify_align}
+    kw = {k: v for k, v in overrides.items() if v is not None}
     return decode.make_spec(tcfg, dcfg if method != "ar" else None, opts, mesh=mesh, **kw)
+
+
+def spec_overrides(args) -> dict:
+    """The Spec fields that bench models' flags set (None: decode's default)."""
+    return {"verify_align": args.verify_align, "norm": args.norm, "layer_unroll": args.layer_unroll}
 
 
 def make_state(spec, vocab: int, batch: int, prompt_len: int, capacity: int, out_len: int, dtype, seed: int = 1):
@@ -523,7 +530,7 @@ class Bench:
         from ddtree_jax import decode
 
         big = make_spec(self.ctx["tcfg"], self.ctx["dcfg"], "ddtree", max(self.args.budgets), self.args.attention,
-                        verify_align=self.args.verify_align)
+                        **spec_overrides(self.args))
         _, capacity, out_len = decode.layout(big, [max(prompt_len, *self.args.prompts)] * batch, 256)
         return capacity, out_len
 
@@ -535,7 +542,7 @@ class Bench:
 
         args, c = self.args, self.ctx
         tcfg, dcfg, tp, dp, shape = c["tcfg"], c["dcfg"], c["tp"], c["dp"], c["shape"]
-        spec = make_spec(tcfg, dcfg, method, budget, args.attention, self.mesh, args.verify_align)
+        spec = make_spec(tcfg, dcfg, method, budget, args.attention, self.mesh, **spec_overrides(args))
         dpp = dp if method != "ar" else None
         capacity, out_len = self.capacity(spec, batch, prompt_len)
         state = make_state(spec, shape.vocab, batch, prompt_len, capacity, out_len, self.dtype)
@@ -1027,6 +1034,11 @@ def build_parser() -> cli.ArgumentParser:
     m.add_argument("--verify-align", type=cli.positive_int, default=None, metavar="N",
                    help="pad each verify block's rows to a multiple of N (default: decode.default_verify_align: "
                         "8 on GPU for dflash/ddtree, else 1)")
+    m.add_argument("--norm", choices=("xla", "pallas"), default=None,
+                   help="the residual add + RMSNorm of target and drafter: XLA's fusions or one Pallas kernel "
+                        "(pallas_kernels/rms_norm.py; default: decode.default_norm)")
+    m.add_argument("--layer-unroll", type=cli.positive_int, default=None, metavar="N",
+                   help="target layers per iteration of the verify's layer loop (default: decode.default_layer_unroll)")
     m.add_argument("--breakdown-all", action="store_true",
                    help="break down every ddtree budget (default: only the --key-budgets)")
     m.add_argument("--ab", action="append", default=[], metavar="NAME:KEY=VAL,...",

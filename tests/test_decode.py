@@ -228,6 +228,27 @@ def test_a_padded_verify_block_changes_nothing(target, drafter, reference_runs, 
         assert res.output_ids[0] == ref["output"] and res.acceptance_lengths[0] == ref["acceptance_lengths"]
 
 
+@pytest.mark.parametrize("norm, unroll", [("pallas", 1), ("xla", 2), ("pallas", 3)])
+def test_norm_kernel_and_layer_unroll_change_nothing(target, drafter, reference_runs, monkeypatch, norm, unroll):
+    """The residual add + RMSNorm as one Pallas kernel (its interpreter here) in target and drafter, and the
+    verify's layer loop unrolled (3 does not divide the tiny target's layers): the reference's rounds."""
+    monkeypatch.setattr(decode, "default_norm", lambda: norm)
+    monkeypatch.setattr(decode, "default_layer_unroll", lambda: unroll)
+    run = reference_runs[0]
+    opts = options("ddtree", run, tree_budget=16)
+    spec = decode.make_spec(target[0], drafter[0], opts)
+    assert (spec.norm, spec.layer_unroll) == ("pallas-interpret" if norm == "pallas" else "xla", unroll)
+    res = decode.generate(target, [run["prompt"]], opts, draft=drafter)
+    ref = run["ddtree"]["16"]
+    assert res.output_ids[0] == ref["output"] and res.acceptance_lengths[0] == ref["acceptance_lengths"]
+    assert decode.generate(target, [run["prompt"]], options("ar", run)).output_ids[0] == run["ar"]
+
+
+def test_an_unknown_norm_is_a_clear_error(target):
+    with pytest.raises(ValueError, match="unknown norm 'fast'"):
+        decode.make_spec(target[0], None, decode.GenerateOptions(), norm="fast")
+
+
 def test_layout_can_be_forced(target, monkeypatch):
     """DDTREE_JAX_LAYOUT (or layout=) overrides the per-backend choice; a bad value is a clear error."""
     _, tp = target

@@ -282,3 +282,44 @@ def test_the_model_reads_the_stacked_cache_in_place_with_pallas_inplace():
     np.testing.assert_array_equal(np.asarray(outs["pallas-inplace-interpret"][1].v, np.float32),
                                   np.asarray(outs["pallas-interpret"][1].v, np.float32))
     assert np.abs(in_place - xla).max() < 0.1 * np.abs(xla).max()
+
+
+# ------------------------------------------------------------------------------ residual add + RMSNorm
+@pytest.mark.parametrize("d", [64, 96, 2560, 4096 * 3])
+def test_add_rms_norm_interpret_matches_the_jnp_norm(d):
+    """One program per row; rows of a power of two up to 4096, else power-of-two chunks (96 = 3 x 32, 2560 =
+    5 x 512 as Qwen3-4B, 12288 = 3 x 4096): the sum exactly, the norm within bf16 rounding of the jnp one."""
+    from ddtree_jax import model
+    from pallas_kernels import rms_norm as rn
+
+    rng = np.random.default_rng(d)
+    x, delta = (jnp.asarray(rng.standard_normal((2, 3, d)), jnp.float32) for _ in range(2))
+    w = jnp.asarray(1 + 0.1 * rng.standard_normal(d), jnp.bfloat16)
+    s, h = rn.add_rms_norm(x, delta, w, 1e-6, interpret=True)
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(x + delta))
+    ref = np.asarray(model.rms_norm(x + delta, w, 1e-6), np.float32)
+    assert h.dtype == jnp.bfloat16 and h.shape == x.shape
+    np.testing.assert_allclose(np.asarray(h, np.float32), ref, rtol=1e-2, atol=1e-2)
+    assert np.mean(np.asarray(h, np.float32) == ref) > 0.99  # the same bits almost everywhere
+
+
+def test_add_rms_norm_rejects_rows_it_cannot_chunk():
+    from pallas_kernels import rms_norm as rn
+
+    assert rn.supports(2560) and rn.supports(4096) and not rn.supports(48) and not rn.supports(17 * 32)
+    x = jnp.ones((1, 48), jnp.float32)
+    with pytest.raises(ValueError, match="hidden size 48"):
+        rn.add_rms_norm(x, x, jnp.ones((48,), jnp.bfloat16), 1e-6, interpret=True)
+
+
+def test_the_model_falls_back_to_xla_for_rows_the_kernel_cannot_take():
+    from ddtree_jax import model
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 2, 48)), jnp.float32)
+    w = jnp.ones((48,), jnp.float32)
+    got = model.add_norm_fn("pallas-interpret")(x, x, w, 1e-6)
+    want = model.add_norm_fn("xla")(x, x, w, 1e-6)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="unknown norm"):
+        model.add_norm_fn("fast")
