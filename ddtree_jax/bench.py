@@ -202,8 +202,8 @@ def reset(state, prompt_len: int):
 
 
 def make_spec(tcfg, dcfg, method: str, budget: int, attention: str, mesh=None, **overrides):
-    """decode.make_spec for one grid point; ``overrides``: Spec fields (verify_align, norm, layer_unroll), None
-    meaning decode's default."""
+    """decode.make_spec for one grid point; ``overrides``: Spec fields (verify_align, layer_unroll), None meaning
+    decode's default."""
     from ddtree_jax import decode
 
     opts = decode.GenerateOptions(method=method, max_new_tokens=256, tree_budget=max(budget, 1), attention=attention)
@@ -213,7 +213,7 @@ def make_spec(tcfg, dcfg, method: str, budget: int, attention: str, mesh=None, *
 
 def spec_overrides(args) -> dict:
     """The Spec fields that bench models' flags set (None: decode's default)."""
-    return {"verify_align": args.verify_align, "norm": args.norm, "layer_unroll": args.layer_unroll}
+    return {"verify_align": args.verify_align, "layer_unroll": args.layer_unroll}
 
 
 def make_state(spec, vocab: int, batch: int, prompt_len: int, capacity: int, out_len: int, dtype, seed: int = 1):
@@ -1034,11 +1034,9 @@ def build_parser() -> cli.ArgumentParser:
     m.add_argument("--verify-align", type=cli.positive_int, default=None, metavar="N",
                    help="pad each verify block's rows to a multiple of N (default: decode.default_verify_align: "
                         "8 on GPU for dflash/ddtree, else 1)")
-    m.add_argument("--norm", choices=("xla", "pallas"), default=None,
-                   help="the residual add + RMSNorm of target and drafter: XLA's fusions or one Pallas kernel "
-                        "(pallas_kernels/rms_norm.py; default: decode.default_norm)")
     m.add_argument("--layer-unroll", type=cli.positive_int, default=None, metavar="N",
-                   help="target layers per iteration of the verify's layer loop (default: decode.default_layer_unroll)")
+                   help="target layers per iteration of the verify's layer loop, every method (default: "
+                        "decode.default_layer_unroll: 4 for ar on GPU, else 1)")
     m.add_argument("--breakdown-all", action="store_true",
                    help="break down every ddtree budget (default: only the --key-budgets)")
     m.add_argument("--ab", action="append", default=[], metavar="NAME:KEY=VAL,...",

@@ -80,8 +80,7 @@ class Spec:
     proposer: Callable | None = None  # replaces the DFlash drafter's propose (same signature), e.g. an oracle
     mesh: jax.sharding.Mesh | None = None  # data x model mesh: traced under sharding.use_mesh (None: one device)
     verify_align: int = 1  # the verify block's rows rounded up to a multiple of this (see verify_len)
-    norm: str = "xla"  # the target's and drafter's residual add + RMSNorm (model.add_norm_fn)
-    layer_unroll: int = 1  # target layers per iteration of the layer loop in a round (model.forward's unroll)
+    layer_unroll: int | None = None  # target layers per verify layer-loop iteration (None: default_layer_unroll)
 
     @property
     def verify_len(self) -> int:
@@ -117,12 +116,9 @@ def make_spec(target_cfg: ModelConfig, draft_cfg: DraftConfig | None, options: G
         raise ValueError(f"tree budget must be at least 1, got {options.tree_budget}")
     budget = {"ar": 0, "dflash": (draft_cfg.block_size - 1) if draft_cfg else 0, "ddtree": options.tree_budget}
     kw.setdefault("verify_align", default_verify_align(options.method))
-    kw.setdefault("norm", default_norm())
-    kw.setdefault("layer_unroll", default_layer_unroll())
-    if kw["norm"] not in model.NORM_IMPLS:
-        raise ValueError(f"unknown norm {kw['norm']!r} (choose from {', '.join(model.NORM_IMPLS)})")
-    if kw["norm"] == "pallas" and jax.default_backend() != "gpu":
-        kw["norm"] = "pallas-interpret"
+    unroll = kw.get("layer_unroll")
+    if unroll is not None and not (isinstance(unroll, int) and unroll >= 1):
+        raise ValueError(f"layer_unroll must be a positive integer, got {unroll!r}")
     return Spec(
         target=target_cfg,
         draft=draft_cfg if options.method != "ar" else None,
@@ -146,14 +142,17 @@ def default_verify_align(method: str) -> int:
     return GPU_VERIFY_ALIGN if jax.default_backend() == "gpu" and method != "ar" else 1
 
 
-def default_norm() -> str:
-    """The residual add + RMSNorm implementation unless told (``model.add_norm_fn``): XLA's fusions."""
-    return "xla"
+GPU_AR_LAYER_UNROLL = 4
 
 
-def default_layer_unroll() -> int:
-    """Target layers per iteration of the verify's layer loop unless told."""
-    return 1
+def default_layer_unroll(rows: int) -> int:
+    """Target layers per iteration of the layer loop of a verify forward over ``rows`` = batch x block rows:
+    ``GPU_AR_LAYER_UNROLL`` for one row on GPU (an AR step at batch 1), where each iteration of the stacked
+    layers' loop costs about 4 us of loop bookkeeping and the step's row reductions read their layer's weights
+    in place either way (Qwen3-4B on an H200: 3.38 -> 3.23 ms per token; benchmarks/PERF.md, eighth run).
+    1 otherwise: unrolled, the GEMMs (cuBLAS) of a longer block no longer read the stacked weights in place but
+    copy them (Qwen3-8B ddtree 64, unroll 2: 8.0 -> 14.4 ms per round)."""
+    return GPU_AR_LAYER_UNROLL if jax.default_backend() == "gpu" and rows == 1 else 1
 
 
 def resolve_attention(choice: str) -> str:
@@ -251,8 +250,7 @@ def draft_logits(spec: Spec, target: TargetParams, drafter: DraftParams, state: 
     if spec.proposer is not None:
         return spec.proposer(drafter, spec.draft, target, dcache, state.bonus, attention=spec.attention), dcache
     # Keep the cache the drafter wrote its block into (scratch slots only): no copy of the draft cache.
-    return dflash.propose(drafter, spec.draft, target, dcache, state.bonus, attention=spec.attention,
-                          norm=spec.norm, return_cache=True)
+    return dflash.propose(drafter, spec.draft, target, dcache, state.bonus, attention=spec.attention, return_cache=True)
 
 
 def build_tree(spec: Spec, logits: Array) -> trees.Tree:
@@ -281,8 +279,8 @@ def verify(spec: Spec, target: TargetParams, state: State, tree: trees.Tree):
     positions = state.cache.length[:, None] + jnp.pad(depths, [(0, 0), (0, pad)])
     hidden, cache, taps = model.forward(
         target, spec.target, jnp.pad(tokens, [(0, 0), (0, pad)]), positions, state.cache,
-        pad_rows(tree.bits, spec.verify_len), taps=spec.taps, attention=spec.attention, norm=spec.norm,
-        unroll=spec.layer_unroll,
+        pad_rows(tree.bits, spec.verify_len), taps=spec.taps, attention=spec.attention,
+        unroll=spec.layer_unroll or default_layer_unroll(tokens.shape[0] * spec.verify_len),
     )
     return model.logits(target, hidden[:, :n]), cache, taps, tokens
 
@@ -408,8 +406,7 @@ def prefill(spec: Spec, target: TargetParams, drafter: DraftParams | None, state
         positions = start + jnp.broadcast_to(jnp.arange(chunk), (b, chunk))
         cache = dataclasses.replace(cache, length=jnp.full((b,), start, jnp.int32))
         hidden, cache, taps = model.forward(
-            target, spec.target, toks, positions, cache, bits, taps=spec.taps, attention=spec.attention,
-            norm=spec.norm,
+            target, spec.target, toks, positions, cache, bits, taps=spec.taps, attention=spec.attention
         )
         if dcache is not None:
             dcache = dataclasses.replace(dcache, length=jnp.full((b,), start, jnp.int32))

@@ -68,7 +68,6 @@ def propose(
     bonus: Array,
     *,
     attention: str = "xla",
-    norm: str = "xla",
     return_cache: bool = False,
 ) -> Array | tuple[Array, kvcache.KVCache]:
     """Draft logits [B, bs-1, V] (f32) for the bs-1 positions after ``bonus`` [B].
@@ -77,8 +76,7 @@ def propose(
     not changed: the block's K/V go to scratch slots (>= length) that the next :func:`extend`
     overwrites before they can be seen. With ``return_cache`` the cache holding those scratch writes
     is returned too, as (logits, cache): a caller that keeps it instead of its input lets XLA write
-    in place rather than copy the whole draft cache every round (the copy shows in the HLO). ``attention`` and
-    ``norm``: implementations, as ``model.forward``'s.
+    in place rather than copy the whole draft cache every round (the copy shows in the HLO).
     """
     lc, bs = cfg.layers, cfg.block_size
     b = bonus.shape[0]
@@ -91,14 +89,12 @@ def propose(
     window = window_mask(cfg, positions, dcache.capacity)
     sliding = jnp.asarray([t == "sliding_attention" for t in (cfg.layer_types or ("full_attention",) * lc.num_layers)])
     attend = model.attention_fn(attention)
-    add_norm = model.add_norm_fn(norm)
-    eps = lc.rms_norm_eps
 
-    def layer(carry, inputs):  # the residual as x + delta, as model.forward's
-        x, delta, k_all, v_all = carry
+    def layer(carry, inputs):
+        x, k_all, v_all = carry
         w, i = inputs
-        x, h = add_norm(x, delta, w.attn_norm, eps)
-        q, k, v = model.qkv(h, w, eps, cos, sin)
+        h = model.rms_norm(x, w.attn_norm, lc.rms_norm_eps)
+        q, k, v = model.qkv(h, w, lc.rms_norm_eps, cos, sin)
         k_all = kvcache.write_layer(k_all, i, k, start)
         v_all = kvcache.write_layer(v_all, i, v, start)
         if window is None:
@@ -106,17 +102,18 @@ def propose(
         else:
             extra = jnp.where(sliding[i], window, True)
             o = model.tree_attention_lib.tree_attention_reference(q, k_all[i], v_all[i], start, bits, extra_mask=extra)
-        x, h = add_norm(x, jnp.einsum("bthk,hkd->btd", o, w.wo, preferred_element_type=jnp.float32), w.mlp_norm, eps)
-        return (x, model.mlp(h, w), k_all, v_all), None
+        x = x + jnp.einsum("bthk,hkd->btd", o, w.wo, preferred_element_type=jnp.float32)
+        x = x + model.mlp(model.rms_norm(x, w.mlp_norm, lc.rms_norm_eps), w)
+        return (x, k_all, v_all), None
 
-    carry = (x, jnp.zeros_like(x), dcache.k, dcache.v)
+    carry = (x, dcache.k, dcache.v)
     if isinstance(params.layers, (tuple, list)):  # unstacked (params.unstack_layers): an unrolled loop
         for i, w in enumerate(params.layers):
             carry, _ = layer(carry, (w, i))
     else:
         carry, _ = jax.lax.scan(layer, carry, (params.layers, jnp.arange(lc.num_layers)))
-    x, delta, k_all, v_all = carry
-    _, hidden = add_norm(x, delta, params.final_norm, eps)
+    x, k_all, v_all = carry
+    hidden = model.rms_norm(x, params.final_norm, lc.rms_norm_eps)
     logits = model.logits(target, hidden[:, 1:])
     if return_cache:
         return logits, kvcache.KVCache(k_all, v_all, dcache.length)

@@ -17,8 +17,7 @@ import jax.numpy as jnp
 from ddtree_jax import cache as kvcache
 from ddtree_jax.config import ModelConfig
 from ddtree_jax.params import LayerWeights, TargetParams
-from ddtree_jax.sharding import constrain, per_device, per_device_attention
-from pallas_kernels import rms_norm as rms_norm_lib
+from ddtree_jax.sharding import constrain, per_device_attention
 from pallas_kernels import tree_attention as tree_attention_lib
 
 Array = jax.Array
@@ -29,35 +28,6 @@ def rms_norm(x: Array, w: Array, eps: float) -> Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (w.astype(jnp.float32) * y).astype(w.dtype)
-
-
-NORM_IMPLS = ("xla", "pallas", "pallas-interpret")
-
-
-def add_norm_fn(impl: str):
-    """The pre-norm step ``add_norm(x, delta, w, eps) -> (x + delta, rms_norm(x + delta, w, eps))`` (x, delta
-    [B, T, D] f32): 'xla' (jnp), 'pallas' (``pallas_kernels.rms_norm``, one kernel instead of XLA's four to six;
-    per device under a mesh), 'pallas-interpret' (the same kernel in the Pallas interpreter, CPU)."""
-    if impl == "xla":
-        def add_norm(x, delta, w, eps):
-            x = x + delta
-            return x, rms_norm(x, w, eps)
-
-        return add_norm
-    if impl in NORM_IMPLS:
-        def kernel(x, delta, w, *, eps):
-            return rms_norm_lib.add_rms_norm(x, delta, w, eps, interpret=impl.endswith("-interpret"))
-
-        rows = ("batch", None, None)
-        sharded = per_device(kernel, (rows, rows, (None,)), (rows, rows))
-
-        def add_norm(x, delta, w, eps):
-            if not rms_norm_lib.supports(x.shape[-1]):
-                return add_norm_fn("xla")(x, delta, w, eps)
-            return sharded(x, delta, w, eps=eps)
-
-        return add_norm
-    raise ValueError(f"unknown norm implementation {impl!r} (choose from {', '.join(NORM_IMPLS)})")
 
 
 def rope_tables(cfg: ModelConfig, positions: Array) -> tuple[Array, Array]:
@@ -162,7 +132,6 @@ def forward(
     *,
     taps: tuple[int, ...] = (),
     attention: str = "xla",
-    norm: str = "xla",
     unroll: int = 1,
 ) -> tuple[Array, kvcache.KVCache, Array | None]:
     """Run the target over T new tokens per sequence.
@@ -172,12 +141,10 @@ def forward(
     block's K/V written at slots cache.length .. cache.length + T - 1 (length unchanged), and the tapped
     hidden states [B, T, len(taps) * D] or None). ``taps`` are transformers' layer ids: tap i reads
     hidden_states[i + 1], the output of decoder layer i (the last layer's is taken after the final norm).
-    ``attention`` and ``norm`` pick implementations (:func:`attention_fn`, :func:`add_norm_fn`); ``unroll``
-    layers run per iteration of the layer loop. None of the three changes the math.
+    ``attention`` picks the attention implementation (:func:`attention_fn`); ``unroll`` layers run per iteration
+    of the layer loop (``lax.scan``'s unroll). Neither changes the math.
     """
     attend = attention_fn(attention)
-    add_norm = add_norm_fn(norm)
-    eps = cfg.rms_norm_eps
     b, t = tokens.shape
     # The residual stream stays in f32; matmul operands are in the weights' dtype.
     x = constrain(jnp.take(params.embed, tokens, axis=0).astype(jnp.float32), ("batch", "seq", "embed"))
@@ -189,32 +156,30 @@ def forward(
         slot_of_layer[layer] = j
     slot_of_layer = jnp.asarray(slot_of_layer, jnp.int32)
 
-    # The residual stream is carried as x plus the last MLP output ``delta``, added by the next pre-norm step
-    # (one kernel with the norm under norm="pallas"); the sum is the hidden state a tap reads.
     def layer(carry, inputs):
-        x, delta, k_all, v_all, tapped = carry
+        x, k_all, v_all, tapped = carry
         w, i = inputs
-        x, h = add_norm(x, delta, w.attn_norm, eps)
-        q, k, v = qkv(h, w, eps, cos, sin)
+        h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
+        q, k, v = qkv(h, w, cfg.rms_norm_eps, cos, sin)
         k_all = kvcache.write_layer(k_all, i, k, start)
         v_all = kvcache.write_layer(v_all, i, v, start)
         o = attend(q, k_all, v_all, start, tree_bits, layer=i)
-        x, h = add_norm(x, linear(o, w.wo, "bthk,hkd->btd", w.output_major, jnp.float32), w.mlp_norm, eps)
-        delta = constrain(mlp(h, w), ("batch", "seq", "embed"))
+        x = x + linear(o, w.wo, "bthk,hkd->btd", w.output_major, jnp.float32)
+        x = x + mlp(rms_norm(x, w.mlp_norm, cfg.rms_norm_eps), w)
         x = constrain(x, ("batch", "seq", "embed"))
         if n_taps:
-            tapped = tapped.at[slot_of_layer[i]].set(x + delta, mode="drop")
-        return (x, delta, k_all, v_all, tapped), None
+            tapped = tapped.at[slot_of_layer[i]].set(x, mode="drop")
+        return (x, k_all, v_all, tapped), None
 
     tapped = jnp.zeros((n_taps, b, t, cfg.hidden_size), jnp.float32) if n_taps else None
-    carry = (x, jnp.zeros_like(x), cache.k, cache.v, tapped)
+    carry = (x, cache.k, cache.v, tapped)
     if isinstance(params.layers, (tuple, list)):  # unstacked (params.unstack_layers): an unrolled loop
         for i, w in enumerate(params.layers):
             carry, _ = layer(carry, (w, i))
     else:
         carry, _ = jax.lax.scan(layer, carry, (params.layers, jnp.arange(cfg.num_layers)), unroll=unroll)
-    x, delta, k_all, v_all, tapped = carry
-    _, x = add_norm(x, delta, params.final_norm, eps)
+    x, k_all, v_all, tapped = carry
+    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
     tapped = tapped.astype(x.dtype) if n_taps else None
     features = None
     if n_taps:

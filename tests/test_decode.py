@@ -228,25 +228,34 @@ def test_a_padded_verify_block_changes_nothing(target, drafter, reference_runs, 
         assert res.output_ids[0] == ref["output"] and res.acceptance_lengths[0] == ref["acceptance_lengths"]
 
 
-@pytest.mark.parametrize("norm, unroll", [("pallas", 1), ("xla", 2), ("pallas", 3)])
-def test_norm_kernel_and_layer_unroll_change_nothing(target, drafter, reference_runs, monkeypatch, norm, unroll):
-    """The residual add + RMSNorm as one Pallas kernel (its interpreter here) in target and drafter, and the
-    verify's layer loop unrolled (3 does not divide the tiny target's layers): the reference's rounds."""
-    monkeypatch.setattr(decode, "default_norm", lambda: norm)
-    monkeypatch.setattr(decode, "default_layer_unroll", lambda: unroll)
+@pytest.mark.parametrize("unroll", [2, 4])
+def test_an_unrolled_layer_loop_changes_nothing(target, drafter, reference_runs, monkeypatch, unroll):
+    """The verify's layer loop unrolled (4 does not divide the tiny target's 6 layers), for every block as the
+    default does for one row on GPU: the reference's rounds and AR tokens."""
+    import collections
+
+    monkeypatch.setattr(decode, "default_layer_unroll", lambda rows: unroll)
+    monkeypatch.setattr(decode, "_COMPILED", collections.OrderedDict())  # trace again: the patch is not in the Spec
+    jax.clear_caches()
     run = reference_runs[0]
-    opts = options("ddtree", run, tree_budget=16)
-    spec = decode.make_spec(target[0], drafter[0], opts)
-    assert (spec.norm, spec.layer_unroll) == ("pallas-interpret" if norm == "pallas" else "xla", unroll)
-    res = decode.generate(target, [run["prompt"]], opts, draft=drafter)
+    res = decode.generate(target, [run["prompt"]], options("ddtree", run, tree_budget=16), draft=drafter)
     ref = run["ddtree"]["16"]
     assert res.output_ids[0] == ref["output"] and res.acceptance_lengths[0] == ref["acceptance_lengths"]
     assert decode.generate(target, [run["prompt"]], options("ar", run)).output_ids[0] == run["ar"]
+    spec = decode.make_spec(target[0], drafter[0], options("ddtree", run, tree_budget=16), layer_unroll=3)
+    assert spec.layer_unroll == 3
 
 
-def test_an_unknown_norm_is_a_clear_error(target):
-    with pytest.raises(ValueError, match="unknown norm 'fast'"):
-        decode.make_spec(target[0], None, decode.GenerateOptions(), norm="fast")
+def test_the_default_unroll_is_for_one_row_on_gpu_only(monkeypatch):
+    assert decode.default_layer_unroll(1) == 1  # CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert decode.default_layer_unroll(1) == decode.GPU_AR_LAYER_UNROLL > 1
+    assert decode.default_layer_unroll(8) == decode.default_layer_unroll(72) == 1
+
+
+def test_a_bad_layer_unroll_is_a_clear_error(target):
+    with pytest.raises(ValueError, match="layer_unroll must be a positive integer"):
+        decode.make_spec(target[0], None, decode.GenerateOptions(), layer_unroll=0)
 
 
 def test_layout_can_be_forced(target, monkeypatch):
