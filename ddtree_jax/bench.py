@@ -834,10 +834,10 @@ class Bench:
                     f"best_first_{sel}": lambda x, bb=budget, sel=sel: trees.best_first(x, bb, select=sel)
                     for sel in trees.SELECTS
                 }
-                variants["part_top_log_probs"] = lambda x, kk=kk: trees.top_log_probs(x, kk, trees.TOPK_CHUNK)
+                variants["part_top_log_probs"] = lambda x, kk=kk: trees.top_log_probs(x, kk, trees.default_topk_chunk(kk))
                 for name, fn in variants.items():
                     row[name + "_us"] = loop_us(fn, xs)
-                lp, ids = jax.jit(trees.top_log_probs, static_argnums=(1, 2))(xs, kk, trees.TOPK_CHUNK)
+                lp, ids = jax.jit(trees.top_log_probs, static_argnums=(1, 2))(xs, kk, trees.default_topk_chunk(kk))
                 for sel in trees.SELECTS:
                     core = jax.vmap(functools.partial(trees._best_first_one, budget=budget, unroll=True, select=sel))
                     row[f"part_best_first_core_{sel}_us"] = loop_us(lambda p, c=core: c(p[0], p[1]), (lp, ids))

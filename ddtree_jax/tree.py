@@ -143,26 +143,30 @@ def _best_first_one(
     return tokens, depths.astype(jnp.int32), parent.astype(jnp.int32)
 
 
-def top_k_chunked(x: Array, k: int, chunk: int) -> tuple[Array, Array]:
+def top_k_chunked(x: Array, k: int, chunk: int | tuple[int, ...], top=jax.lax.top_k) -> tuple[Array, Array]:
     """Exactly ``lax.top_k(x, k)`` over the last axis (same values, ids and tie order: lower index first),
-    sorting far less of a long row: only the k chunks of ``chunk`` entries with the largest maxima can
-    hold the top k (an entry outside them has k chunk maxima, k distinct entries, ranking above it).
-    So: chunk maxima -> top k chunks -> their k * chunk entries, in index order -> top k."""
+    selecting from far fewer entries of a long row: only the k chunks of ``chunk`` entries with the largest maxima
+    can hold the top k (an entry outside them has k chunk maxima, k distinct entries, ranking above it).
+    So: chunk maxima -> top k chunks -> their k * chunk entries, in index order -> top k. A tuple of chunk sizes
+    applies the same step again to those entries (e.g. (64, 8): 151936 -> 2374 chunk maxima, 16384 entries ->
+    2048 maxima of 8, 2048 entries -> top k). ``top``: the selection each step makes (``lax.top_k``, a sort on
+    GPU, or :func:`top_k_by_count`); same result."""
+    chunk, *rest = chunk if isinstance(chunk, tuple) else (chunk,)
     *lead, n = x.shape
     n_chunks = -(-n // chunk)
     if n_chunks <= k:
-        return jax.lax.top_k(x, k)
+        return top(x, k)
     xp = jnp.pad(x, [(0, 0)] * len(lead) + [(0, n_chunks * chunk - n)], constant_values=-jnp.inf)
     xc = xp.reshape(*lead, n_chunks, chunk)
-    _, best = jax.lax.top_k(jnp.max(xc, axis=-1), k)  # ties: lower chunk first, as lax.top_k
+    _, best = top(jnp.max(xc, axis=-1), k)  # ties: lower chunk first, as lax.top_k
     best = jnp.sort(best, axis=-1)  # candidates in index order, so ties below break as in a full top_k
     cand = jnp.take_along_axis(xc, best[..., None], axis=-2).reshape(*lead, k * chunk)
     ids = (best[..., None] * chunk + jnp.arange(chunk, dtype=best.dtype)).reshape(*lead, k * chunk)
-    vals, pos = jax.lax.top_k(cand, k)
+    vals, pos = top_k_chunked(cand, k, tuple(rest), top) if rest else top(cand, k)
     return vals, jnp.take_along_axis(ids, pos, axis=-1)
 
 
-def top_log_probs(draft_logits: Array, k: int, chunk: int | None = None) -> tuple[Array, Array]:
+def top_log_probs(draft_logits: Array, k: int, chunk: int | tuple[int, ...] | None = None) -> tuple[Array, Array]:
     """Per-depth top-k of the log-softmax: ([B, Dp, k] f32, [B, Dp, k] int32), sorted descending.
     ``chunk``: take the top k through :func:`top_k_chunked` (same result) instead of ``lax.top_k``."""
     logits = draft_logits.astype(jnp.float32)
@@ -171,7 +175,11 @@ def top_log_probs(draft_logits: Array, k: int, chunk: int | None = None) -> tupl
     return vals - jax.nn.logsumexp(logits, axis=-1, keepdims=True), ids.astype(jnp.int32)
 
 
-TOPK_CHUNK = 32  # best_first's default vocabulary chunk (H200, Qwen3 vocab, budget 256: top-k 630 -> 139 us)
+def default_topk_chunk(k: int) -> int | tuple[int, ...]:
+    """:func:`top_log_probs`' vocabulary chunks unless told: two levels, (64, 8), up to k = 256, one of 32 above
+    (H200, Qwen3 vocabulary, 15 depths: k = 64 / 256 / 512 in 85 / 102 / 144 us against 103 / 151 / 150 with the
+    other; an unchunked top-k took 630 at 256; benchmarks/PERF.md, eighth run). Any chunks give the same result."""
+    return (64, 8) if k <= 256 else 32
 
 
 COUNT_MAX_BUDGET = 512  # the largest budget at which rank counting was measured faster (H200, batch 1)
@@ -190,21 +198,22 @@ def best_first(
     draft_logits: Array,
     budget: int,
     *,
-    chunk: int | None = None,
+    chunk: int | tuple[int, ...] | None = None,
     unroll: int | bool = True,
     select: str | None = None,
 ) -> Tree:
     """DDTree's tree of ``budget`` nodes from draft logits [B, Dp, V] (untempered, as the reference).
     ``chunk``, ``unroll`` and ``select`` change how, never what: see :func:`top_log_probs`, the depth scan
-    and the module doc. Defaults: the chunked top-k (``TOPK_CHUNK``; on each vocabulary shard under a mesh,
+    and the module doc. Defaults: the chunked top-k (:func:`default_topk_chunk`; on each vocabulary shard under a mesh,
     see ``sharding.top_k``), a fully unrolled depth loop and :func:`default_select`, each measured faster on
     an H200 (benchmarks/PERF.md)."""
     b, depth_count, vocab = draft_logits.shape
+    k = min(budget, vocab)
     if chunk is None:
-        chunk = TOPK_CHUNK
+        chunk = default_topk_chunk(k)
     if select is None:
         select = default_select(budget, b)
-    lp, ids = top_log_probs(draft_logits, min(budget, vocab), chunk)
+    lp, ids = top_log_probs(draft_logits, k, chunk)
     one = functools.partial(_best_first_one, budget=budget, unroll=unroll, select=select)
     tokens, depths, parents = jax.vmap(one)(lp, ids)
     parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parents], axis=1)

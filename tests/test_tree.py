@@ -289,3 +289,19 @@ def test_ancestor_bits_match_walking_up_the_parents(m, max_depth):
                 j = parents[b, j]
     got = np.asarray(unpack_bits(trees.ancestor_bits(jnp.asarray(parents), int(depth.max())), m))
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("chunk", [32, (64, 8), (128, 16, 2), (8, 8, 8)])
+@pytest.mark.parametrize("n,k", [(5000, 37), (40000, 100), (3000, 64)])
+def test_top_k_chunked_is_lax_top_k_exactly(n, k, chunk):
+    """Chunk maxima, their top k chunks, again on those entries for each further chunk size, then the top k: the
+    values, ids and tie order of lax.top_k (heavy ties, -inf), with either selection at every level."""
+    rng = np.random.default_rng(n + k)
+    x = np.round(3 * rng.standard_normal((2, 3, n)), 1).astype(np.float32)
+    x[..., ::7] = -np.inf
+    want = jax.lax.top_k(jnp.asarray(x), k)
+    for top in (jax.lax.top_k, trees.top_k_by_count):
+        got = trees.top_k_chunked(jnp.asarray(x), k, chunk, top)
+        for w, g in zip(want, got):
+            np.testing.assert_array_equal(np.asarray(w), np.asarray(g))
+    assert trees.default_topk_chunk(256) == (64, 8) and trees.default_topk_chunk(512) == 32
