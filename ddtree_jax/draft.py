@@ -36,15 +36,17 @@ def extend(
     cos, sin = model.rope_tables(lc, positions)
     w = params.layers
 
-    def kv(wk, wv, k_norm):  # one layer's context K/V, vmapped over the stacked layers below
+    def kv(ctx, wk, wv, k_norm):  # one layer's context K/V, vmapped over the stacked layers below
         k = model.rms_norm(jnp.einsum("bcd,dhk->bchk", ctx, wk), k_norm, lc.rms_norm_eps)
         return model.apply_rope(k, cos, sin), jnp.einsum("bcd,dhk->bchk", ctx, wv)
 
     if isinstance(w, (tuple, list)):  # unstacked layers (params.unstack_layers)
-        per_layer = [kv(lw.wk, lw.wv, lw.k_norm) for lw in w]
+        per_layer = [kv(ctx, lw.wk, lw.wv, lw.k_norm) for lw in w]
         k, v = jnp.stack([a for a, _ in per_layer]), jnp.stack([c for _, c in per_layer])
-    else:
-        k, v = jax.vmap(kv)(w.wk, w.wv, w.k_norm)  # [L, B, C, K, hd]
+    else:  # ctx batched over the layers too: a batched GEMM reading each layer's [D, K, hd] in place, where a
+        # shared ctx lets XLA merge the layers into one GEMM over [D, L * K * hd], a transposed copy of wk and wv
+        ctx_l = jnp.broadcast_to(ctx[None], (w.wk.shape[0], *ctx.shape))
+        k, v = jax.vmap(kv)(ctx_l, w.wk, w.wv, w.k_norm)  # [L, B, C, K, hd]
     return kvcache.KVCache(
         kvcache.write_all(dcache.k, k, dcache.length),
         kvcache.write_all(dcache.v, v, dcache.length),
