@@ -834,10 +834,11 @@ class Bench:
                     f"best_first_{sel}": lambda x, bb=budget, sel=sel: trees.best_first(x, bb, select=sel)
                     for sel in trees.SELECTS
                 }
-                variants["part_top_log_probs"] = lambda x, kk=kk: trees.top_log_probs(x, kk, trees.default_topk_chunk(kk))
+                chunk = trees.default_topk_chunk(kk)
+                variants["part_top_log_probs"] = lambda x, kk=kk, chunk=chunk: trees.top_log_probs(x, kk, chunk)
                 for name, fn in variants.items():
                     row[name + "_us"] = loop_us(fn, xs)
-                lp, ids = jax.jit(trees.top_log_probs, static_argnums=(1, 2))(xs, kk, trees.default_topk_chunk(kk))
+                lp, ids = jax.jit(trees.top_log_probs, static_argnums=(1, 2))(xs, kk, chunk)
                 for sel in trees.SELECTS:
                     core = jax.vmap(functools.partial(trees._best_first_one, budget=budget, unroll=True, select=sel))
                     row[f"part_best_first_core_{sel}_us"] = loop_us(lambda p, c=core: c(p[0], p[1]), (lp, ids))
@@ -870,7 +871,7 @@ def _models(args) -> int:
         args.prompts = args.prompts_set or [64]
         args.batches = args.batches_set or [1, 2]
         args.budgets = args.budgets_set or [4, 16]
-        args.key_budgets = [16]
+        args.key_budgets = args.key_budgets_set or [16]
         args.rounds = min(args.rounds, 3)
         args.repeats = 1
         args.stage_iters = 2
@@ -881,6 +882,7 @@ def _models(args) -> int:
         args.prompts = args.prompts_set or [512, 2048]
         args.batches = args.batches_set or [1, 8]
         args.budgets = args.budgets_set or [16, 32, 64, 128, 256, 512]
+        args.key_budgets = args.key_budgets_set or [64, 256]
     for m in args.models:
         if m not in SHAPES:
             raise cli.UsageError(f"unknown model {m!r} (choose from {', '.join(SHAPES)})")
@@ -1012,8 +1014,9 @@ def build_parser() -> cli.ArgumentParser:
                    help="batch sizes (default: 1,8; --quick: 1,2)")
     m.add_argument("--budgets", dest="budgets_set", type=_ints, default=None,
                    help="ddtree tree budgets (default: 16,32,64,128,256,512; --quick: 4,16)")
-    m.add_argument("--key-budgets", type=_ints, default=[64, 256],
-                   help="budgets run first for every prompt/batch (the rest come after) (default: 64,256)")
+    m.add_argument("--key-budgets", dest="key_budgets_set", type=_ints, default=None,
+                   help="budgets run first for every prompt/batch (the rest come after) (default: 64,256; "
+                        "--quick: 16)")
     m.add_argument("--methods", type=_names, default=["ar", "dflash", "ddtree"],
                    help="methods; ar always runs (the ratios need it); ddtree runs --budgets (default: ar,dflash,ddtree)")
     m.add_argument("--rounds", type=int, default=10, help="rounds per timed run_rounds call (default: 10)")
@@ -1036,7 +1039,7 @@ def build_parser() -> cli.ArgumentParser:
                         "8 on GPU for dflash/ddtree, else 1)")
     m.add_argument("--layer-unroll", type=cli.positive_int, default=None, metavar="N",
                    help="target layers per iteration of the verify's layer loop, every method (default: "
-                        "decode.default_layer_unroll: 4 for ar on GPU, else 1)")
+                        "decode.default_layer_unroll: 4 for a one-row forward on GPU, i.e. ar at batch 1, else 1)")
     m.add_argument("--breakdown-all", action="store_true",
                    help="break down every ddtree budget (default: only the --key-budgets)")
     m.add_argument("--ab", action="append", default=[], metavar="NAME:KEY=VAL,...",

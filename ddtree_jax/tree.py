@@ -204,9 +204,9 @@ def best_first(
 ) -> Tree:
     """DDTree's tree of ``budget`` nodes from draft logits [B, Dp, V] (untempered, as the reference).
     ``chunk``, ``unroll`` and ``select`` change how, never what: see :func:`top_log_probs`, the depth scan
-    and the module doc. Defaults: the chunked top-k (:func:`default_topk_chunk`; on each vocabulary shard under a mesh,
-    see ``sharding.top_k``), a fully unrolled depth loop and :func:`default_select`, each measured faster on
-    an H200 (benchmarks/PERF.md)."""
+    and the module doc. Defaults: the chunked top-k (:func:`default_topk_chunk`; on each vocabulary shard under
+    a mesh, see ``sharding.top_k``), a fully unrolled depth loop and :func:`default_select`, each measured faster
+    on an H200 (benchmarks/PERF.md)."""
     b, depth_count, vocab = draft_logits.shape
     k = min(budget, vocab)
     if chunk is None:

@@ -53,9 +53,10 @@ def test_pair_mode_on_the_fixture_pair(tmp_path, capsys):
 def test_models_mode_writes_the_issue_records(tmp_path):
     """``bench models`` on the tiny shape (CPU): one record per method with the fields the results files hold
     (model, method, budget, batch, prompt_len, ms_per_round, breakdown_ms, roofline_ms, date, command), AR against
-    its roofline, rounds against AR, the stage breakdown of the breakdown configurations."""
-    code = bench.main(["models", "--quick", "--batches", "1", "--budgets", "4", "--no-hlo", "--no-profile",
-                       "--no-tree-micro", "--out", str(tmp_path)])
+    its roofline, rounds against AR, the stage breakdown of the breakdown configurations (ddtree's: the key budgets,
+    which --quick keeps when given)."""
+    code = bench.main(["models", "--quick", "--batches", "1", "--budgets", "4", "--key-budgets", "4", "--no-hlo",
+                       "--no-profile", "--no-tree-micro", "--out", str(tmp_path)])
     assert code == 0
     records = json.loads((tmp_path / "results.json").read_text())
     assert sorted((r["method"], r["budget"]) for r in records) == [("ar", None), ("ddtree", 4), ("dflash", None)]
@@ -67,7 +68,8 @@ def test_models_mode_writes_the_issue_records(tmp_path):
     by = {r["method"]: r for r in records}
     assert by["ar"]["roofline_ms"] > 0 and by["ar"]["ratio_to_roofline"] > 0
     assert set(by["ar"]["breakdown_ms"]) >= {"verify", "accept_commit"}
-    assert set(by["dflash"]["breakdown_ms"]) >= {"draft", "tree", "verify", "accept_commit"}
+    for m in ("dflash", "ddtree"):
+        assert set(by[m]["breakdown_ms"]) >= {"draft", "tree", "verify", "accept_commit"}
     for m in ("dflash", "ddtree"):
         assert by[m]["roofline_ms"] is None and by[m]["ratio_to_ar"] > 0 and by[m]["floor_ms"] > 0
     assert "ceilings" in json.loads((tmp_path / "bench_details.json").read_text())
@@ -79,7 +81,8 @@ def test_help(argv, capsys):
     assert "usage" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv", [["models", "--budgets", "0"], ["models", "--verify-align", "0"]])
+@pytest.mark.parametrize("argv", [["models", "--budgets", "0"], ["models", "--verify-align", "0"],
+                                  ["models", "--layer-unroll", "0"]])
 def test_bad_flag_is_one_line_error(argv, capsys):
     assert bench.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -282,4 +282,3 @@ def test_the_model_reads_the_stacked_cache_in_place_with_pallas_inplace():
     np.testing.assert_array_equal(np.asarray(outs["pallas-inplace-interpret"][1].v, np.float32),
                                   np.asarray(outs["pallas-interpret"][1].v, np.float32))
     assert np.abs(in_place - xla).max() < 0.1 * np.abs(xla).max()
-
