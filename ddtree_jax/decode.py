@@ -88,6 +88,13 @@ class Spec:
         return -(-(1 + self.budget) // self.verify_align) * self.verify_align
 
     @property
+    def round_positions(self) -> int:
+        """Positions past a sequence's length that a round may reach, as the engine and the server check them
+        against max_position_embeddings: the root, the tree or chain, and the drafter's block (padding rows of
+        the verify block sit at the root's position)."""
+        return 1 + self.budget + (self.draft.block_size if self.draft else 0)
+
+    @property
     def scratch_slots(self) -> int:
         """Cache slots past the committed length that a round writes: the verify block and the drafter's."""
         return self.verify_len + (self.draft.block_size if self.draft else 0)

@@ -356,7 +356,7 @@ class Engine:
         self.spec = decode.make_spec(self.tcfg, dcfg, options, mesh=mesh)
         self.dparams = decode.device_layout(dparams) if config.method != "ar" else None
         self.tparams = decode.device_layout(self.tparams)
-        block = 1 + self.spec.budget + (self.spec.draft.block_size if self.spec.draft else 0)
+        block = self.spec.round_positions
         allowed = self.tcfg.max_position_embeddings
         if config.max_len + block > allowed:
             raise ValueError(f"max_len {config.max_len} + verify block {block} exceeds the model's "

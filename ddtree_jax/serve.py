@@ -699,8 +699,8 @@ def plan(args: argparse.Namespace) -> Plan:
     if dcfg is not None:
         config.check_pair(tcfg, dcfg)
     budget = args.tree_budget if args.tree_budget is not None else decode.DEFAULT_TREE_BUDGET
-    block = 1 + {"ar": 0, "dflash": 2 * (dcfg.block_size if dcfg else 0) - 1,
-                 "ddtree": budget + (dcfg.block_size if dcfg else 0)}[method]
+    options = decode.GenerateOptions(method=method, tree_budget=budget)
+    block = decode.make_spec(tcfg, dcfg if method != "ar" else None, options).round_positions  # as the engine
     allowed = tcfg.max_position_embeddings - block
     max_len = args.max_len if args.max_len is not None else min(4096, allowed)
     if max_len < 2:

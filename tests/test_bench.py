@@ -70,7 +70,6 @@ def test_models_mode_writes_the_issue_records(tmp_path):
     assert set(by["ar"]["breakdown_ms"]) >= {"verify", "accept_commit"}
     for m in ("dflash", "ddtree"):
         assert set(by[m]["breakdown_ms"]) >= {"draft", "tree", "verify", "accept_commit"}
-    for m in ("dflash", "ddtree"):
         assert by[m]["roofline_ms"] is None and by[m]["ratio_to_ar"] > 0 and by[m]["floor_ms"] > 0
     assert "ceilings" in json.loads((tmp_path / "bench_details.json").read_text())
 

@@ -253,6 +253,18 @@ def test_the_default_unroll_is_for_one_row_on_gpu_only(monkeypatch):
     assert decode.default_layer_unroll(8) == decode.default_layer_unroll(72) == 1
 
 
+def test_round_positions_are_the_blocks_a_round_writes_before_padding(target, drafter, monkeypatch):
+    """What the engine and the server check against max_position_embeddings: root + tree (or chain) + the
+    drafter's block, whatever the verify padding (padding rows sit at the root's position)."""
+    (cfg, _), (dcfg, _) = target, drafter
+    bs = dcfg.block_size
+    monkeypatch.setattr(decode, "default_verify_align", lambda method: 8)
+    spec = {m: decode.make_spec(cfg, dcfg if m != "ar" else None, decode.GenerateOptions(method=m, tree_budget=20))
+            for m in ("ar", "dflash", "ddtree")}
+    assert {m: s.round_positions for m, s in spec.items()} == {"ar": 1, "dflash": 2 * bs, "ddtree": 21 + bs}
+    assert spec["ddtree"].scratch_slots == 24 + bs > spec["ddtree"].round_positions
+
+
 def test_a_bad_layer_unroll_is_a_clear_error(target):
     with pytest.raises(ValueError, match="layer_unroll must be a positive integer"):
         decode.make_spec(target[0], None, decode.GenerateOptions(), layer_unroll=0)
