@@ -839,9 +839,9 @@ class Bench:
                 for name, fn in variants.items():
                     row[name + "_us"] = loop_us(fn, xs)
                 lp, ids = jax.jit(trees.top_log_probs, static_argnums=(1, 2))(xs, kk, chunk)
-                for sel in trees.SELECTS:
-                    core = jax.vmap(functools.partial(trees._best_first_one, budget=budget, unroll=True, select=sel))
-                    row[f"part_best_first_core_{sel}_us"] = loop_us(lambda p, c=core: c(p[0], p[1]), (lp, ids))
+                for sel in trees.SELECTS:  # the tree from the sorted lists (with its ancestor bits)
+                    core = functools.partial(trees.tree_from_lists, budget=budget, select=sel)
+                    row[f"part_tree_from_lists_{sel}_us"] = loop_us(lambda p, c=core: c(p[0], p[1]), (lp, ids))
                 par = jax.jit(jax.vmap(lambda x, bb=budget: trees.best_first(x, bb).parents))(xs)
                 row["part_ancestor_bits_us"] = loop_us(lambda p: trees.ancestor_bits(p, dp_), par)
                 got = jax.jit(lambda x: [variants[f"best_first_{sel}"](x) for sel in trees.SELECTS])(xs[1])
