@@ -14,9 +14,8 @@ answer extend frontier paths of depth d. Frontier and per-depth top-k lists are 
 Each depth then selects the best ``budget`` of those candidates, and a last selection takes the best ``budget``
 over all depths. ``select="sort"`` does it with ``lax.top_k`` (a sort on GPU: 15 dependent sorts per tree);
 ``select="count"`` ranks every candidate by counting the candidates before it (one compare-and-sum fusion, no
-sort), the same result bit for bit; ``select="kernel"`` makes each selection one Pallas kernel
-(``pallas_kernels.rank_select``), the same result again. The default is "count" on GPU at batch 1 up to budget 512,
-"sort" otherwise (benchmarks/PERF.md).
+sort), the same result bit for bit; the default is "count" on GPU at batch 1 up to budget 512, "sort" otherwise
+(benchmarks/PERF.md).
 """
 
 from __future__ import annotations
@@ -97,7 +96,7 @@ def top_k_by_count(x: Array, k: int) -> tuple[Array, Array]:
     return jnp.take_along_axis(x, ids, axis=-1), ids
 
 
-SELECTS = ("sort", "count", "kernel")
+SELECTS = ("sort", "count")
 
 
 def _selector(select: str):
@@ -106,42 +105,19 @@ def _selector(select: str):
     return jax.lax.top_k if select == "sort" else top_k_by_count
 
 
-def _first_frontier(log_probs: Array, token_ids: Array, width: int) -> tuple[Array, Array, Array]:
-    """Depth 1's frontier from [..., Dp, K] lists: scores, tokens, parent slots [..., width] (padded -inf / -1)."""
-    k = log_probs.shape[-1]
-    lead = log_probs.shape[:-2]
-    pad = [(0, 0)] * len(lead) + [(0, max(0, width - k))]
-    first = jnp.pad(log_probs[..., 0, :width], pad, constant_values=-jnp.inf)
-    first_tok = jnp.pad(token_ids[..., 0, :width], pad, constant_values=-1)
-    return first, first_tok, jnp.full((*lead, width), -1, jnp.int32)
-
-
-def _assemble(scores: Array, toks: Array, parent_slot: Array, top_scores: Array, chosen: Array) -> tuple[Array, ...]:
-    """One sequence's tree from its per-depth frontiers [Dp, W] and the best ``budget`` of their flattened scores
-    (``top_scores``, ``chosen`` [budget]: a top-k, ties shallower first, so parents precede): tokens, depths,
-    parents [budget] (parents as tree indices, 0 the root)."""
-    depth_count, width = scores.shape
-    budget = chosen.shape[0]
-    depth = chosen // width
-    valid = top_scores > -jnp.inf
-    rank_of = jnp.full((depth_count * width,), -1, jnp.int32).at[chosen].set(jnp.arange(budget, dtype=jnp.int32))
-    parent_flat = (depth - 1) * width + parent_slot.reshape(-1)[chosen]
-    parent = jnp.where(depth == 0, 0, rank_of[jnp.maximum(parent_flat, 0)] + 1)
-    parent = jnp.where(valid, parent, 0)
-    tokens = jnp.where(valid, toks.reshape(-1)[chosen], -1)
-    depths = jnp.where(valid, depth + 1, 1)
-    return tokens, depths.astype(jnp.int32), parent.astype(jnp.int32)
-
-
 def _best_first_one(
     log_probs: Array, token_ids: Array, budget: int, unroll: int | bool = 1, select: str = "sort"
 ):
     """One sequence. log_probs, token_ids [Dp, K] sorted descending per depth. ``unroll``: of the scan;
     ``select``: how each top-``budget`` selection is made (see the module doc)."""
+    depth_count, k = log_probs.shape
     width = budget
     top = _selector(select)
-    ii, jj = (jnp.asarray(a) for a in _candidate_pairs(budget, log_probs.shape[1]))
-    first, first_tok, first_parent = _first_frontier(log_probs, token_ids, width)
+    ii, jj = (jnp.asarray(a) for a in _candidate_pairs(budget, k))
+
+    first = jnp.full((width,), -jnp.inf).at[: min(k, width)].set(log_probs[0, :width])
+    first_tok = jnp.full((width,), -1, jnp.int32).at[: min(k, width)].set(token_ids[0, :width])
+    first_parent = jnp.full((width,), -1, jnp.int32)
 
     def step(frontier, row):
         lp, ids = row
@@ -153,25 +129,18 @@ def _best_first_one(
     scores = jnp.concatenate([first[None], scores])  # [Dp, W]
     toks = jnp.concatenate([first_tok[None], toks])
     parent_slot = jnp.concatenate([first_parent[None], parent_slot])
-    top_scores, chosen = top(scores.reshape(-1), budget)
-    return _assemble(scores, toks, parent_slot, top_scores, chosen)
 
-
-def _best_first_kernel(log_probs: Array, token_ids: Array, budget: int, interpret: bool = False):
-    """The batch at once, each selection one Pallas kernel (``pallas_kernels.rank_select``): the same trees as
-    :func:`_best_first_one`. log_probs, token_ids [B, Dp, K]."""
-    from pallas_kernels import rank_select
-
-    ii, jj = _candidate_pairs(budget, log_probs.shape[2])
-    frontier, tok, slot = _first_frontier(log_probs, token_ids, budget)
-    levels = [(frontier, tok, slot)]
-    for d in range(1, log_probs.shape[1]):
-        frontier, tok, slot = rank_select.expand_top_k(
-            frontier, log_probs[:, d], token_ids[:, d], ii, jj, budget, interpret=interpret)
-        levels.append((frontier, tok, slot))
-    scores, toks, parent_slot = (jnp.stack(a, axis=1) for a in zip(*levels))  # [B, Dp, W]
-    top_scores, chosen = rank_select.rank_top_k(scores.reshape(scores.shape[0], -1), budget, interpret=interpret)
-    return jax.vmap(_assemble)(scores, toks, parent_slot, top_scores, chosen)
+    flat_scores = scores.reshape(-1)
+    top_scores, chosen = top(flat_scores, budget)  # ties: shallower first, so parents precede
+    depth = chosen // width
+    valid = top_scores > -jnp.inf
+    rank_of = jnp.full((depth_count * width,), -1, jnp.int32).at[chosen].set(jnp.arange(budget, dtype=jnp.int32))
+    parent_flat = (depth - 1) * width + parent_slot.reshape(-1)[chosen]
+    parent = jnp.where(depth == 0, 0, rank_of[jnp.maximum(parent_flat, 0)] + 1)
+    parent = jnp.where(valid, parent, 0)
+    tokens = jnp.where(valid, toks.reshape(-1)[chosen], -1)
+    depths = jnp.where(valid, depth + 1, 1)
+    return tokens, depths.astype(jnp.int32), parent.astype(jnp.int32)
 
 
 def top_k_chunked(x: Array, k: int, chunk: int | tuple[int, ...], top=jax.lax.top_k) -> tuple[Array, Array]:
@@ -250,14 +219,10 @@ def best_first(
 
 def tree_from_lists(lp: Array, ids: Array, budget: int, *, select: str, unroll: int | bool = True) -> Tree:
     """The best-first tree of ``budget`` nodes from per-depth lists sorted descending, lp [B, Dp, K] f32 and ids
-    [B, Dp, K] int32 (:func:`top_log_probs`): the tree build proper, after the vocabulary top-k. ``select``: see
-    the module doc ("kernel": Pallas kernels on GPU, their interpreter elsewhere)."""
+    [B, Dp, K] int32 (:func:`top_log_probs`): the tree build proper, after the vocabulary top-k."""
     b, depth_count, _ = lp.shape
-    if select == "kernel":
-        tokens, depths, parents = _best_first_kernel(lp, ids, budget, interpret=jax.default_backend() != "gpu")
-    else:
-        one = functools.partial(_best_first_one, budget=budget, unroll=unroll, select=select)
-        tokens, depths, parents = jax.vmap(one)(lp, ids)
+    one = functools.partial(_best_first_one, budget=budget, unroll=unroll, select=select)
+    tokens, depths, parents = jax.vmap(one)(lp, ids)
     parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parents], axis=1)
     return Tree(tokens, depths, parents, ancestor_bits(parents, depth_count))
 

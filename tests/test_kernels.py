@@ -17,7 +17,6 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import rank_select as rs
 from pallas_kernels import tree_accept as ta
 from pallas_kernels import tree_attention as tat
 from pallas_kernels.inputs import accept_inputs, ancestor_mask, attention_inputs, random_parents
@@ -283,39 +282,3 @@ def test_the_model_reads_the_stacked_cache_in_place_with_pallas_inplace():
     np.testing.assert_array_equal(np.asarray(outs["pallas-inplace-interpret"][1].v, np.float32),
                                   np.asarray(outs["pallas-interpret"][1].v, np.float32))
     assert np.abs(in_place - xla).max() < 0.1 * np.abs(xla).max()
-
-
-@pytest.mark.parametrize("b,n,k", [(1, 7, 3), (2, 300, 40), (3, 1000, 1000)])
-def test_rank_top_k_is_lax_top_k_exactly(b, n, k):
-    """The selection kernel (interpreter): lax.top_k's values, ids and tie order, with heavy ties, -inf and both
-    zeros (-0.0 ranks below +0.0), for n not a power of two and k = n."""
-    rng = np.random.default_rng(n)
-    x = np.round(rng.standard_normal((b, n))).astype(np.float32)
-    x[:, ::3] = -np.inf
-    x[:, 1::5] = -0.0
-    for arr in (x, rng.standard_normal((b, n)).astype(np.float32)):
-        want = jax.lax.top_k(jnp.asarray(arr), k)
-        got = rs.rank_top_k(jnp.asarray(arr), k, interpret=True)
-        for w, g in zip(want, got):
-            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-            assert g.dtype == w.dtype
-
-
-def test_expand_top_k_is_the_top_k_of_its_candidates():
-    """One depth of the tree build: top k of frontier[ii] + lp[jj] in candidate order, then ids[jj], ii."""
-    rng = np.random.default_rng(5)
-    b, w, kk = 2, 24, 10
-    ii = rng.integers(0, w, 100).astype(np.int32)
-    jj = rng.integers(0, kk, 100).astype(np.int32)
-    frontier = jnp.asarray(np.round(2 * rng.standard_normal((b, w))).astype(np.float32))  # ties
-    lp = jnp.asarray(np.round(rng.standard_normal((b, kk))).astype(np.float32))
-    ids = jnp.asarray(rng.integers(0, 5000, (b, kk)).astype(np.int32))
-    best, pick = jax.lax.top_k(frontier[:, ii] + lp[:, jj], w)
-    got = rs.expand_top_k(frontier, lp, ids, ii, jj, w, interpret=True)
-    want = (best, jnp.take_along_axis(ids[:, jj], pick, axis=1), jnp.asarray(ii)[pick])
-    for g, x in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(x))
-    with pytest.raises(ValueError, match="k=30 of 20"):
-        rs.expand_top_k(frontier, lp, ids, ii[:20], jj[:20], 30, interpret=True)
-    with pytest.raises(ValueError, match="rank_top_k"):
-        rs.rank_top_k(frontier, 25, interpret=True)
