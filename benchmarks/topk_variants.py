@@ -1,39 +1,24 @@
 """The vocabulary top-k of the tree build, variants of ``tree.top_k_chunked`` (chunk levels x selection), on
 [1, 15, 151936] f32 draft logits (Qwen3's vocabulary, 15 depths): microseconds per call of the top-k plus the
-log-softmax normaliser (what ``tree.top_log_probs`` does), 16 calls in one jitted loop, median of 5 timings; the
-loop alone is "empty_loop_us". Each variant is first checked equal to ``lax.top_k`` (values and ids).
+log-softmax normaliser (what ``tree.top_log_probs`` does), 16 calls in one jitted loop, median of 5 timings
+(``bench.loop_us``); the loop alone is "empty_loop_us". Each variant is first checked equal to ``lax.top_k``
+(values and ids).
 
 Usage (GPU): PYTHONPATH=. python benchmarks/topk_variants.py OUT.json
 Results of the eighth run: benchmarks/results/h200_details.json (run_2026-11-30T01:38_eighth), PERF.md.
 """
 
 import json
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 from ddtree_jax import tree as trees
+from ddtree_jax.bench import loop_us
 
 ITERS = 16
 CHUNKS = (32, (32, 4), (64, 8), (128, 16, 2))
-
-
-def loop_us(fn, xs) -> float:
-    def body(i, acc):
-        leaves = jax.tree.leaves(fn(xs[i]))
-        return acc + sum(x.reshape(-1)[-1].astype(jnp.int32) for x in leaves)
-
-    f = jax.jit(lambda: jax.lax.fori_loop(0, ITERS, body, jnp.int32(0)))
-    f().block_until_ready()
-    ts = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        f().block_until_ready()
-        ts.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(ts) / ITERS
 
 
 def log_probs(x, k, chunk, select):
