@@ -18,6 +18,9 @@ Subcommands
             verify rows are padded as decode.default_verify_align says (benchmarks/PERF.md).
   pair      a trained pair (default: the default pair) on train_draft's held-out prompts, one at a time or as
             one batch: mean acceptance length and decode tokens/s of ar, dflash and ddtree at budgets.
+  project   the projected speedup over AR of dflash and ddtree: the DDTree paper's mean acceptance lengths
+            (benchmarks/paper_tau.json) x our recorded round costs (benchmarks/results/h200.json), per dataset.
+            A projection, not a measurement (ddtree_jax.projection).
   kernels   pallas_kernels.bench_kernels, if present, with the remaining arguments.
 
 The KV caches are filled with random values and their lengths set to the prompt length (no prefill is
@@ -1091,6 +1094,25 @@ def build_parser() -> cli.ArgumentParser:
                         "from a traced run (columns same-as-ar, first divergence, walk mismatches)")
     q.add_argument("--json", default=None, help="write the results (a JSON object) to this file")
 
+    from ddtree_jax import projection
+
+    j = sub.add_parser("project", help="projected speedup over AR: the paper's acceptance lengths x our round costs",
+                       description="Projected speedup over AR of dflash and ddtree per dataset: the DDTree paper's "
+                                   "mean acceptance length tau x (AR ms per token / round ms), the round costs from "
+                                   "recorded `models` runs (the latest record of the current GPU layout). A "
+                                   "projection, not a measurement; see ddtree_jax/projection.py.")
+    j.add_argument("--results", default=str(projection.RESULTS),
+                   help="records of `bench models` (a JSON list) (default: %(default)s)")
+    j.add_argument("--tau", default=str(projection.PAPER_TAU),
+                   help="the paper's acceptance lengths and speedups (default: %(default)s)")
+    j.add_argument("--models", type=_names, default=["qwen3-8b", "qwen3-4b"],
+                   help="comma-separated models of both files (default: qwen3-8b,qwen3-4b)")
+    j.add_argument("--temperature", default="0.0", help="the paper's temperature, 0.0 or 1.0 (default: 0.0)")
+    j.add_argument("--prompt", type=cli.positive_int, default=512, help="the records' prompt length (default: 512)")
+    j.add_argument("--batch", type=cli.positive_int, default=1, help="the records' batch (default: 1)")
+    j.add_argument("--budgets", type=_ints, default=[64, 256], help="ddtree budgets to project (default: 64,256)")
+    j.add_argument("--json", default=None, help="write the rows (a JSON list, one object per model) to this file")
+
     sub.add_parser("kernels", help="pallas_kernels.bench_kernels with the remaining arguments", add_help=False)
     return p
 
@@ -1158,6 +1180,33 @@ def _pair(args) -> int:
     return 0
 
 
+def _project(args) -> int:
+    """Print the projection tables (markdown) of ddtree_jax.projection for each model; --json writes the rows."""
+    from ddtree_jax import projection
+
+    temps = projection.load_tau(args.tau)
+    if args.temperature not in temps:
+        raise cli.UsageError(f"--temperature {args.temperature} is not in {args.tau} (has {', '.join(temps)})")
+    records = projection.load_json(args.results, "the results file")
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        raise cli.UsageError(f"{args.results} is not a JSON list of records (the output of `bench models`)")
+    out = []
+    for model in args.models:
+        if model not in temps[args.temperature]:
+            raise cli.UsageError(f"{args.tau} has no {model} (has {', '.join(temps[args.temperature])})")
+        costs = projection.round_costs(records, model, args.prompt, args.batch, args.budgets)
+        rows = projection.project(temps[args.temperature][model], costs, args.budgets)
+        print(projection.markdown(model, costs, rows, args.budgets) + "\n")
+        out.append({"model": model, "temperature": args.temperature, "prompt_len": args.prompt, "batch": args.batch,
+                    "round_ms": {k: r["ms_per_round"] for k, r in costs.items()},
+                    "round_dates": {k: r["date"] for k, r in costs.items()}, "rows": rows})
+    print(f"A projection, not a measurement: tau (the paper's, temperature {args.temperature}) x AR ms / round ms "
+          f"from {args.results}; the paper's ddtree tau is at its best budget per dataset.")
+    if args.json:
+        _write_json(args.json, out)
+    return 0
+
+
 def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _ARGV[:] = argv
@@ -1168,6 +1217,8 @@ def _main(argv: Sequence[str] | None) -> int:
         return _fixtures(args)
     if args.mode == "pair":
         return _pair(args)
+    if args.mode == "project":
+        return _project(args)
     return _models(args)
 
 

@@ -99,7 +99,8 @@ def test_the_recorded_h200_results_hold_issue_5s_fields_and_grid():
                     assert stages <= set(latest["breakdown_ms"] or {}), (model, prompt, batch, method, budget)
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["fixtures", "--help"], ["models", "--help"], ["pair", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["fixtures", "--help"], ["models", "--help"], ["pair", "--help"],
+                                  ["project", "--help"]])
 def test_help(argv, capsys):
     assert bench.main(argv) == 0
     assert "usage" in capsys.readouterr().out

@@ -1,0 +1,106 @@
+"""Projected speedups: the DDTree paper's mean acceptance lengths x our measured round costs.
+
+A projection, not a measurement. With random weights every round accepts about one token, so the benchmark
+measures what a round costs, not how much it accepts. A trained pair that accepts tau tokens per round on
+average would decode at
+
+    speedup over AR = tau x (AR ms per token / round ms)
+
+(rounds are static shapes: their cost does not depend on what they accept). tau comes from the paper's table
+(``benchmarks/paper_tau.json``: per temperature, model and dataset, the chain DFlash's and DDTree's tau and the
+paper's own measured speedup); the round costs from our records (``benchmarks/results/h200.json``). The paper's
+DDTree tau is at its best node budget of 16..1024 for each dataset (not given), so pairing it with our round cost
+at budget 64 or 256 assumes that budget accepts as much.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PAPER_TAU = REPO / "benchmarks" / "paper_tau.json"
+RESULTS = REPO / "benchmarks" / "results" / "h200.json"
+LAYOUT = "stacked-out-major-fused"  # the records of the current GPU layout (decode.GPU_LAYOUT)
+
+
+def load_json(path: str | Path, what: str):
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{what} {path} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} {path} is not JSON: {e}") from None
+
+
+def load_tau(path: str | Path = PAPER_TAU) -> dict:
+    """{temperature: {model: {dataset: {"dflash"|"ddtree": {"tau", "speedup"}}}}} from the paper's table."""
+    table = load_json(path, "the tau table")
+    temps = table.get("temperatures") if isinstance(table, dict) else None
+    if not isinstance(temps, dict) or not temps:
+        raise ValueError(f"{path} has no 'temperatures' table")
+    for t, models in temps.items():
+        for model, rows in models.items():
+            for dataset, row in rows.items():
+                for method in ("dflash", "ddtree"):
+                    tau = row.get(method, {}).get("tau")
+                    if not isinstance(tau, (int, float)) or tau < 1:
+                        raise ValueError(f"{path}: {t}/{model}/{dataset}/{method} has no tau >= 1")
+    return temps
+
+
+def round_costs(records: list[dict], model: str, prompt_len: int, batch: int, budgets: list[int],
+                layout: str | None = LAYOUT) -> dict[str, dict]:
+    """The latest record of AR, dflash and ddtree at each budget for one model, prompt and batch:
+    {"ar" | "dflash" | "ddtree<B>": record}. Raises ValueError naming what is missing."""
+    want = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in budgets]
+    out, missing = {}, []
+    for method, budget in want:
+        hits = [r for r in records if (r.get("model"), r.get("method"), r.get("budget"), r.get("batch"),
+                                       r.get("prompt_len")) == (model, method, budget, batch, prompt_len)
+                and (layout is None or r.get("layout") == layout) and r.get("ms_per_round")]
+        if hits:
+            out[f"{method}{budget or ''}"] = max(hits, key=lambda r: r["date"])
+        else:
+            missing.append(f"{method}{budget or ''}")
+    if missing:
+        raise ValueError(f"no {layout or 'recorded'} record of {model} at prompt {prompt_len}, batch {batch} for "
+                         f"{', '.join(missing)}")
+    return out
+
+
+def speedup(tau: float, ar_ms: float, round_ms: float) -> float:
+    """Tokens per round over rounds per AR token: tau x AR ms / round ms."""
+    return tau * ar_ms / round_ms
+
+
+def project(taus: dict, costs: dict[str, dict], budgets: list[int]) -> list[dict]:
+    """One row per dataset of one model and temperature (``taus``: {dataset: row of the paper}): the paper's tau and
+    speedups, and the projected speedups of dflash and of ddtree at each budget."""
+    ar = costs["ar"]["ms_per_round"]
+    rows = []
+    for dataset, paper in taus.items():
+        row = {"dataset": dataset, "tau_dflash": paper["dflash"]["tau"], "tau_ddtree": paper["ddtree"]["tau"],
+               "paper_dflash": paper["dflash"].get("speedup"), "paper_ddtree": paper["ddtree"].get("speedup"),
+               "dflash": speedup(paper["dflash"]["tau"], ar, costs["dflash"]["ms_per_round"])}
+        for b in budgets:
+            row[f"ddtree{b}"] = speedup(paper["ddtree"]["tau"], ar, costs[f"ddtree{b}"]["ms_per_round"])
+        rows.append(row)
+    return rows
+
+
+def markdown(model: str, costs: dict[str, dict], rows: list[dict], budgets: list[int]) -> str:
+    """The rows as a markdown table, the round costs they use in its heading."""
+    ar = costs["ar"]["ms_per_round"]
+    ratio = {k: costs[k]["ms_per_round"] / ar for k in ["dflash"] + [f"ddtree{b}" for b in budgets]}
+    head = (["dataset", "τ dflash", "τ ddtree", f"dflash ({ratio['dflash']:.2f}x)"]
+            + [f"ddtree {b} ({ratio[f'ddtree{b}']:.2f}x)" for b in budgets] + ["paper: dflash", "ddtree"])
+    lines = [f"{model}: AR {ar:.2f} ms per token; a round's cost in AR steps in brackets",
+             "| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
+    for r in rows:
+        cells = ([r["dataset"], f"{r['tau_dflash']:.2f}", f"{r['tau_ddtree']:.2f}", f"{r['dflash']:.1f}x"]
+                 + [f"{r[f'ddtree{b}']:.1f}x" for b in budgets]
+                 + [f"{r['paper_dflash']:.2f}x" if r["paper_dflash"] else "-",
+                    f"{r['paper_ddtree']:.2f}x" if r["paper_ddtree"] else "-"])
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

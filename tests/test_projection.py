@@ -1,0 +1,66 @@
+"""The projected-speedup table: the paper's acceptance lengths x recorded round costs (ddtree_jax.projection)."""
+
+import json
+
+import pytest
+
+from ddtree_jax import bench, projection
+
+
+def _rec(method, budget, ms, date="2026-11-30T00:00:00+00:00", model="m", layout=projection.LAYOUT, batch=1):
+    return {"model": model, "method": method, "budget": budget, "batch": batch, "prompt_len": 512,
+            "ms_per_round": ms, "date": date, "layout": layout}
+
+
+def test_speedup_is_tau_times_ar_over_round():
+    records = [_rec("ar", None, 5.0), _rec("dflash", None, 7.5), _rec("ddtree", 64, 8.0)]
+    costs = projection.round_costs(records, "m", 512, 1, [64])
+    taus = {"d": {"dflash": {"tau": 6.0, "speedup": 4.0}, "ddtree": {"tau": 8.0, "speedup": 5.5}}}
+    (row,) = projection.project(taus, costs, [64])
+    assert row["dflash"] == pytest.approx(6.0 * 5.0 / 7.5) and row["ddtree64"] == pytest.approx(8.0 * 5.0 / 8.0)
+    assert (row["paper_dflash"], row["paper_ddtree"]) == (4.0, 5.5)
+    text = projection.markdown("m", costs, [row], [64])
+    assert "| d | 6.00 | 8.00 | 4.0x | 5.0x | 4.00x | 5.50x |" in text and "dflash (1.50x)" in text
+
+
+def test_round_costs_take_the_latest_record_of_the_layout_and_name_what_is_missing():
+    records = [_rec("ar", None, 5.0, "2026-11-29T00:00:00+00:00"), _rec("ar", None, 4.0, "2026-11-30T00:00:00+00:00"),
+               _rec("ar", None, 1.0, "2026-12-01T00:00:00+00:00", layout="unstacked"),
+               _rec("dflash", None, 7.0), _rec("ddtree", 64, 8.0, batch=8)]
+    with pytest.raises(ValueError, match="for ddtree64$"):
+        projection.round_costs(records, "m", 512, 1, [64])
+    assert projection.round_costs(records, "m", 512, 1, [])["ar"]["ms_per_round"] == 4.0
+
+
+def test_the_papers_table_as_shipped(tmp_path):
+    temps = projection.load_tau()
+    assert set(temps) == {"0.0", "1.0"}
+    for models in temps.values():
+        assert {"qwen3-4b", "qwen3-8b"} <= set(models)
+        for rows in models.values():
+            assert len(rows) == 10
+            for row in rows.values():  # the paper's trees accept more, and run faster, than its chains, everywhere
+                assert row["ddtree"]["tau"] > row["dflash"]["tau"] and row["ddtree"]["speedup"] > row["dflash"]["speedup"]
+    assert temps["0.0"]["qwen3-coder-30b-a3b"]["HumanEval"]["ddtree"]["speedup"] == 8.22  # the paper's headline
+    bad = tmp_path / "tau.json"
+    bad.write_text(json.dumps({"temperatures": {"0.0": {"m": {"d": {"dflash": {"tau": 0.5}, "ddtree": {"tau": 2}}}}}}))
+    with pytest.raises(ValueError, match="tau >= 1"):
+        projection.load_tau(bad)
+
+
+def test_bench_project_prints_both_models_from_the_recorded_results(capsys, tmp_path):
+    out = tmp_path / "rows.json"
+    assert bench.main(["project", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "qwen3-8b: AR" in text and "qwen3-4b: AR" in text and "A projection, not a measurement" in text
+    rows = json.loads(out.read_text())
+    assert [r["model"] for r in rows] == ["qwen3-8b", "qwen3-4b"] and len(rows[0]["rows"]) == 10
+    assert all(r["ddtree64"] > 1 for m in rows for r in m["rows"])
+
+
+@pytest.mark.parametrize("argv", [["project", "--temperature", "0.5"], ["project", "--models", "qwen3-32b"],
+                                  ["project", "--batch", "3"], ["project", "--tau", "/no/such/file.json"]])
+def test_bench_project_bad_input_is_one_line(argv, capsys):
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:")
