@@ -369,7 +369,7 @@ def first_stop(out: Array, state: State, n_out: Array) -> Array:
 # option touches (AR 5.39 / 5.37 ms). A dot-merger threshold of 0 stops XLA from concatenating each layer's
 # gate+up and q/k/v weights into new buffers every round to merge their products (sixth run: a ddtree-64 round of
 # Qwen3-4B 8.61 -> 6.97 ms; Qwen3-8B and AR within 4 % either way). ``bench models --ab`` compiles with others.
-# Not here yet: xla_gpu_command_buffer_scheduling_mode=CONCURRENT, 0.6-6 % faster in 15 of 16 A/Bs (tenth run) but
+# Not here yet: xla_gpu_command_buffer_scheduling_mode=CONCURRENT, 0.6-6 % faster in 14 of 16 A/Bs (tenth run) but
 # without a grid or a full GPU parity check under it; opt in with XLA_FLAGS (options set here override XLA_FLAGS).
 XLA_OPTIONS = {
     "xla_gpu_enable_dynamic_slice_fusion": True,
