@@ -39,13 +39,16 @@ def load_tau(path: str | Path = PAPER_TAU) -> dict:
     temps = table.get("temperatures") if isinstance(table, dict) else None
     if not isinstance(temps, dict) or not temps:
         raise ValueError(f"{path} has no 'temperatures' table")
-    for t, models in temps.items():
-        for model, rows in models.items():
-            for dataset, row in rows.items():
-                for method in ("dflash", "ddtree"):
-                    tau = row.get(method, {}).get("tau")
-                    if not isinstance(tau, (int, float)) or tau < 1:
-                        raise ValueError(f"{path}: {t}/{model}/{dataset}/{method} has no tau >= 1")
+    try:
+        for t, models in temps.items():
+            for model, rows in models.items():
+                for dataset, row in rows.items():
+                    for method in ("dflash", "ddtree"):
+                        tau = row.get(method, {}).get("tau")
+                        if not isinstance(tau, (int, float)) or tau < 1:
+                            raise ValueError(f"{path}: {t}/{model}/{dataset}/{method} has no tau >= 1")
+    except AttributeError:  # a level that is not an object
+        raise ValueError(f"{path} is not laid out as {{temperature: {{model: {{dataset: {{method: {{tau}}}}}}}}}}") from None
     return temps
 
 
@@ -60,7 +63,7 @@ def round_costs(records: list[dict], model: str, prompt_len: int, batch: int, bu
                                        r.get("prompt_len")) == (model, method, budget, batch, prompt_len)
                 and (layout is None or r.get("layout") == layout) and r.get("ms_per_round")]
         if hits:
-            out[f"{method}{budget or ''}"] = max(hits, key=lambda r: r["date"])
+            out[f"{method}{budget or ''}"] = max(hits, key=lambda r: r.get("date", ""))
         else:
             missing.append(f"{method}{budget or ''}")
     if missing:

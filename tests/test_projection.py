@@ -46,6 +46,9 @@ def test_the_papers_table_as_shipped(tmp_path):
     bad.write_text(json.dumps({"temperatures": {"0.0": {"m": {"d": {"dflash": {"tau": 0.5}, "ddtree": {"tau": 2}}}}}}))
     with pytest.raises(ValueError, match="tau >= 1"):
         projection.load_tau(bad)
+    bad.write_text(json.dumps({"temperatures": {"0.0": {"m": ["not", "a", "table"]}}}))
+    with pytest.raises(ValueError, match="not laid out"):
+        projection.load_tau(bad)
 
 
 def test_bench_project_prints_both_models_from_the_recorded_results(capsys, tmp_path):
