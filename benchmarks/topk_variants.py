@@ -1,6 +1,6 @@
 """The vocabulary top-k of the tree build, variants of ``tree.top_k_chunked`` (chunk levels x selection), on
 [1, 15, 151936] f32 draft logits (Qwen3's vocabulary, 15 depths): microseconds per call of the top-k plus the
-log-softmax normaliser (what ``tree.top_log_probs`` does), 16 calls in one jitted loop, median of 5 timings
+log-softmax normaliser (``tree.top_log_probs``), 16 calls in one jitted loop, median of 5 timings
 (``bench.loop_us``); the loop alone is "empty_loop_us". Each variant is first checked equal to ``lax.top_k``
 (values and ids).
 
@@ -21,11 +21,6 @@ ITERS = 16
 CHUNKS = (32, (32, 4), (64, 8), (128, 16, 2))
 
 
-def log_probs(x, k, chunk, select):
-    vals, ids = trees.top_k_chunked(x, k, chunk, trees._selector(select))
-    return vals - jax.nn.logsumexp(x, axis=-1, keepdims=True), ids
-
-
 def main(path: str, vocab: int = 151936) -> None:
     xs = 3.0 * jax.random.normal(jax.random.key(11), (ITERS, 1, 15, vocab), jnp.float32)
     out = {"empty_loop_us": loop_us(lambda x: x[:, :, :1], xs)}
@@ -34,7 +29,8 @@ def main(path: str, vocab: int = 151936) -> None:
         for chunk in CHUNKS:
             for select in trees.SELECTS:
                 name = f"k{k}_chunk{chunk}_{select}".replace(" ", "")
-                fn = jax.jit(lambda x, k=k, chunk=chunk, select=select: log_probs(x, k, chunk, select))
+                fn = jax.jit(lambda x, k=k, chunk=chunk, select=select: trees.top_log_probs(
+                    x, k, chunk, trees._selector(select)))
                 got = fn(xs[0])
                 exact = bool(jnp.array_equal(want[1], got[1])) and bool(
                     jnp.array_equal(want[0] - jax.nn.logsumexp(xs[0], axis=-1, keepdims=True), got[0]))

@@ -166,11 +166,13 @@ def top_k_chunked(x: Array, k: int, chunk: int | tuple[int, ...], top=jax.lax.to
     return vals, jnp.take_along_axis(ids, pos, axis=-1)
 
 
-def top_log_probs(draft_logits: Array, k: int, chunk: int | tuple[int, ...] | None = None) -> tuple[Array, Array]:
+def top_log_probs(draft_logits: Array, k: int, chunk: int | tuple[int, ...] | None = None,
+                  select=jax.lax.top_k) -> tuple[Array, Array]:
     """Per-depth top-k of the log-softmax: ([B, Dp, k] f32, [B, Dp, k] int32), sorted descending.
-    ``chunk``: take the top k through :func:`top_k_chunked` (same result) instead of ``lax.top_k``."""
+    ``chunk``: take the top k through :func:`top_k_chunked` (same result) instead of one ``select`` over the whole
+    row; ``select``: the selection (``lax.top_k`` or :func:`top_k_by_count`; same result)."""
     logits = draft_logits.astype(jnp.float32)
-    top = functools.partial(top_k_chunked, chunk=chunk) if chunk else jax.lax.top_k
+    top = functools.partial(top_k_chunked, chunk=chunk, top=select) if chunk else select
     vals, ids = sharding.top_k(logits, k, top)  # top(logits, k); per vocabulary shard under a mesh
     return vals - jax.nn.logsumexp(logits, axis=-1, keepdims=True), ids.astype(jnp.int32)
 

@@ -305,3 +305,6 @@ def test_top_k_chunked_is_lax_top_k_exactly(n, k, chunk):
         for w, g in zip(want, got):
             np.testing.assert_array_equal(np.asarray(w), np.asarray(g))
     assert trees.default_topk_chunk(256) == (64, 8) and trees.default_topk_chunk(512) == 32
+    plain, chunked = (trees.top_log_probs(jnp.asarray(x), k, *how) for how in ((), (chunk, trees.top_k_by_count)))
+    for w, g in zip(plain, chunked):  # the log-probs too: any chunks, either selection
+        np.testing.assert_array_equal(np.asarray(w), np.asarray(g))
