@@ -46,7 +46,7 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
-from ddtree_jax import cli
+from ddtree_jax import cli, projection
 from ddtree_jax.shapes import SHAPES, Shape, build_params, model_configs
 
 PEER = {  # the official PyTorch DDTree code on the same H200, Qwen3-8B shapes, prompt 512, random weights
@@ -1094,8 +1094,6 @@ def build_parser() -> cli.ArgumentParser:
                         "from a traced run (columns same-as-ar, first divergence, walk mismatches)")
     q.add_argument("--json", default=None, help="write the results (a JSON object) to this file")
 
-    from ddtree_jax import projection
-
     j = sub.add_parser("project", help="projected speedup over AR: the paper's acceptance lengths x our round costs",
                        description="Projected speedup over AR of dflash and ddtree per dataset: the DDTree paper's "
                                    "mean acceptance length tau x (AR ms per token / round ms), the round costs from "
@@ -1182,8 +1180,6 @@ def _pair(args) -> int:
 
 def _project(args) -> int:
     """Print the projection tables (markdown) of ddtree_jax.projection for each model; --json writes the rows."""
-    from ddtree_jax import projection
-
     temps = projection.load_tau(args.tau)
     if args.temperature not in temps:
         raise cli.UsageError(f"--temperature {args.temperature} is not in {args.tau} (has {', '.join(temps)})")
