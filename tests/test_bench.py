@@ -112,3 +112,26 @@ def test_bad_flag_is_one_line_error(argv, capsys):
     assert bench.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:")
+
+
+def test_the_round_loop_has_no_host_round_trip(target, drafter):
+    """Issue 5's profile must-show, the part a CPU can check: ``hlo_summary`` (the bench's HLO check) finds a host
+    callback where there is one, and finds no host transfer or callback in the compiled ddtree round loop."""
+    import jax
+    import jax.numpy as jnp
+
+    from ddtree_jax import decode
+
+    def with_callback(x):
+        return jax.pure_callback(lambda a: a, jax.ShapeDtypeStruct((3,), jnp.float32), x) + 1
+
+    probe = jax.jit(with_callback).lower(jnp.ones(3, jnp.float32)).compile().as_text()
+    assert bench.hlo_summary(probe)["host_callbacks"]
+    options = decode.GenerateOptions(method="ddtree", tree_budget=8, max_new_tokens=8)
+    spec = decode.make_spec(target[0], drafter[0], options)
+    _, capacity, out_len = decode.layout(spec, [5], 8)
+    state = decode.init_state(spec, [5], [options], capacity, out_len, jnp.float32)
+    text = decode.run_rounds.lower(spec, target[1], drafter[1], state, jnp.int32(4)).compile().as_text()
+    hlo = bench.hlo_summary(text)
+    assert not any(hlo["host_transfer_ops"].values()) and not hlo["host_callbacks"], hlo
+    assert hlo["while_loops"] >= 1  # the rounds run as one device loop
