@@ -706,12 +706,8 @@ class Bench:
         from ddtree_jax import decode
 
         out = {"base_ms_per_round": base_ms}
-        for variant in self.args.ab:
-            name, _, opts = variant.partition(":")
-            options = dict(decode.XLA_OPTIONS)
-            for kv in filter(None, opts.split(",")):
-                key, _, val = kv.partition("=")
-                options[key] = {"true": True, "false": False}.get(val.lower(), int(val) if val.lstrip("-").isdigit() else val)
+        for name, update in self.args.ab:
+            options = {**decode.XLA_OPTIONS, **update}
             try:
                 t0 = time.perf_counter()
                 compiled = decode.run_rounds.lower(spec, tp, dp, state, jnp.int32(n)).compile(options)
@@ -982,6 +978,25 @@ def _ints(text: str) -> list[int]:
     return vals
 
 
+def _ab(text: str) -> tuple[str, dict]:
+    """``NAME:KEY=VALUE,...`` -> (NAME, {KEY: VALUE}); true/false become bools, integers ints. A piece without "="
+    continues the previous value, for list-valued options (``xla_gpu_enable_command_buffer=FUSION,CUBLAS,WHILE``)."""
+    name, colon, opts = text.partition(":")
+    pairs: list[list[str]] = []
+    for piece in filter(None, opts.split(",")):
+        if "=" in piece:
+            pairs.append(piece.split("=", 1))
+        elif pairs:
+            pairs[-1][1] += "," + piece
+        else:
+            pairs = []
+            break
+    if not (name and colon and pairs and all(k and v for k, v in pairs)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME:KEY=VALUE,... (e.g. pdl:xla_gpu_enable_pdl=true)")
+    return name, {k: {"true": True, "false": False}.get(v.lower(), int(v) if v.lstrip("-").isdigit() else v)
+                  for k, v in pairs}
+
+
 def _names(text: str) -> list[str]:
     vals = [x.strip() for x in text.split(",") if x.strip()]
     if not vals:
@@ -1052,9 +1067,10 @@ def build_parser() -> cli.ArgumentParser:
                         "decode.default_layer_unroll: 4 for a one-row forward on GPU, i.e. ar at batch 1, else 1)")
     m.add_argument("--breakdown-all", action="store_true",
                    help="break down every ddtree budget (default: only the --key-budgets)")
-    m.add_argument("--ab", action="append", default=[], metavar="NAME:KEY=VAL,...",
+    m.add_argument("--ab", action="append", type=_ab, default=[], metavar="NAME:KEY=VAL,...",
                    help="on the first configuration, also compile run_rounds with decode.XLA_OPTIONS updated by "
-                        "these XLA options and time it (repeatable), e.g. merge:xla_gpu_dot_merger_threshold_mb=32")
+                        "these XLA options and time it (repeatable), e.g. merge:xla_gpu_dot_merger_threshold_mb=32; "
+                        "a list value continues after commas (cb:xla_gpu_enable_command_buffer=FUSION,WHILE)")
     m.add_argument("--no-hlo", dest="hlo", action="store_false", help="skip the HLO checks")
     m.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiler trace")
     m.add_argument("--profile-rounds", type=int, default=5, help="rounds inside the profiler trace (default: 5)")

@@ -102,8 +102,17 @@ def test_help(argv, capsys):
     assert "usage" in capsys.readouterr().out
 
 
+def test_ab_options_parse_list_values():
+    """``--ab NAME:KEY=VALUE,...``: booleans and integers typed, and a list-valued option keeps its commas."""
+    assert bench._ab("x:xla_gpu_enable_pdl=true,xla_gpu_dot_merger_threshold_mb=32,m=CONCURRENT") == (
+        "x", {"xla_gpu_enable_pdl": True, "xla_gpu_dot_merger_threshold_mb": 32, "m": "CONCURRENT"})
+    assert bench._ab("cb:xla_gpu_enable_command_buffer=FUSION,CUBLAS,WHILE,xla_gpu_enable_pdl=false") == (
+        "cb", {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,WHILE", "xla_gpu_enable_pdl": False})
+
+
 @pytest.mark.parametrize("argv", [["models", "--budgets", "0"], ["models", "--verify-align", "0"],
-                                  ["models", "--layer-unroll", "0"]])
+                                  ["models", "--layer-unroll", "0"], ["models", "--ab", "noname"],
+                                  ["models", "--ab", "x:FUSION,a=b"], ["models", "--ab", "x:a="]])
 def test_bad_flag_is_one_line_error(argv, capsys):
     assert bench.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
