@@ -1165,7 +1165,8 @@ def _pair(args) -> int:
         mins = [r[name]["min_acceptance_length"] for r in runs if r[name]["min_acceptance_length"] is not None]
         table[name] = {"mean_acceptance_length": statistics.fmean(acc) if acc else None,
                        "min_acceptance_length": min(mins) if mins else None,  # >= 1: generate checks it
-                       "tokens_per_s": statistics.fmean(tps) if tps else None}
+                       "tokens_per_s": statistics.fmean(tps) if tps else None,
+                       "attention": sorted({r[name]["attention"] for r in runs})}
         if args.check and name != "ar":
             firsts = [r[name]["first_divergence"] for r in runs if r[name]["first_divergence"] is not None]
             table[name].update({k: sum(r[name][k] for r in runs) for k in ("same_as_ar", "walk_mismatches",
@@ -1189,9 +1190,21 @@ def _pair(args) -> int:
             line += (f" {row['min_acceptance_length']:>4} {row['same_as_ar']:>4}/{len(prompts):<5} {div:>11} "
                      f"{row['walk_mismatches']:>6}/{row['traced_rounds']:<8}")
         print(line)
+    chosen = decode.resolve_attention(args.attention)
+    for name, row in table.items():
+        if chosen != "xla" and "xla" in row["attention"]:
+            print(f"note: {name} faulted with the Pallas kernels and was decoded again on the XLA path "
+                  f"(attention {', '.join(row['attention'])}; README, Known limits)")
     if args.json:
         _write_json(args.json, out)
     return 0
+
+
+def _load_records(path: str) -> list[dict]:
+    records = projection.load_json(path, "the results file")
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        raise cli.UsageError(f"{path} is not a JSON list of records (the output of `bench models`)")
+    return records
 
 
 def _project(args) -> int:
@@ -1199,9 +1212,7 @@ def _project(args) -> int:
     temps = projection.load_tau(args.tau)
     if args.temperature not in temps:
         raise cli.UsageError(f"--temperature {args.temperature} is not in {args.tau} (has {', '.join(temps)})")
-    records = projection.load_json(args.results, "the results file")
-    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
-        raise cli.UsageError(f"{args.results} is not a JSON list of records (the output of `bench models`)")
+    records = _load_records(args.results)
     out = []
     for model in args.models:
         if model not in temps[args.temperature]:

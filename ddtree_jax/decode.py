@@ -63,6 +63,8 @@ class GenerateResult:
     decode_s: float
     compile_s: float = 0.0  # ahead-of-time compilation of prefill and the round loop (not in the two above;
     # about 0 when an earlier call of this process compiled the same shapes: see ``compiled``)
+    attention: str = ""  # the attention implementation that produced the outputs (Spec.attention): "xla" after a
+    # decode fault of the Pallas kernels' path made generate decode again (see generate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -568,6 +570,13 @@ def round_statistics_problem(spec: Spec, n_rounds: np.ndarray, hist: np.ndarray)
     return None
 
 
+def fault_message(spec: Spec, problem: str) -> str:
+    """The error of a decode fault; with the Pallas kernels, where to turn (README, Known limits: the default pair
+    at batch 1 faults this way on an H200 with them, and not on the XLA path)."""
+    hint = "" if spec.attention == "xla" else f" (attention {spec.attention}; --attention xla avoids the kernels)"
+    return f"decode fault, the outputs cannot be trusted: {problem}{hint}"
+
+
 def final_length(state: State) -> np.ndarray:
     n_out, limit, stop_at = (np.asarray(x) for x in (state.n_out, state.limit, state.stop_at))
     return np.minimum(np.minimum(n_out, limit), np.where(stop_at < NEVER, stop_at + 1, n_out))
@@ -628,7 +637,15 @@ def generate(
     proposer, when given, replaces ``draft.propose`` (same signature): a research hook for other drafters.
     mesh, when given (``sharding.make_mesh``), runs tensor/data parallel: the weights are placed on it (KV
     heads repeated when the model axis exceeds them) and the batch is padded to a multiple of its data axis.
+
+    A decode fault (round statistics no correct program gives: ``round_statistics_problem``) raises
+    RuntimeError, except on the Pallas kernels' path without ``on_tokens``: there it warns and decodes again on
+    the XLA path (``result.attention`` says which ran), since the default pair at batch 1 faults that way on an
+    H200 with the kernels and not without them (README, Known limits). Streamed tokens cannot be taken back, so
+    with ``on_tokens`` it raises.
     """
+    retry = functools.partial(generate, target, prompts, dataclasses.replace(options, attention="xla"), draft=draft,
+                              proposer=proposer, mesh=mesh)
     if mesh is not None:
         target = sharding.shard_model(target, mesh)
         draft = sharding.shard_model(draft, mesh) if draft is not None and options.method != "ar" else draft
@@ -683,7 +700,7 @@ def generate(
         if bool(jnp.all(state.done)):
             break
     else:
-        raise RuntimeError(f"decode fault, the outputs cannot be trusted: unfinished after {spec.max_rounds} rounds")
+        return _fault(spec, f"unfinished after {spec.max_rounds} rounds", None if on_tokens else retry)
     jax.block_until_ready(state.out)
     decode_s = time.perf_counter() - t0
 
@@ -693,7 +710,7 @@ def generate(
     n_rounds = np.asarray(state.n_rounds)
     problem = round_statistics_problem(spec, n_rounds[: len(prompts)], hist[: len(prompts)])
     if problem:
-        raise RuntimeError(f"decode fault, the outputs cannot be trusted: {problem}")
+        return _fault(spec, problem, None if on_tokens else retry)
     return GenerateResult(
         output_ids=[out[i, : ends[i]].tolist() for i in range(len(prompts))],
         num_generated=[int(ends[i] - lens[i]) for i in range(len(prompts))],
@@ -702,7 +719,18 @@ def generate(
         prefill_s=prefill_s,
         decode_s=decode_s,
         compile_s=compile_s,
+        attention=spec.attention,
     )
+
+
+def _fault(spec: Spec, problem: str, retry: Callable[[], GenerateResult] | None) -> GenerateResult:
+    """A decode fault: decode again on the XLA path (``retry``) when the kernels' path faulted, else raise."""
+    if retry is None or spec.attention == "xla":
+        raise RuntimeError(fault_message(spec, problem))
+    import warnings
+
+    warnings.warn(fault_message(spec, problem) + "; decoding again on the XLA path", RuntimeWarning, stacklevel=3)
+    return retry()
 
 
 # ----------------------------------------------------------------------------------------- slots

@@ -167,8 +167,39 @@ def test_impossible_round_statistics_are_an_error(target, drafter, reference_run
 
 def test_a_faulty_round_makes_generate_raise(target, drafter, reference_runs, faulty_walk):
     run = reference_runs[0]
-    with pytest.raises(RuntimeError, match="decode fault"):
+    with pytest.raises(RuntimeError, match="decode fault") as err:
         decode.generate(target, [run["prompt"]], options("dflash", run), draft=drafter)
+    assert "--attention xla" not in str(err.value)  # already the XLA path (the CPU default)
+    spec = decode.make_spec(target[0], drafter[0], options("dflash", run, attention="pallas"))
+    assert decode.fault_message(spec, "x").endswith("(attention pallas-interpret; --attention xla avoids the kernels)")
+
+
+def test_a_fault_on_the_kernels_path_decodes_again_on_the_xla_path(target, drafter, reference_runs, monkeypatch):
+    """A decode fault with the Pallas kernels (simulated: their walk commits nothing) warns and decodes again on the
+    XLA path, whose output is the reference's; with streamed tokens (which cannot be taken back) it raises."""
+    import jax
+    import jax.numpy as jnp
+
+    from ddtree_jax import accept
+
+    real = accept.walk
+
+    def faulty_kernels(tree, choice, max_depth, impl="xla"):
+        path, length, bonus = real(tree, choice, max_depth, "xla")
+        return path, length if impl == "xla" else jnp.zeros_like(length), bonus
+
+    monkeypatch.setattr(accept, "walk", faulty_kernels)
+    monkeypatch.setattr(decode, "_COMPILED", type(decode._COMPILED)())
+    jax.clear_caches()
+    run = reference_runs[0]
+    opts = options("dflash", run, attention="pallas")
+    with pytest.warns(RuntimeWarning, match="decode fault.*decoding again on the XLA path"):
+        res = decode.generate(target, [run["prompt"]], opts, draft=drafter)
+    assert res.attention == "xla" and res.output_ids[0] == run["dflash"]["output"]
+    with pytest.raises(RuntimeError, match="--attention xla avoids the kernels"):
+        decode.generate(target, [run["prompt"]], opts, draft=drafter, on_tokens=lambda new: None)
+    monkeypatch.undo()
+    jax.clear_caches()
 
 
 @pytest.mark.parametrize("layout", ["unstacked", "stacked-out-major", "unstacked-out-major", "stacked-out-major-fused"])
