@@ -21,6 +21,8 @@ Subcommands
   project   the projected speedup over AR of dflash and ddtree: the DDTree paper's mean acceptance lengths
             (benchmarks/paper_tau.json) x our recorded round costs (benchmarks/results/h200.json), per dataset.
             A projection, not a measurement (ddtree_jax.projection).
+  table     README's performance tables (ms per round, the stage breakdown) from the recorded results
+            (ddtree_jax.tables).
   kernels   pallas_kernels.bench_kernels, if present, with the remaining arguments.
 
 The KV caches are filled with random values and their lengths set to the prompt length (no prefill is
@@ -46,7 +48,7 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
-from ddtree_jax import cli, projection
+from ddtree_jax import cli, projection, tables
 from ddtree_jax.shapes import SHAPES, Shape, build_params, model_configs
 
 PEER = {  # the official PyTorch DDTree code on the same H200, Qwen3-8B shapes, prompt 512, random weights
@@ -1127,6 +1129,19 @@ def build_parser() -> cli.ArgumentParser:
     j.add_argument("--budgets", type=_ints, default=[64, 256], help="ddtree budgets to project (default: 64,256)")
     j.add_argument("--json", default=None, help="write the rows (a JSON list, one object per model) to this file")
 
+    t = sub.add_parser("table", help="README's performance tables from the recorded results",
+                       description="ms per round and the stage breakdown per model, prompt, batch and method, as "
+                                   "markdown, from the latest record of each configuration in the current GPU layout "
+                                   "(ddtree_jax/tables.py); README's tables are this output.")
+    t.add_argument("--results", default=str(projection.RESULTS),
+                   help="records of `bench models` (a JSON list) (default: %(default)s)")
+    t.add_argument("--models", type=_names, default=["qwen3-8b", "qwen3-4b"],
+                   help="comma-separated models (default: qwen3-8b,qwen3-4b)")
+    t.add_argument("--prompts", type=_ints, default=[512, 2048], help="prompt lengths (default: 512,2048)")
+    t.add_argument("--batches", type=_ints, default=[1, 8], help="batch sizes (default: 1,8)")
+    t.add_argument("--budgets", type=_ints, default=[16, 32, 64, 128, 256, 512],
+                   help="ddtree budgets (default: 16,32,64,128,256,512)")
+
     sub.add_parser("kernels", help="pallas_kernels.bench_kernels with the remaining arguments", add_help=False)
     return p
 
@@ -1230,6 +1245,15 @@ def _project(args) -> int:
     return 0
 
 
+def _table(args) -> int:
+    """Print the grid table of each model, then the breakdown table (ddtree_jax.tables)."""
+    records = _load_records(args.results)
+    for model in args.models:
+        print(tables.grid(records, model, args.prompts, args.batches, args.budgets) + "\n")
+    print(tables.breakdown(records, args.models, args.prompts, args.batches, args.budgets))
+    return 0
+
+
 def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _ARGV[:] = argv
@@ -1240,6 +1264,8 @@ def _main(argv: Sequence[str] | None) -> int:
         return _fixtures(args)
     if args.mode == "pair":
         return _pair(args)
+    if args.mode == "table":
+        return _table(args)
     if args.mode == "project":
         return _project(args)
     return _models(args)

@@ -371,12 +371,15 @@ def first_stop(out: Array, state: State, n_out: Array) -> Array:
 # option touches (AR 5.39 / 5.37 ms). A dot-merger threshold of 0 stops XLA from concatenating each layer's
 # gate+up and q/k/v weights into new buffers every round to merge their products (sixth run: a ddtree-64 round of
 # Qwen3-4B 8.61 -> 6.97 ms; Qwen3-8B and AR within 4 % either way). ``bench models --ab`` compiles with others.
-# Not here yet: xla_gpu_command_buffer_scheduling_mode=CONCURRENT, 0.6-6 % faster in 14 of 16 A/Bs (tenth run) but
-# without a grid or a full GPU parity check under it; opt in with XLA_FLAGS (options set here override XLA_FLAGS).
+# Concurrent command-buffer scheduling builds each CUDA graph from the data dependencies rather than in program
+# order, so small independent kernels may overlap: 2-5 % faster rounds and AR steps (tenth and eleventh runs,
+# same-process A/Bs; the fixture pair gives the reference's tokens under it on the GPU). Options set here override
+# XLA_FLAGS.
 XLA_OPTIONS = {
     "xla_gpu_enable_dynamic_slice_fusion": True,
     "xla_gpu_enable_triton_gemm": False,
     "xla_gpu_dot_merger_threshold_mb": 0,
+    "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT",
 }
 
 
