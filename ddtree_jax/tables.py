@@ -31,7 +31,7 @@ def grid(records: list[dict], model: str, prompts: list[int], batches: list[int]
     """One model's ms per round at each prompt and batch, as a markdown table with a heading line."""
     groups = _costs(records, model, prompts, batches, budgets)
     head = ["prompt, batch", "ar (vs roofline)", "dflash"] + [f"ddtree {budgets[0]}"] + [str(b) for b in budgets[1:]]
-    lines = [f"{model} (records of {_dates(groups)}):", "| " + " | ".join(head) + " |",
+    lines = [f"{model} (records of {_dates(groups)}):", "", "| " + " | ".join(head) + " |",
              "| --- |" + " ---: |" * (len(head) - 1)]
     for (p, b), costs in groups:
         ar = costs["ar"]["ms_per_round"]
