@@ -50,6 +50,30 @@ def logits_npz():
 
 
 @pytest.fixture
+def faulty_kernels_walk(monkeypatch):
+    """A simulated decode fault of the Pallas kernels' path only: ``accept.walk`` with a kernel implementation
+    commits nothing (the XLA walk is right), as the default pair's batch-1 fault on an H200 (README, Known limits).
+    Compile caches are emptied on the way in and out, as for ``faulty_walk``."""
+    import jax
+    import jax.numpy as jnp
+
+    from ddtree_jax import accept, decode
+
+    real = accept.walk
+
+    def faulty(tree, choice, max_depth, impl="xla"):
+        path, length, bonus = real(tree, choice, max_depth, "xla")
+        return path, length if impl == "xla" else jnp.zeros_like(length), bonus
+
+    monkeypatch.setattr(accept, "walk", faulty)
+    monkeypatch.setattr(decode, "_COMPILED", type(decode._COMPILED)())
+    jax.clear_caches()
+    yield
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
+@pytest.fixture
 def faulty_walk(monkeypatch):
     """A simulated decode fault: ``accept.walk`` reports no accepted node (a round that commits nothing) whenever
     the target's choice at the root is a multiple of 3. jax's and decode's compile caches are emptied on the

@@ -29,25 +29,14 @@ def test_fixtures_mode_smoke(tmp_path, capsys):
     assert "ms_per_round" in table and "ddtree" in table
 
 
-def test_fixtures_parity_is_of_the_chosen_path(tmp_path, monkeypatch, capsys):
+def test_fixtures_parity_is_of_the_chosen_path(tmp_path, monkeypatch, capsys, faulty_kernels_walk):
     """A decode fault on the kernels' path that generate answers on the XLA path (simulated: the kernels' walk
     commits nothing) is not parity, though the XLA path's tokens are the reference's: the record says which path ran
     and the command fails."""
-    import jax
-    import jax.numpy as jnp
+    from ddtree_jax import decode
 
-    from ddtree_jax import accept, decode
-
-    real_walk, real_resolve = accept.walk, decode.resolve_attention
-
-    def faulty_kernels(tree, choice, max_depth, impl="xla"):
-        path, length, bonus = real_walk(tree, choice, max_depth, "xla")
-        return path, length if impl == "xla" else jnp.zeros_like(length), bonus
-
-    monkeypatch.setattr(accept, "walk", faulty_kernels)
+    real_resolve = decode.resolve_attention
     monkeypatch.setattr(decode, "resolve_attention", lambda c: "pallas-interpret" if c == "auto" else real_resolve(c))
-    monkeypatch.setattr(decode, "_COMPILED", type(decode._COMPILED)())
-    jax.clear_caches()
     out = tmp_path / "fixtures.json"
     with pytest.warns(RuntimeWarning, match="decoding again on the XLA path"):
         code = bench.main(["fixtures", "--methods", "dflash", "--prompts", "1", "--max-new-tokens", "8",
@@ -55,8 +44,6 @@ def test_fixtures_parity_is_of_the_chosen_path(tmp_path, monkeypatch, capsys):
     (rec,) = json.loads(out.read_text())
     assert code == 1 and rec["attention"] == "xla" and rec["matches_reference"] is False
     assert "decoded again with xla" in capsys.readouterr().err
-    monkeypatch.undo()
-    jax.clear_caches()
 
 
 def test_pair_mode_on_the_fixture_pair(tmp_path, capsys):

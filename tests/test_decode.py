@@ -174,23 +174,10 @@ def test_a_faulty_round_makes_generate_raise(target, drafter, reference_runs, fa
     assert decode.fault_message(spec, "x").endswith("(attention pallas-interpret; --attention xla avoids the kernels)")
 
 
-def test_a_fault_on_the_kernels_path_decodes_again_on_the_xla_path(target, drafter, reference_runs, monkeypatch):
+def test_a_fault_on_the_kernels_path_decodes_again_on_the_xla_path(target, drafter, reference_runs,
+                                                                   faulty_kernels_walk):
     """A decode fault with the Pallas kernels (simulated: their walk commits nothing) warns and decodes again on the
     XLA path, whose output is the reference's; with streamed tokens (which cannot be taken back) it raises."""
-    import jax
-    import jax.numpy as jnp
-
-    from ddtree_jax import accept
-
-    real = accept.walk
-
-    def faulty_kernels(tree, choice, max_depth, impl="xla"):
-        path, length, bonus = real(tree, choice, max_depth, "xla")
-        return path, length if impl == "xla" else jnp.zeros_like(length), bonus
-
-    monkeypatch.setattr(accept, "walk", faulty_kernels)
-    monkeypatch.setattr(decode, "_COMPILED", type(decode._COMPILED)())
-    jax.clear_caches()
     run = reference_runs[0]
     opts = options("dflash", run, attention="pallas")
     with pytest.warns(RuntimeWarning, match="decode fault.*decoding again on the XLA path"):
@@ -198,8 +185,6 @@ def test_a_fault_on_the_kernels_path_decodes_again_on_the_xla_path(target, draft
     assert res.attention == "xla" and res.output_ids[0] == run["dflash"]["output"]
     with pytest.raises(RuntimeError, match="--attention xla avoids the kernels"):
         decode.generate(target, [run["prompt"]], opts, draft=drafter, on_tokens=lambda new: None)
-    monkeypatch.undo()
-    jax.clear_caches()
 
 
 @pytest.mark.parametrize("layout", ["unstacked", "stacked-out-major", "unstacked-out-major", "stacked-out-major-fused"])
