@@ -21,8 +21,8 @@ Subcommands
   project   the projected speedup over AR of dflash and ddtree: the DDTree paper's mean acceptance lengths
             (benchmarks/paper_tau.json) x our recorded round costs (benchmarks/results/h200.json), per dataset.
             A projection, not a measurement (ddtree_jax.projection).
-  table     README's performance tables (ms per round, the stage breakdown) from the recorded results
-            (ddtree_jax.tables).
+  table     README's performance tables (ms per round, the stage breakdown) and the ratios to the official
+            PyTorch code, from the recorded results (ddtree_jax.tables).
   kernels   pallas_kernels.bench_kernels, if present, with the remaining arguments.
 
 The KV caches are filled with random values and their lengths set to the prompt length (no prefill is
@@ -1249,11 +1249,12 @@ def _project(args) -> int:
 
 
 def _table(args) -> int:
-    """Print the grid table of each model, then the breakdown table (ddtree_jax.tables)."""
+    """Print the grid table of each model, the breakdown table and the peer ratios (ddtree_jax.tables)."""
     records = _load_records(args.results)
     for model in args.models:
         print(tables.grid(records, model, args.prompts, args.batches, args.budgets) + "\n")
     print(tables.breakdown(records, args.models, args.prompts, args.batches, args.budgets))
+    print("\nAgainst the official PyTorch code (qwen3-8b, prompt 512, batch 1): " + tables.peer(records))
     return 0
 
 

@@ -8,6 +8,8 @@ tested against README: a figure there that no record holds fails the tests.
                round against the AR step of the same prompt and batch
     breakdown  the stage breakdown (draft, tree build, verify, accept + commit) of each method, and each round
                against its floor (max(bytes / copy bandwidth, FLOPs / matmul rate); for ar: the roofline)
+    peer       the ratio to the official PyTorch code on the same H200 and shapes (the records' ``peer_ms`` and
+               ``peer_ms_range``, set by ``bench models`` for Qwen3-8B at prompt 512, batch 1)
 """
 
 from __future__ import annotations
@@ -61,3 +63,20 @@ def breakdown(records: list[dict], models: list[str], prompts: list[int], batche
                          f"{ms / floor:.2f}x ({floor:.2f} ms)" if floor else "-"]
                 lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def peer(records: list[dict], model: str = "qwen3-8b", prompt: int = 512, batch: int = 1,
+         budgets: tuple[int, ...] = (32, 64, 128), middle: int = 64) -> str:
+    """How many times faster than the official PyTorch code AR and the ddtree rounds at ``budgets`` are, as one
+    markdown sentence fragment (the peer's ddtree round is a range over those budgets)."""
+    costs = projection.round_costs(records, model, prompt, batch, list(budgets))
+    trees = [costs[f"ddtree{b}"] for b in budgets]
+    if "speedup_vs_peer" not in costs["ar"] or any("speedup_vs_peer_range" not in t for t in trees):
+        raise ValueError(f"the latest records of {model} at prompt {prompt}, batch {batch} have no peer ratio")
+    ms = [t["ms_per_round"] for t in trees]
+    lo, hi = min(t["speedup_vs_peer_range"][0] for t in trees), max(t["speedup_vs_peer_range"][1] for t in trees)
+    mid = costs[f"ddtree{middle}"]["speedup_vs_peer_range"]
+    ar = costs["ar"]
+    return (f"AR **{ar['speedup_vs_peer']:.1f}x** faster ({ar['ms_per_round']:.2f} ms), ddtree rounds "
+            f"at budgets {budgets[0]}-{budgets[-1]} **{lo:.1f}-{hi:.1f}x** ({min(ms):.2f}-{max(ms):.2f} ms; budget "
+            f"{middle}: {mid[0]:.1f}-{mid[1]:.1f}x)")

@@ -1,5 +1,6 @@
 """README's performance tables rendered from the records (ddtree_jax.tables, ``bench table``)."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,16 @@ def test_breakdown_shows_every_stage_and_the_round_against_its_floor():
                     "| m | 512, 1 | ddtree 64 | 7.00 | 1.75 | 1.20 | 0.20 | 5.00 | 0.40 | 1.25x (5.60 ms) |"]
 
 
+def test_peer_ratios_span_the_budgets_and_name_a_missing_ratio():
+    trees = ((32, 5.0), (64, 6.0), (128, 8.0))
+    records = [_rec("ar", None, 4.0, speedup_vs_peer=20.0), _rec("dflash", None, 6.0)] + [
+        _rec("ddtree", b, ms, speedup_vs_peer_range=[100 / ms, 110 / ms]) for b, ms in trees]
+    assert tables.peer(records, model="m") == ("AR **20.0x** faster (4.00 ms), ddtree rounds at budgets 32-128 "
+                                               "**12.5-22.0x** (5.00-8.00 ms; budget 64: 16.7-18.3x)")
+    with pytest.raises(ValueError, match="no peer ratio"):
+        tables.peer(records[1:] + [_rec("ar", None, 4.0)], model="m")
+
+
 def test_bench_table_bad_results_file_is_one_line(capsys, tmp_path):
     bad = tmp_path / "r.json"
     bad.write_text('{"not": "a list"}')
@@ -48,11 +59,13 @@ def test_bench_table_bad_results_file_is_one_line(capsys, tmp_path):
 
 
 def test_the_readme_shows_what_bench_table_prints_from_the_recorded_results(capsys):
-    """README's grid and breakdown tables are `bench table`'s output on the shipped records, line for line: a new
-    record without a README update fails here (as the projection's test does for its tables)."""
+    """README's grid and breakdown tables and the peer ratios are `bench table`'s output on the shipped records: a
+    new record without a README update fails here (as the projection's test does for its tables)."""
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     assert bench.main(["table"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| ", "qwen3"))]
     assert len(lines) == 2 * (1 + 2 + 4) + 2 + 2 * 4 * 8  # two grids (heading, header, 4 rows), 64 breakdown rows
     missing = [line for line in lines if line not in readme]
     assert not missing, missing
+    # the peer sentence, wrapped in README
+    assert tables.peer(json.loads(projection.RESULTS.read_text())) in " ".join(readme.split())
