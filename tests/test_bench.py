@@ -95,7 +95,7 @@ def test_models_mode_writes_the_issue_records(tmp_path):
 def test_the_recorded_h200_results_hold_issue_5s_fields_and_grid():
     """benchmarks/results/h200.json as issue 5 asks: every record has its fields (budget null exactly for ar and
     dflash, a roofline for every ar record); the current layout covers both models at prompts 512 and 2k, batches 1
-    and 8, with the stage breakdown of ar, dflash and ddtree 64 and 256 at each."""
+    and 8, with the stage breakdown of ar, dflash and ddtree at every budget from 16 to 512 at each."""
     records = json.loads((Path(__file__).parents[1] / "benchmarks" / "results" / "h200.json").read_text())
     fields = {"model", "method", "budget", "batch", "prompt_len", "ms_per_round", "breakdown_ms", "roofline_ms",
               "date", "command"}
@@ -107,13 +107,14 @@ def test_the_recorded_h200_results_hold_issue_5s_fields_and_grid():
     for model in ("qwen3-8b", "qwen3-4b"):
         for prompt in (512, 2048):
             for batch in (1, 8):  # the latest record of each, in the current layout (as `bench project` reads them)
-                for name, latest in projection.round_costs(records, model, prompt, batch, [64, 256]).items():
+                budgets = [16, 32, 64, 128, 256, 512]
+                for name, latest in projection.round_costs(records, model, prompt, batch, budgets).items():
                     stages = {"verify", "accept_commit"} | ({"draft", "tree"} if name != "ar" else set())
                     assert stages <= set(latest["breakdown_ms"] or {}), (model, prompt, batch, name)
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["fixtures", "--help"], ["models", "--help"], ["pair", "--help"],
-                                  ["project", "--help"]])
+                                  ["project", "--help"], ["table", "--help"]])
 def test_help(argv, capsys):
     assert bench.main(argv) == 0
     assert "usage" in capsys.readouterr().out
