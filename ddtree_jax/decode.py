@@ -63,8 +63,7 @@ class GenerateResult:
     decode_s: float
     compile_s: float = 0.0  # ahead-of-time compilation of prefill and the round loop (not in the two above;
     # about 0 when an earlier call of this process compiled the same shapes: see ``compiled``)
-    attention: str = ""  # the attention implementation that produced the outputs (Spec.attention): "xla" after a
-    # decode fault of the Pallas kernels' path made generate decode again (see generate)
+    attention: str = ""  # the attention implementation that produced the outputs (Spec.attention; 'auto' resolved)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -574,8 +573,7 @@ def round_statistics_problem(spec: Spec, n_rounds: np.ndarray, hist: np.ndarray)
 
 
 def fault_message(spec: Spec, problem: str) -> str:
-    """The error of a decode fault; with the Pallas kernels, where to turn (README, Known limits: the default pair
-    at batch 1 faults this way on an H200 with them, and not on the XLA path)."""
+    """The error of a decode fault; with the Pallas kernels, where to turn."""
     hint = "" if spec.attention == "xla" else f" (attention {spec.attention}; --attention xla avoids the kernels)"
     return f"decode fault, the outputs cannot be trusted: {problem}{hint}"
 
@@ -641,14 +639,8 @@ def generate(
     mesh, when given (``sharding.make_mesh``), runs tensor/data parallel: the weights are placed on it (KV
     heads repeated when the model axis exceeds them) and the batch is padded to a multiple of its data axis.
 
-    A decode fault (round statistics no correct program gives: ``round_statistics_problem``) raises
-    RuntimeError, except on the Pallas kernels' path without ``on_tokens``: there it warns and decodes again on
-    the XLA path (``result.attention`` says which ran), since the default pair at batch 1 faults that way on an
-    H200 with the kernels and not without them (README, Known limits). Streamed tokens cannot be taken back, so
-    with ``on_tokens`` it raises.
+    A decode fault (round statistics no correct program gives: ``round_statistics_problem``) raises RuntimeError.
     """
-    retry = functools.partial(generate, target, prompts, dataclasses.replace(options, attention="xla"), draft=draft,
-                              proposer=proposer, mesh=mesh)
     if mesh is not None:
         target = sharding.shard_model(target, mesh)
         draft = sharding.shard_model(draft, mesh) if draft is not None and options.method != "ar" else draft
@@ -703,7 +695,7 @@ def generate(
         if bool(jnp.all(state.done)):
             break
     else:
-        return _fault(spec, f"unfinished after {spec.max_rounds} rounds", None if on_tokens else retry)
+        raise RuntimeError(fault_message(spec, f"unfinished after {spec.max_rounds} rounds"))
     jax.block_until_ready(state.out)
     decode_s = time.perf_counter() - t0
 
@@ -713,7 +705,7 @@ def generate(
     n_rounds = np.asarray(state.n_rounds)
     problem = round_statistics_problem(spec, n_rounds[: len(prompts)], hist[: len(prompts)])
     if problem:
-        return _fault(spec, problem, None if on_tokens else retry)
+        raise RuntimeError(fault_message(spec, problem))
     return GenerateResult(
         output_ids=[out[i, : ends[i]].tolist() for i in range(len(prompts))],
         num_generated=[int(ends[i] - lens[i]) for i in range(len(prompts))],
@@ -724,16 +716,6 @@ def generate(
         compile_s=compile_s,
         attention=spec.attention,
     )
-
-
-def _fault(spec: Spec, problem: str, retry: Callable[[], GenerateResult] | None) -> GenerateResult:
-    """A decode fault: decode again on the XLA path (``retry``) when the kernels' path faulted, else raise."""
-    if retry is None or spec.attention == "xla":
-        raise RuntimeError(fault_message(spec, problem))
-    import warnings
-
-    warnings.warn(fault_message(spec, problem) + "; decoding again on the XLA path", RuntimeWarning, stacklevel=3)
-    return retry()
 
 
 # ----------------------------------------------------------------------------------------- slots

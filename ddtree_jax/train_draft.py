@@ -514,7 +514,7 @@ def benchmark(target, draft, prompts: list[list[int]], *, budgets: Sequence[int]
         out[name] = {"mean_acceptance_length": float(np.mean(acc)) if acc else None,
                      "min_acceptance_length": int(min(acc)) if acc else None, "rounds": len(acc),
                      "tokens_per_s": tokens / res.decode_s if res.decode_s > 0 else None,
-                     "attention": res.attention}  # "xla" after a decode fault of the kernels (decode.generate)
+                     "attention": res.attention}  # the path that ran ("auto" resolved)
         if name != "ar" and out["ar"]["tokens_per_s"] and out[name]["tokens_per_s"]:
             out[name]["speedup"] = out[name]["tokens_per_s"] / out["ar"]["tokens_per_s"]
         if method == "ar":

@@ -202,11 +202,15 @@ def tree_attention(q, k, v, prefix_len, tree_bits, *, scale: float | None = None
         pad = [(0, 0), (0, s_pad - s), (0, 0), (0, 0)]
         k, v = jnp.pad(k, pad), jnp.pad(v, pad)
     stacked = layer is not None
-    extra_inputs = ()
-    if stacked:  # [L, B, S, K, hd] -> [L * B, S, K, hd]; the layer goes in as an int32 [1] (a bitcast of the scalar)
-        k, v = (x.reshape(x.shape[0] * b, *x.shape[2:]) for x in (k, v))
-        extra_inputs = (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),)
     prefix_len = prefix_len.astype(jnp.int32)
+    lens_in = prefix_len
+    # With ``layer`` the stacked cache is viewed as [L * B, S, K, hd] (a bitcast) and the layer index rides in the
+    # lengths operand, [B + 1]. As an operand of its own, an int32 [1] that XLA sliced asynchronously out of the
+    # layer loop's indices (dynamic-slice fusion on), it made the compiled prefill set the state's round counter to
+    # the prompt length at batch 1 on an H200 (jaxlib 0.11.2; benchmarks/PERF.md, twelfth run).
+    if stacked:
+        k, v = (x.reshape(x.shape[0] * b, *x.shape[2:]) for x in (k, v))
+        lens_in = jnp.concatenate([prefix_len, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))])  # [B + 1]
     qp = jnp.pad(_pack_rows(q, kv), [(0, 0), (0, 0), (0, rows_pad - rows), (0, 0)])
     bits = jnp.repeat(_shifted_bits(tree_bits, prefix_len, t, words), g, axis=1)  # [B, R, words]
     bits = jnp.pad(bits, [(0, 0), (0, rows_pad - rows), (0, 0)]).transpose(0, 2, 1)  # [B, words, R_pad]
@@ -217,8 +221,6 @@ def tree_attention(q, k, v, prefix_len, tree_bits, *, scale: float | None = None
     use_run_state = not interpret  # the interpreter lacks pl.run_state: accumulate via a scratch ACC
 
     def kernel(q_ref, k_ref, v_ref, p_ref, bits_ref, *rest):
-        if stacked:
-            row_ref, *rest = rest
         if splits > 1:
             o_ref, lse_ref, scratch, barriers = rest
         else:
@@ -241,7 +243,7 @@ def tree_attention(q, k, v, prefix_len, tree_bits, *, scale: float | None = None
         kh = lax.rem(bk, jnp.int32(kv))
         wg = lax.axis_index("wg")
 
-        kb = row_ref[0] * b + bi if stacked else bi  # this sequence's row of the (stacked) cache
+        kb = p_ref[b] * b + bi if stacked else bi  # this sequence's row of the (stacked) cache
         p = p_ref[bi]
         off = lax.rem(p, jnp.int32(_ALIGN))
         base = pl.multiple_of(p - off, _ALIGN)
@@ -430,7 +432,7 @@ def tree_attention(q, k, v, prefix_len, tree_bits, *, scale: float | None = None
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret or None,
     )
-    res = call(qp, k, v, prefix_len, bits, *extra_inputs)
+    res = call(qp, k, v, lens_in, bits)
     if splits > 1:
         o_part, lse = res
         mx = jnp.max(lse, axis=0)

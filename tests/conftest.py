@@ -74,7 +74,7 @@ def _walk_with_fault(monkeypatch, length_of, run_impl=True):
 @pytest.fixture
 def faulty_kernels_walk(monkeypatch):
     """A simulated decode fault of the Pallas kernels' path only: the walk with a kernel implementation commits
-    nothing (the XLA walk is right), as the default pair's batch-1 fault on an H200 (README, Known limits)."""
+    nothing (the XLA walk is right)."""
     import jax.numpy as jnp
 
     yield from _walk_with_fault(monkeypatch, lambda length, choice, impl:

@@ -29,23 +29,6 @@ def test_fixtures_mode_smoke(tmp_path, capsys):
     assert "ms_per_round" in table and "ddtree" in table
 
 
-def test_fixtures_parity_is_of_the_chosen_path(tmp_path, monkeypatch, capsys, faulty_kernels_walk):
-    """A decode fault on the kernels' path that generate answers on the XLA path (simulated: the kernels' walk
-    commits nothing) is not parity, though the XLA path's tokens are the reference's: the record says which path ran
-    and the command fails."""
-    from ddtree_jax import decode
-
-    real_resolve = decode.resolve_attention
-    monkeypatch.setattr(decode, "resolve_attention", lambda c: "pallas-interpret" if c == "auto" else real_resolve(c))
-    out = tmp_path / "fixtures.json"
-    with pytest.warns(RuntimeWarning, match="decoding again on the XLA path"):
-        code = bench.main(["fixtures", "--methods", "dflash", "--prompts", "1", "--max-new-tokens", "8",
-                           "--repeats", "1", "--json", str(out)])
-    (rec,) = json.loads(out.read_text())
-    assert code == 1 and rec["attention"] == "xla" and rec["matches_reference"] is False
-    assert "decoded again with xla" in capsys.readouterr().err
-
-
 def test_pair_mode_on_the_fixture_pair(tmp_path, capsys):
     """``bench pair`` with an explicit pair: held-out prompts, every method, acceptance and speed vs AR."""
     from tests.conftest import fixture_path

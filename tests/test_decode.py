@@ -174,17 +174,13 @@ def test_a_faulty_round_makes_generate_raise(target, drafter, reference_runs, fa
     assert decode.fault_message(spec, "x").endswith("(attention pallas-interpret; --attention xla avoids the kernels)")
 
 
-def test_a_fault_on_the_kernels_path_decodes_again_on_the_xla_path(target, drafter, reference_runs,
+def test_a_fault_on_the_kernels_path_raises_and_names_the_xla_path(target, drafter, reference_runs,
                                                                    faulty_kernels_walk):
-    """A decode fault with the Pallas kernels (simulated: their walk commits nothing) warns and decodes again on the
-    XLA path, whose output is the reference's; with streamed tokens (which cannot be taken back) it raises."""
+    """A decode fault with the Pallas kernels (simulated: their walk commits nothing) raises, naming the way out;
+    nothing decodes again behind the caller's back."""
     run = reference_runs[0]
-    opts = options("dflash", run, attention="pallas")
-    with pytest.warns(RuntimeWarning, match="decode fault.*decoding again on the XLA path"):
-        res = decode.generate(target, [run["prompt"]], opts, draft=drafter)
-    assert res.attention == "xla" and res.output_ids[0] == run["dflash"]["output"]
-    with pytest.raises(RuntimeError, match="--attention xla avoids the kernels"):
-        decode.generate(target, [run["prompt"]], opts, draft=drafter, on_tokens=lambda new: None)
+    with pytest.raises(RuntimeError, match="decode fault.*--attention xla avoids the kernels"):
+        decode.generate(target, [run["prompt"]], options("dflash", run, attention="pallas"), draft=drafter)
 
 
 @pytest.mark.parametrize("layout", ["unstacked", "stacked-out-major", "unstacked-out-major", "stacked-out-major-fused"])

@@ -79,6 +79,30 @@ def test_tree_attention_reads_a_layer_of_the_stacked_cache_in_place():
         tat.tree_attention(q, k1, v1, p, bits, interpret=True, layer=0)
 
 
+def test_the_layer_index_reaches_the_kernel_inside_the_lengths_operand():
+    """With ``layer`` the kernel call's one integer operand is the lengths with the layer index appended, [B + 1],
+    computed (a concatenation), never a bare slice of the layer loop's index array. As an operand of its own, an
+    int32 [1] that XLA sliced asynchronously out of the layer loop's indices, the compiled prefill returned the state's
+    round counter set to the prompt length at batch 1 on an H200 (jaxlib 0.11.2, twelfth run: every such decode
+    faulted, the default pair's batch-1 fault)."""
+    import jax
+
+    def kernel_int_operands(b, layer):
+        q = jnp.zeros((b, 5, 4, 64), jnp.bfloat16)
+        k = jnp.zeros((3, b, 128, 2, 64) if layer else (b, 128, 2, 64), jnp.bfloat16)
+        p, bits = jnp.zeros((b,), jnp.int32), jnp.zeros((b, 5, 1), jnp.uint32)
+        fn = (lambda q, k, p, bits, i: tat.tree_attention(q, k, k, p, bits, layer=i)) if layer else (
+            lambda q, k, p, bits, i: tat.tree_attention(q, k, k, p, bits))
+        jaxpr = jax.make_jaxpr(fn)(q, k, p, bits, jnp.int32(1))
+        (call,) = [e for e in jaxpr.eqns if len(e.invars) >= 5 and e.invars[1].aval.shape == k.reshape(
+            -1, *k.shape[-3:]).shape]  # the kernel: q, k, v (the [L * B, S, K, hd] view), lengths, mask words
+        return [tuple(v.aval.shape) for v in call.invars if jnp.issubdtype(v.aval.dtype, jnp.signedinteger)]
+
+    for b in (1, 3):
+        assert kernel_int_operands(b, layer=True) == [(b + 1,)]
+        assert kernel_int_operands(b, layer=False) == [(b,)]
+
+
 def test_tree_attention_no_races_pingpong_ring_split(monkeypatch):
     """The interpreter's happy-before race detector over ping-pong + split-K partials in the K/V ring."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
