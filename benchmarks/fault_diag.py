@@ -6,7 +6,7 @@ configuration's. Written for the default pair's batch-1 fault on the H200 (bench
     PYTHONPATH=. python benchmarks/fault_diag.py SOURCE CONFIG...
 
 SOURCE: ``default`` (the default pair, converted in the cache) or ``random`` (a random SmolLM2-shaped target with
-the shipped drafter; no download). CONFIG: ``name=attention/walk[/option=value;...]``: the attention
+the shipped drafter; no download). CONFIG: ``name=attention/walk[/option=value,...]``: the attention
 implementation, the walk's implementation, and ``decode.XLA_OPTIONS`` overrides; an attention prefixed ``old:``
 runs the kernel wrapper from the file in ``TA_OLD`` (e.g. ``git show e320082:pallas_kernels/tree_attention.py``,
 the wrapper before the fix). Example (the twelfth run):
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import accept, decode, defaults, train_draft, weights
+from ddtree_jax import accept, bench, decode, defaults, train_draft, weights
 from ddtree_jax.config import ModelConfig, RopeConfig
 from pallas_kernels import tree_attention as ta_lib
 
@@ -97,7 +97,7 @@ class Probe:
 
 def main(argv: list[str]) -> None:
     if len(argv) < 2 or any("=" not in c or c.split("=", 1)[1].count("/") < 1 for c in argv[1:]):
-        sys.exit("usage: fault_diag.py default|random name=attention/walk[/option=value;...] ...")
+        sys.exit("usage: fault_diag.py default|random name=attention/walk[/option=value,...] ...")
     env = os.environ.get
     n_prompts, new, method = int(env("PROMPTS", "2")), int(env("NEW", "64")), env("METHOD", "ddtree")
     budgets = [int(x) for x in env("BUDGETS", "32").split(",")]
@@ -117,9 +117,10 @@ def main(argv: list[str]) -> None:
         attention, walk_impl, *options = rest.split("/")
         decode.XLA_OPTIONS.clear()
         decode.XLA_OPTIONS.update(base_options)
-        for kv in options[0].split(";") if options else []:
-            k, v = kv.split("=", 1)
-            decode.XLA_OPTIONS[k] = {"true": True, "false": False}.get(v, int(v) if v.lstrip("-").isdigit() else v)
+        update = bench.xla_options(options[0]) if options else {}
+        if update is None:
+            sys.exit(f"error: {options[0]!r} is not option=value,...")
+        decode.XLA_OPTIONS.update(update)
         probe.name, probe.walk_impl = name, walk_impl
         ta_lib.tree_attention = current
         if attention.startswith("old:"):

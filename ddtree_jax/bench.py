@@ -980,23 +980,30 @@ def _ints(text: str) -> list[int]:
     return vals
 
 
-def _ab(text: str) -> tuple[str, dict]:
-    """``NAME:KEY=VALUE,...`` -> (NAME, {KEY: VALUE}); true/false become bools, integers ints. A piece without "="
-    continues the previous value, for list-valued options (``xla_gpu_enable_command_buffer=FUSION,CUBLAS,WHILE``)."""
-    name, colon, opts = text.partition(":")
+def xla_options(text: str) -> dict | None:
+    """``KEY=VALUE,...`` -> {KEY: VALUE} (None if malformed); true/false become bools, integers ints. A piece
+    without "=" continues the previous value, for list-valued options (``xla_gpu_enable_command_buffer=FUSION,WHILE``)."""
     pairs: list[list[str]] = []
-    for piece in filter(None, opts.split(",")):
+    for piece in filter(None, text.split(",")):
         if "=" in piece:
             pairs.append(piece.split("=", 1))
         elif pairs:
             pairs[-1][1] += "," + piece
         else:
-            pairs = []
-            break
-    if not (name and colon and pairs and all(k and v for k, v in pairs)):
+            return None
+    if not pairs or not all(k and v for k, v in pairs):
+        return None
+    return {k: {"true": True, "false": False}.get(v.lower(), int(v) if v.lstrip("-").isdigit() else v)
+            for k, v in pairs}
+
+
+def _ab(text: str) -> tuple[str, dict]:
+    """``NAME:KEY=VALUE,...`` -> (NAME, {KEY: VALUE}) (:func:`xla_options`)."""
+    name, colon, opts = text.partition(":")
+    options = xla_options(opts)
+    if not (name and colon and options):
         raise argparse.ArgumentTypeError(f"{text!r} is not NAME:KEY=VALUE,... (e.g. pdl:xla_gpu_enable_pdl=true)")
-    return name, {k: {"true": True, "false": False}.get(v.lower(), int(v) if v.lstrip("-").isdigit() else v)
-                  for k, v in pairs}
+    return name, options
 
 
 def _names(text: str) -> list[str]:

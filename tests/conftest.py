@@ -49,19 +49,22 @@ def logits_npz():
     return dict(np.load(fixture_path("logits.npz")))
 
 
-def _walk_with_fault(monkeypatch, length_of, run_impl=True):
-    """``accept.walk`` with its accepted length replaced by ``length_of(length, choice, impl)`` for the fixture's
-    test (the real walk runs ``impl``, or the XLA walk without ``run_impl``: the same path, faster): jax's and decode's compile caches are emptied on the way in and out, so that programs traced with the
-    fault never serve another test."""
+@pytest.fixture
+def faulty_walk(monkeypatch):
+    """A simulated decode fault: ``accept.walk`` (run as the XLA walk, whatever the attention) reports no accepted
+    node (a round that commits nothing) whenever the target's choice at the root is a multiple of 3. jax's and
+    decode's compile caches are emptied on the way in and out, so that programs traced with the fault never serve
+    another test."""
     import jax
+    import jax.numpy as jnp
 
     from ddtree_jax import accept, decode
 
     real = accept.walk
 
     def faulty(tree, choice, max_depth, impl="xla"):
-        path, length, bonus = real(tree, choice, max_depth, impl if run_impl else "xla")
-        return path, length_of(length, choice, impl), bonus
+        path, length, bonus = real(tree, choice, max_depth)
+        return path, jnp.where(choice[:, 0] % 3 == 0, 0, length), bonus
 
     monkeypatch.setattr(accept, "walk", faulty)
     monkeypatch.setattr(decode, "_COMPILED", type(decode._COMPILED)())
@@ -69,23 +72,3 @@ def _walk_with_fault(monkeypatch, length_of, run_impl=True):
     yield
     monkeypatch.undo()
     jax.clear_caches()
-
-
-@pytest.fixture
-def faulty_kernels_walk(monkeypatch):
-    """A simulated decode fault of the Pallas kernels' path only: the walk with a kernel implementation commits
-    nothing (the XLA walk is right)."""
-    import jax.numpy as jnp
-
-    yield from _walk_with_fault(monkeypatch, lambda length, choice, impl:
-                                length if impl == "xla" else jnp.zeros_like(length), run_impl=False)
-
-
-@pytest.fixture
-def faulty_walk(monkeypatch):
-    """A simulated decode fault: the walk reports no accepted node (a round that commits nothing) whenever the
-    target's choice at the root is a multiple of 3."""
-    import jax.numpy as jnp
-
-    yield from _walk_with_fault(monkeypatch, lambda length, choice, impl:
-                                jnp.where(choice[:, 0] % 3 == 0, 0, length))

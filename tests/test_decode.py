@@ -174,10 +174,9 @@ def test_a_faulty_round_makes_generate_raise(target, drafter, reference_runs, fa
     assert decode.fault_message(spec, "x").endswith("(attention pallas-interpret; --attention xla avoids the kernels)")
 
 
-def test_a_fault_on_the_kernels_path_raises_and_names_the_xla_path(target, drafter, reference_runs,
-                                                                   faulty_kernels_walk):
-    """A decode fault with the Pallas kernels (simulated: their walk commits nothing) raises, naming the way out;
-    nothing decodes again behind the caller's back."""
+def test_a_fault_on_the_kernels_path_raises_and_names_the_xla_path(target, drafter, reference_runs, faulty_walk):
+    """A decode fault with the Pallas kernels chosen raises, naming the way out; nothing decodes again behind the
+    caller's back."""
     run = reference_runs[0]
     with pytest.raises(RuntimeError, match="decode fault.*--attention xla avoids the kernels"):
         decode.generate(target, [run["prompt"]], options("dflash", run, attention="pallas"), draft=drafter)
