@@ -838,21 +838,26 @@ class Bench:
                 kk = min(budget, shape.vocab)
                 row: dict[str, Any] = {}
                 row["empty_loop_us"] = loop_us(lambda x: x[:, :, :1], xs)
-                variants = {  # the defaults (chunked vocabulary top-k, unrolled depth loop), each selection
+                variants = {  # the defaults (on GPU the kernels; an unrolled depth loop), each selection
                     f"best_first_{sel}": lambda x, bb=budget, sel=sel: trees.best_first(x, bb, select=sel)
                     for sel in trees.SELECTS
                 }
-                chunk = trees.default_topk_chunk(kk)
-                variants["part_top_log_probs"] = lambda x, kk=kk, chunk=chunk: trees.top_log_probs(x, kk, chunk)
+                chunks = {"xla": trees.default_topk_chunk(kk), "kernel": "kernel"}
+                variants["best_first_count_no_kernels"] = lambda x, bb=budget: trees.best_first(
+                    x, bb, select="count", chunk=chunks["xla"], bits="xla")
+                for how, chunk in chunks.items():
+                    variants[f"part_top_log_probs_{how}"] = lambda x, kk=kk, c=chunk: trees.top_log_probs(x, kk, c)
                 for name, fn in variants.items():
                     row[name + "_us"] = loop_us(fn, xs)
-                lp, ids = jax.jit(trees.top_log_probs, static_argnums=(1, 2))(xs, kk, chunk)
+                lp, ids = jax.jit(trees.top_log_probs, static_argnums=(1, 2))(xs, kk, chunks["xla"])
                 for sel in trees.SELECTS:  # the tree from the sorted lists (with its ancestor bits)
                     core = functools.partial(trees.tree_from_lists, budget=budget, select=sel)
                     row[f"part_tree_from_lists_{sel}_us"] = loop_us(lambda p, c=core: c(p[0], p[1]), (lp, ids))
                 par = jax.jit(jax.vmap(lambda x, bb=budget: trees.best_first(x, bb).parents))(xs)
-                row["part_ancestor_bits_us"] = loop_us(lambda p: trees.ancestor_bits(p, dp_), par)
-                got = jax.jit(lambda x: [variants[f"best_first_{sel}"](x) for sel in trees.SELECTS])(xs[1])
+                for how in trees.BITS:
+                    row[f"part_ancestor_bits_{how}_us"] = loop_us(lambda p, h=how: trees.ancestor_bits(p, dp_, h), par)
+                same = [f"best_first_{sel}" for sel in trees.SELECTS] + ["best_first_count_no_kernels"]
+                got = jax.jit(lambda x: [variants[name](x) for name in same])(xs[1])
                 row["selects_equal"] = bool(all(
                     np.array_equal(np.asarray(getattr(got[0], f)), np.asarray(getattr(other, f)))
                     for other in got[1:] for f in ("tokens", "depths", "parents", "bits")))

@@ -16,6 +16,10 @@ over all depths. ``select="sort"`` does it with ``lax.top_k`` (a sort on GPU: 15
 ``select="count"`` ranks every candidate by counting the candidates before it (one compare-and-sum fusion, no
 sort), the same result bit for bit; the default is "count" on GPU at batch 1 up to budget 512, "sort" otherwise
 (benchmarks/PERF.md).
+
+Before the depths, the per-depth top-k over the vocabulary; after them, the packed ancestor mask. Both have Pallas
+kernels (``pallas_kernels.vocab_top_k``, ``pallas_kernels.ancestor_bits``) beside their XLA forms here, the GPU
+defaults for one sequence (:func:`default_kernels`); the same trees either way.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import sharding
+from pallas_kernels import ancestor_bits as bits_kernel, vocab_top_k
 from pallas_kernels.bitmask import pack_bits
 
 Array = jax.Array
@@ -58,13 +63,27 @@ def _candidate_pairs(budget: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(ii, np.int32), np.asarray(jj, np.int32)
 
 
-def ancestor_bits(parents: Array, max_depth: int) -> Array:
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+BITS = ("xla", "kernel")
+
+
+def ancestor_bits(parents: Array, max_depth: int, how: str = "xla") -> Array:
     """parents [B, M] (root -1, at index 0) -> packed ancestor-or-self mask [B, M, ceil(M/32)].
+
+    ``how="kernel"``: one Pallas kernel (``pallas_kernels.ancestor_bits``; its interpreter off the GPU), the same
+    words. ``"xla"``, below:
 
     Pointer doubling: start from each node and its parent; then ceil(log2(max_depth)) times OR in the rows of
     the 2^k-th ancestor (whose rows hold distances 0..2^k) and jump up 2^k. Four dependent gathers at depth 15
     instead of fifteen: a long chain of gathers fused into one loop sends LLVM's loop vectorizer into minutes
     of compilation on CPU."""
+    if how not in BITS:
+        raise ValueError(f"ancestor bits: how must be one of {BITS}, got {how!r}")
+    if how == "kernel":
+        return bits_kernel.ancestor_bits(parents, max_depth, interpret=not _on_gpu())
     m = parents.shape[1]
     up = jnp.maximum(parents, 0)  # the root is its own parent
     words = pack_bits(jnp.eye(m, dtype=bool)[None] | jax.nn.one_hot(up, m, dtype=bool))  # distances 0 and 1
@@ -166,22 +185,50 @@ def top_k_chunked(x: Array, k: int, chunk: int | tuple[int, ...], top=jax.lax.to
     return vals, jnp.take_along_axis(ids, pos, axis=-1)
 
 
-def top_log_probs(draft_logits: Array, k: int, chunk: int | tuple[int, ...] | None = None,
+def top_k_by_kernel(x: Array, k: int, fallback=jax.lax.top_k) -> tuple[Array, Array]:
+    """Exactly ``lax.top_k(x, k)`` over the last axis (x float32 or bfloat16; values float32) by the Pallas kernels
+    of ``pallas_kernels.vocab_top_k`` (on GPU; their interpreter elsewhere). Rows too short for them (fewer than k
+    chunks) take ``fallback``."""
+    if not vocab_top_k.supports(x.shape[-1], k):
+        return fallback(x.astype(jnp.float32), k)
+    return vocab_top_k.top_k(x, k, interpret=not _on_gpu())
+
+
+def top_log_probs(draft_logits: Array, k: int, chunk: int | tuple[int, ...] | str | None = None,
                   select=jax.lax.top_k) -> tuple[Array, Array]:
     """Per-depth top-k of the log-softmax: ([B, Dp, k] f32, [B, Dp, k] int32), sorted descending.
     ``chunk``: take the top k through :func:`top_k_chunked` (same result) instead of one ``select`` over the whole
-    row; ``select``: the selection (``lax.top_k`` or :func:`top_k_by_count`; same result)."""
+    row, or, "kernel", through :func:`top_k_by_kernel` (same result); ``select``: the selection (``lax.top_k`` or
+    :func:`top_k_by_count`; same result)."""
     logits = draft_logits.astype(jnp.float32)
-    top = functools.partial(top_k_chunked, chunk=chunk, top=select) if chunk else select
-    vals, ids = sharding.top_k(logits, k, top)  # top(logits, k); per vocabulary shard under a mesh
+    if chunk == "kernel":  # the kernels read the logits as they are (converting them exactly)
+        top, logits_in = functools.partial(top_k_by_kernel, fallback=select), draft_logits
+    else:
+        top = functools.partial(top_k_chunked, chunk=chunk, top=select) if chunk else select
+        logits_in = logits
+    vals, ids = sharding.top_k(logits_in, k, top)  # top(logits, k); per vocabulary shard under a mesh
     return vals - jax.nn.logsumexp(logits, axis=-1, keepdims=True), ids.astype(jnp.int32)
 
 
-def default_topk_chunk(k: int) -> int | tuple[int, ...]:
-    """:func:`top_log_probs`' vocabulary chunks unless told: two levels, (64, 8), up to k = 256, one of 32 above
-    (H200, Qwen3 vocabulary, 15 depths: k = 64 / 256 / 512 in 85 / 102 / 144 us against 103 / 151 / 150 with the
-    other; an unchunked top-k took 630 at 256; benchmarks/PERF.md, eighth run). Any chunks give the same result."""
+KERNEL_MAX_K = 512  # the largest vocabulary top-k at which the kernels were measured faster (H200)
+
+
+def default_topk_chunk(k: int, kernels: bool = False) -> int | tuple[int, ...] | str:
+    """:func:`top_log_probs`' vocabulary chunks unless told: with ``kernels`` (on GPU: :func:`default_kernels`) and
+    k <= ``KERNEL_MAX_K``, "kernel"; else two levels, (64, 8), up to k = 256, one of 32 above (H200, Qwen3
+    vocabulary, 15 depths: k = 64 / 256 / 512 in 85 / 102 / 144 us against 103 / 151 / 150 with the other; an
+    unchunked top-k took 630 at 256; benchmarks/PERF.md, eighth run). Every choice gives the same result."""
+    if kernels and k <= KERNEL_MAX_K:
+        return "kernel"
     return (64, 8) if k <= 256 else 32
+
+
+def default_kernels(batch: int = 1) -> bool:
+    """Whether the tree build uses its Pallas kernels (the vocabulary top-k up to ``KERNEL_MAX_K``, the ancestor
+    bits up to ``pallas_kernels.ancestor_bits.MAX_NODES``) unless told: on GPU for one sequence without a mesh
+    (measured faster there on an H200, benchmarks/PERF.md, thirteenth run; beyond those sizes slower; batches and
+    meshes not timed yet, though the top-k kernels run per vocabulary shard: tests/test_sharding.py)."""
+    return _on_gpu() and batch == 1 and sharding.active() is None
 
 
 COUNT_MAX_BUDGET = 512  # the largest budget at which rank counting was measured faster (H200, batch 1)
@@ -196,37 +243,49 @@ def default_select(budget: int, batch: int = 1) -> str:
     return "count" if on_gpu and batch == 1 and budget <= COUNT_MAX_BUDGET else "sort"
 
 
+def default_bits(nodes: int, batch: int = 1) -> str:
+    """How :func:`ancestor_bits` runs unless told, for ``batch`` trees of ``nodes`` tree indices: "kernel" where
+    :func:`default_kernels` and up to ``pallas_kernels.ancestor_bits.MAX_NODES`` (H200, budgets 64-256: 17-23 against
+    26-34 us; at 512 the words spill out of registers: 426 against 30), else "xla"."""
+    return "kernel" if default_kernels(batch) and nodes <= bits_kernel.MAX_NODES else "xla"
+
+
 def best_first(
     draft_logits: Array,
     budget: int,
     *,
-    chunk: int | tuple[int, ...] | None = None,
+    chunk: int | tuple[int, ...] | str | None = None,
     unroll: int | bool = True,
     select: str | None = None,
+    bits: str | None = None,
 ) -> Tree:
     """DDTree's tree of ``budget`` nodes from draft logits [B, Dp, V] (untempered, as the reference).
-    ``chunk``, ``unroll`` and ``select`` change how, never what: see :func:`top_log_probs`, the depth scan
-    and the module doc. Defaults: the chunked top-k (:func:`default_topk_chunk`; on each vocabulary shard under
-    a mesh, see ``sharding.top_k``), a fully unrolled depth loop and :func:`default_select`, each measured faster
-    on an H200 (benchmarks/PERF.md)."""
+    ``chunk``, ``unroll``, ``select`` and ``bits`` change how, never what: see :func:`top_log_probs`, the depth
+    scan, the module doc and :func:`ancestor_bits`. Defaults: on GPU the Pallas kernels (:func:`default_kernels`:
+    the vocabulary top-k and the ancestor bits), elsewhere the chunked top-k (:func:`default_topk_chunk`; on each
+    vocabulary shard under a mesh, see ``sharding.top_k``) and XLA's ancestor bits; a fully unrolled depth loop and
+    :func:`default_select`; each measured faster on an H200 (benchmarks/PERF.md)."""
     b, _, vocab = draft_logits.shape
     k = min(budget, vocab)
     if chunk is None:
-        chunk = default_topk_chunk(k)
+        chunk = default_topk_chunk(k, default_kernels(b))
     if select is None:
         select = default_select(budget, b)
     lp, ids = top_log_probs(draft_logits, k, chunk)
-    return tree_from_lists(lp, ids, budget, select=select, unroll=unroll)
+    return tree_from_lists(lp, ids, budget, select=select, unroll=unroll, bits=bits)
 
 
-def tree_from_lists(lp: Array, ids: Array, budget: int, *, select: str, unroll: int | bool = True) -> Tree:
+def tree_from_lists(lp: Array, ids: Array, budget: int, *, select: str, unroll: int | bool = True,
+                    bits: str | None = None) -> Tree:
     """The best-first tree of ``budget`` nodes from per-depth lists sorted descending, lp [B, Dp, K] f32 and ids
-    [B, Dp, K] int32 (:func:`top_log_probs`): the tree build proper, after the vocabulary top-k."""
+    [B, Dp, K] int32 (:func:`top_log_probs`): the tree build proper, after the vocabulary top-k. ``bits``: how the
+    ancestor bits are made (:func:`ancestor_bits`; default :func:`default_bits`)."""
     b, depth_count, _ = lp.shape
     one = functools.partial(_best_first_one, budget=budget, unroll=unroll, select=select)
     tokens, depths, parents = jax.vmap(one)(lp, ids)
     parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parents], axis=1)
-    return Tree(tokens, depths, parents, ancestor_bits(parents, depth_count))
+    bits = bits or default_bits(budget + 1, b)
+    return Tree(tokens, depths, parents, ancestor_bits(parents, depth_count, bits))
 
 
 def chain(draft_logits: Array) -> Tree:

@@ -306,3 +306,53 @@ def test_the_model_reads_the_stacked_cache_in_place_with_pallas_inplace():
     np.testing.assert_array_equal(np.asarray(outs["pallas-inplace-interpret"][1].v, np.float32),
                                   np.asarray(outs["pallas-interpret"][1].v, np.float32))
     assert np.abs(in_place - xla).max() < 0.1 * np.abs(xla).max()
+
+
+# ------------------------------------------------------------------------------------ the tree build's kernels
+@pytest.mark.parametrize("rows,vocab,k,dtype", [
+    (3, 1000, 10, jnp.float32),  # a partial last chunk
+    (2, 4096, 64, jnp.float32),  # exactly k chunks of 64: every chunk selected
+    (2, 2000, 16, jnp.bfloat16),  # bf16 logits, values returned exactly as float32
+    (1, 20000, 300, jnp.float32),  # above k = 256: chunks of 32, k not a power of two
+])
+def test_vocab_top_k_is_lax_top_k_exactly(rows, vocab, k, dtype):
+    """The four vocabulary top-k kernels (Pallas interpreter): lax.top_k's values, ids and tie order, with heavy
+    ties (rounded values), -inf and both zeros (-0.0 below +0.0), and on continuous values."""
+    from pallas_kernels import vocab_top_k
+
+    rng = np.random.default_rng(vocab + k)
+    x = np.round(2 * rng.standard_normal((rows, vocab))).astype(np.float32)
+    x[:, ::7], x[:, 3::11], x[:, 5::13] = -0.0, 0.0, -np.inf
+    for arr in (x, rng.standard_normal((rows, vocab)).astype(np.float32)):
+        arr = jnp.asarray(arr).astype(dtype)
+        want = jax.lax.top_k(arr.astype(jnp.float32), k)
+        got = vocab_top_k.top_k(arr, k, interpret=True)
+        for w, g in zip(want, got):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+            assert g.dtype == w.dtype
+
+
+def test_vocab_top_k_refuses_rows_too_short_for_its_chunks():
+    from pallas_kernels import vocab_top_k
+
+    assert vocab_top_k.supports(64 * 16, 16) and not vocab_top_k.supports(64 * 16 - 64, 16)
+    with pytest.raises(ValueError, match="at least 16 chunks of 64"):
+        vocab_top_k.top_k(jnp.zeros((2, 960)), 16, interpret=True)
+    with pytest.raises(ValueError, match="int32"):
+        vocab_top_k.top_k(jnp.zeros((2, 4096), jnp.int32), 16, interpret=True)
+
+
+@pytest.mark.parametrize("n1,kind,max_depth", [(17, "random", 15), (65, "random", 15), (257, "random", 15),
+                                               (40, "star", 1), (33, "chain", 32)])
+def test_ancestor_bits_kernel_is_the_xla_form(n1, kind, max_depth):
+    """The ancestor-bits kernel (Pallas interpreter) gives tree.ancestor_bits' words: one and several 32-bit
+    words, a budget-256 tree, stars and a full-depth chain."""
+    from ddtree_jax import tree as trees
+    from pallas_kernels import ancestor_bits
+
+    rng = np.random.default_rng(n1)
+    parents = jnp.asarray(np.stack([random_parents(rng, n1, kind, max_depth) for _ in range(3)]))
+    got = ancestor_bits.ancestor_bits(parents, max_depth, interpret=True)
+    want = trees.ancestor_bits(parents, max_depth)
+    assert got.dtype == want.dtype == jnp.uint32 and got.shape == want.shape == (3, n1, -(-n1 // 32))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -243,6 +243,18 @@ def _script(out_path: str) -> None:
     }
     report["seconds"]["pallas"] = time.time() - t0
 
+    # the vocabulary top-k kernels (interpreter) on each vocabulary shard: the log-probs and ids of one device
+    t0 = time.time()
+    from ddtree_jax import tree as trees
+
+    logits = jnp.round(3 * jax.random.normal(jax.random.key(5), (2, 3, 8192)), 1)  # ties across shards
+    want = trees.top_log_probs(logits, 16, (64, 8))
+    with sharding.use_mesh(mesh_of("1x4")):
+        got = jax.jit(lambda x: trees.top_log_probs(x, 16, "kernel"))(logits)
+    report["vocab_top_k"] = {"same": all(bool(jnp.array_equal(w, g)) for w, g in zip(want, got)),
+                             "ids_beyond_first_shard": int(jnp.sum(want[1] >= 2048))}
+    report["seconds"]["vocab_top_k"] = time.time() - t0
+
     # checkpoints: read the safetensors into 1x2, save from there, restore into 1x4 (KV heads replicated)
     t0 = time.time()
     cfg2, p2 = sharding.load_target(TARGET, mesh_of("1x2"))
@@ -396,6 +408,12 @@ def test_tree_walk_kernel_runs_per_device(report):
     assert got["stand_in_shapes"] == [[1, 7], [1, 7], [1, 7]]  # one sequence per data shard
     assert got["stand_in"] == got["reference"] and got["pallas_1x1"] == got["reference"]
     assert got["reference"][1] == [3, 4]  # paths of 2 and 3 edges: the walk is not trivial
+
+
+def test_vocab_top_k_kernels_run_per_vocabulary_shard(report):
+    """tree.top_log_probs with the Pallas top-k kernels on each of four vocabulary shards (Pallas interpreter):
+    the same values and ids as one device, winners in several shards."""
+    assert report["vocab_top_k"]["same"] and report["vocab_top_k"]["ids_beyond_first_shard"] > 0
 
 
 def test_checkpoint_restores_into_the_sharded_layout(report):

@@ -308,3 +308,31 @@ def test_top_k_chunked_is_lax_top_k_exactly(n, k, chunk):
     plain, chunked = (trees.top_log_probs(jnp.asarray(x), k, *how) for how in ((), (chunk, trees.top_k_by_count)))
     for w, g in zip(plain, chunked):  # the log-probs too: any chunks, either selection
         np.testing.assert_array_equal(np.asarray(w), np.asarray(g))
+
+
+@pytest.mark.parametrize("budget,vocab,scale", [(16, 4096, 3.0), (48, 4096, 0.3), (16, 300, 1.0)])
+def test_the_tree_kernels_build_the_same_tree(budget, vocab, scale):
+    """The GPU defaults, the vocabulary top-k and ancestor-bits kernels (their interpreter here), give XLA's tree
+    field for field; rows too short for the top-k kernels (vocab 300 at k = 16) take the fallback."""
+    logits = jnp.asarray(np.round(scale * np.random.default_rng(budget).standard_normal((2, 7, vocab)), 1),
+                         jnp.float32)
+    xla = jax.jit(lambda x: trees.best_first(x, budget, chunk=(64, 8), bits="xla"))(logits)
+    kernels = jax.jit(lambda x: trees.best_first(x, budget, chunk="kernel", bits="kernel"))(logits)
+    for name in ("tokens", "depths", "parents", "bits"):
+        np.testing.assert_array_equal(np.asarray(getattr(kernels, name)), np.asarray(getattr(xla, name)))
+    with pytest.raises(ValueError, match="ancestor bits"):
+        trees.ancestor_bits(xla.parents, 7, "heap")
+
+
+def test_tree_kernels_are_the_gpu_default_where_timed_faster(monkeypatch):
+    """On GPU, for one sequence, the vocabulary top-k kernels up to k = 512 and the ancestor-bits kernel up to 512
+    tree indices (both timed faster there); XLA's forms beyond, for batches (not timed) and on CPU."""
+    monkeypatch.setattr(trees.jax, "default_backend", lambda: "gpu")
+    assert trees.default_kernels() and not trees.default_kernels(8) and trees.default_bits(65, 8) == "xla"
+    with trees.sharding.use_mesh(jax.make_mesh((1,), ("model",))):
+        assert not trees.default_kernels()
+    assert [trees.default_topk_chunk(k, True) for k in (64, 512, 1024)] == ["kernel", "kernel", 32]
+    assert [trees.default_bits(n) for n in (65, 257, 512, 513)] == ["kernel", "kernel", "kernel", "xla"]
+    monkeypatch.setattr(trees.jax, "default_backend", lambda: "cpu")
+    assert not trees.default_kernels() and trees.default_topk_chunk(64) == (64, 8)
+    assert trees.default_bits(65) == "xla"
