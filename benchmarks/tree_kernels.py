@@ -35,10 +35,9 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=151936, help="vocabulary size (default: Qwen3's)")
     p.add_argument("--iters", type=int, default=16, help="distinct inputs per timed loop (default: 16)")
     args = p.parse_args(argv)
-    VOCAB, ITERS = args.vocab, args.iters
-    res = {"device": jax.devices()[0].device_kind, "vocab": VOCAB, "depths": DEPTHS, "iters": ITERS}
+    res = {"device": jax.devices()[0].device_kind, "vocab": args.vocab, "depths": DEPTHS, "iters": args.iters}
     for b in args.batches:
-        xs = 3.0 * jax.random.normal(jax.random.key(11), (ITERS, b, DEPTHS, VOCAB), jnp.float32)
+        xs = 3.0 * jax.random.normal(jax.random.key(11), (args.iters, b, DEPTHS, args.vocab), jnp.float32)
         res[f"b{b}_empty_loop_us"] = loop_us(lambda x: x[:, :, :1], xs)
         for budget in args.budgets:
             k, row = budget, {}
@@ -64,9 +63,9 @@ def main(argv=None):
                 "xla": lambda x: trees.best_first(x, budget, chunk=chunk, bits="xla", select=select),
                 "kernels": lambda x: trees.best_first(x, budget, chunk="kernel", bits="kernel", select=select),
             }
-            trees_ = {name: jax.jit(f)(xs[1]) for name, f in forms.items()}
-            row["trees_equal"] = bool(all(np.array_equal(np.asarray(getattr(trees_["xla"], f)),
-                                                         np.asarray(getattr(trees_["kernels"], f)))
+            built = {name: jax.jit(f)(xs[1]) for name, f in forms.items()}
+            row["trees_equal"] = bool(all(np.array_equal(np.asarray(getattr(built["xla"], f)),
+                                                         np.asarray(getattr(built["kernels"], f)))
                                           for f in ("tokens", "depths", "parents", "bits")))
             for name, f in forms.items():
                 row[f"best_first_{name}_us"] = loop_us(f, xs)

@@ -105,8 +105,7 @@ def top_k_by_count(x: Array, k: int) -> tuple[Array, Array]:
         raise ValueError(f"top_k_by_count takes float32, got {x.dtype}")
     n = x.shape[-1]
     idx = jnp.arange(n, dtype=jnp.int32)
-    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int32 order = float total order
+    key = vocab_top_k.order_key(x)  # int32 order = float total order
     xi, xj = key[..., :, None], key[..., None, :]
     before = (xj > xi) | ((xj == xi) & (idx[None, :] < idx[:, None]))  # [..., n, n]: j comes before i
     rank = jnp.sum(before, axis=-1, dtype=jnp.int32)  # [..., n]
@@ -239,8 +238,7 @@ def default_select(budget: int, batch: int = 1) -> str:
     ``COUNT_MAX_BUDGET``, ``lax.top_k`` otherwise. Its O(n^2) compares grow with the budget squared and with the
     batch: on an H200 it built a tree faster at batch 1 and budgets 64-512 (229 / 287 / 354 against 314 / 440 /
     679 us) and slower at batch 8, budget 256 (715 against 648 us; benchmarks/PERF.md, seventh run)."""
-    on_gpu = jax.default_backend() == "gpu"
-    return "count" if on_gpu and batch == 1 and budget <= COUNT_MAX_BUDGET else "sort"
+    return "count" if _on_gpu() and batch == 1 and budget <= COUNT_MAX_BUDGET else "sort"
 
 
 def default_bits(nodes: int, batch: int = 1) -> str:

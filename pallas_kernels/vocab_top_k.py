@@ -12,10 +12,10 @@ of 151936 for Qwen3), sorted as ``lax.top_k`` sorts (larger first, ties: lower i
    first) selected the same way, and written, values and ids, in index order.
 4. ``sort`` (grid R): each of the k is written to its rank (the number of the k before it in lax.top_k's order).
 
-Selection without a sort: keys are the float32 bits mapped to int32 in the float total order (-0.0 below +0.0, as
-``tree.top_k_by_count``). The largest key t with count(key >= t) >= k is built bit by bit from the top (32 steps,
-one count over the row each); then every key > t is taken, and the first k - count(key > t) keys equal to t in index
-order (a cumsum): exactly k entries, the set ``lax.top_k`` returns. Positions in the output come from a cumsum too.
+Selection without a sort: keys are the float32 bits mapped to int32 in the float total order (-0.0 below +0.0;
+``order_key``, which ``tree.top_k_by_count`` uses too). The largest key t with count(key >= t) >= k is built bit by
+bit from the top (32 steps, one count over the row each); then every key > t is taken, and the first
+k - count(key > t) keys equal to t in index order (a cumsum): exactly k entries, the set ``lax.top_k`` returns. Positions in the output come from a cumsum too.
 The stages are separate kernels because each reads what the one before stored from other threads: within one
 program that needs a block barrier (``pallas.triton.debug_barrier``), which the Pallas interpreter the CPU tests
 run cannot execute (no CPU rule for it in jax 0.11), so a fused program would go untested off the GPU.
@@ -51,7 +51,8 @@ def supports(vocab: int, k: int) -> bool:
     return 0 < k and -(-vocab // chunk_size(k)) >= k
 
 
-def _order_key(x):
+def order_key(x):
+    """float32 (or bfloat16, converted exactly) -> int32 keys in the float total order (-0.0 below +0.0)."""
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
@@ -82,7 +83,7 @@ def _chunk_max_kernel(x_ref, m_ref, *, vocab: int, c: int, cp: int):
     chunk = p * cp + jnp.arange(cp, dtype=jnp.int32)
     idx = chunk[:, None] * c + jnp.arange(c, dtype=jnp.int32)[None, :]  # [cp, c]
     ok = idx < vocab
-    key = jnp.where(ok, _order_key(pltriton.load(x_ref.at[r, idx], mask=ok, other=0)), _MIN)
+    key = jnp.where(ok, order_key(pltriton.load(x_ref.at[r, idx], mask=ok, other=0)), _MIN)
     pltriton.store(m_ref.at[r, chunk], jnp.max(key, axis=1))
 
 
@@ -106,7 +107,7 @@ def _entry_select_kernel(x_ref, cid_ref, val_ref, id_ref, *, vocab: int, k: int,
     idx = pltriton.load(cid_ref.at[r, row], mask=row < k, other=0) * c + e % c  # ascending where row < k
     ok = (row < k) & (idx < vocab)
     x = pltriton.load(x_ref.at[r, idx], mask=ok, other=0).astype(jnp.float32)
-    sel, slot = _select(jnp.where(ok, _order_key(x), _MIN), k)
+    sel, slot = _select(jnp.where(ok, order_key(x), _MIN), k)
     pltriton.store(val_ref.at[r, slot], x, mask=sel)
     pltriton.store(id_ref.at[r, slot], idx, mask=sel)
 
@@ -119,11 +120,11 @@ def _sort_kernel(val_ref, id_ref, out_val_ref, out_id_ref, *, k: int, kp: int, t
     i = jnp.arange(kp, dtype=jnp.int32)
     ok = i < k
     x = pltriton.load(val_ref.at[r, i], mask=ok, other=0)
-    key = jnp.where(ok, _order_key(x), _MIN)[:, None]
+    key = jnp.where(ok, order_key(x), _MIN)[:, None]
     rank = jnp.zeros((kp,), jnp.int32)
     for t in range(0, kp, tile):  # [kp, tile] compares at a time: a [kp, kp] tensor would not fit in registers
         j = t + jnp.arange(tile, dtype=jnp.int32)
-        kj = jnp.where(j < k, _order_key(pltriton.load(val_ref.at[r, j], mask=j < k, other=0)), _MIN)[None, :]
+        kj = jnp.where(j < k, order_key(pltriton.load(val_ref.at[r, j], mask=j < k, other=0)), _MIN)[None, :]
         before = (kj > key) | ((kj == key) & (j[None, :] < i[:, None]))
         rank = rank + jnp.sum((before & (j < k)[None, :]).astype(jnp.int32), axis=1)
     rank = jnp.where(ok, rank, k)  # a permutation of 0..k-1 (padding to the spare column)

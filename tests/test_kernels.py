@@ -17,7 +17,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import tree_accept as ta
+from ddtree_jax import tree as trees
+from pallas_kernels import ancestor_bits, tree_accept as ta, vocab_top_k
 from pallas_kernels import tree_attention as tat
 from pallas_kernels.inputs import accept_inputs, ancestor_mask, attention_inputs, random_parents
 from pallas_kernels.bitmask import pack_bits, unpack_bits
@@ -318,8 +319,6 @@ def test_the_model_reads_the_stacked_cache_in_place_with_pallas_inplace():
 def test_vocab_top_k_is_lax_top_k_exactly(rows, vocab, k, dtype):
     """The four vocabulary top-k kernels (Pallas interpreter): lax.top_k's values, ids and tie order, with heavy
     ties (rounded values), -inf and both zeros (-0.0 below +0.0), and on continuous values."""
-    from pallas_kernels import vocab_top_k
-
     rng = np.random.default_rng(vocab + k)
     x = np.round(2 * rng.standard_normal((rows, vocab))).astype(np.float32)
     x[:, ::7], x[:, 3::11], x[:, 5::13] = -0.0, 0.0, -np.inf
@@ -333,8 +332,6 @@ def test_vocab_top_k_is_lax_top_k_exactly(rows, vocab, k, dtype):
 
 
 def test_vocab_top_k_refuses_rows_too_short_for_its_chunks():
-    from pallas_kernels import vocab_top_k
-
     assert vocab_top_k.supports(64 * 16, 16) and not vocab_top_k.supports(64 * 16 - 64, 16)
     with pytest.raises(ValueError, match="at least 16 chunks of 64"):
         vocab_top_k.top_k(jnp.zeros((2, 960)), 16, interpret=True)
@@ -347,9 +344,6 @@ def test_vocab_top_k_refuses_rows_too_short_for_its_chunks():
 def test_ancestor_bits_kernel_is_the_xla_form(n1, kind, max_depth):
     """The ancestor-bits kernel (Pallas interpreter) gives tree.ancestor_bits' words: one and several 32-bit
     words, a budget-256 tree, stars and a full-depth chain."""
-    from ddtree_jax import tree as trees
-    from pallas_kernels import ancestor_bits
-
     rng = np.random.default_rng(n1)
     parents = jnp.asarray(np.stack([random_parents(rng, n1, kind, max_depth) for _ in range(3)]))
     got = ancestor_bits.ancestor_bits(parents, max_depth, interpret=True)
