@@ -1,6 +1,7 @@
-"""Same-process A/B of the tree build's Pallas kernels (``tree.default_kernels``: the vocabulary top-k and the
-ancestor bits) against XLA's forms: ``python -m ddtree_jax.bench`` ARGS run once per variant in ORDER (default
-kernels,xla,kernels,xla), each with its own --out directory under $OUT (default bench_ab).
+"""Same-process A/B of the tree build's Pallas kernels (the vocabulary top-k and the ancestor bits) against XLA's
+forms: ``python -m ddtree_jax.bench`` ARGS run once per variant in ORDER (default kernels,xla,kernels,xla), each with
+its own --out directory under $OUT (default bench_ab). "kernels" turns them on at every batch (without a mesh),
+"xla" off, "default" leaves ``tree.default_kernels`` as it is.
 
     PYTHONPATH=. python benchmarks/ab_tree_kernels.py models --models qwen3-8b --methods ddtree --budgets 64,256 \\
         --prompts 512 --batches 1 --no-breakdown --no-profile --no-hlo --no-tree-micro --repeats 5
@@ -10,12 +11,16 @@ import sys
 
 import jax
 
-from ddtree_jax import bench, decode, tree
+from ddtree_jax import bench, decode, sharding, tree
 
-kernels = tree.default_kernels
+VARIANTS = {
+    "default": tree.default_kernels,
+    "kernels": lambda batch=1: tree._on_gpu() and sharding.active() is None,
+    "xla": lambda batch=1: False,
+}
 out = os.environ.get("OUT", "bench_ab")
 for i, variant in enumerate(os.environ.get("ORDER", "kernels,xla,kernels,xla").split(",")):
-    tree.default_kernels = kernels if variant == "kernels" else (lambda: False)
+    tree.default_kernels = VARIANTS[variant]
     jax.clear_caches()
     decode._COMPILED.clear()
     print(f"== {variant} ({i})", flush=True)
