@@ -225,8 +225,9 @@ def default_topk_chunk(k: int, kernels: bool = False) -> int | tuple[int, ...] |
 def default_kernels(batch: int = 1) -> bool:
     """Whether the tree build uses its Pallas kernels (the vocabulary top-k up to ``KERNEL_MAX_K``, the ancestor
     bits up to ``pallas_kernels.ancestor_bits.MAX_NODES``) unless told: on GPU for one sequence without a mesh
-    (measured faster there on an H200, benchmarks/PERF.md, thirteenth run; beyond those sizes slower; batches and
-    meshes not timed yet, though the top-k kernels run per vocabulary shard: tests/test_sharding.py)."""
+    (measured faster there on an H200, at Qwen3's vocabulary and the default pair's, benchmarks/PERF.md, thirteenth and
+    fourteenth runs; beyond those sizes slower). Not for batches: at batch 8 no Qwen3-8B round was faster with them
+    (fourteenth run). Meshes not timed, though the top-k kernels run per vocabulary shard: tests/test_sharding.py."""
     return _on_gpu() and batch == 1 and sharding.active() is None
 
 
