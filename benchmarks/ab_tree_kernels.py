@@ -1,10 +1,11 @@
 """Same-process A/B of the tree build's Pallas kernels (the vocabulary top-k and the ancestor bits) against XLA's
 forms: ``python -m ddtree_jax.bench`` ARGS run once per variant in ORDER (default kernels,xla,kernels,xla), each with
-its own --out directory under $OUT (default bench_ab). "kernels" turns them on at every batch (without a mesh),
-"xla" off, "default" leaves ``tree.default_kernels`` as it is.
+its own --out directory under $OUT (default bench_ab) for ``models``. "kernels" turns them on at every batch
+(without a mesh), "xla" off, "default" leaves ``tree.default_kernels`` as it is.
 
     PYTHONPATH=. python benchmarks/ab_tree_kernels.py models --models qwen3-8b --methods ddtree --budgets 64,256 \\
         --prompts 512 --batches 1 --no-breakdown --no-profile --no-hlo --no-tree-micro --repeats 5
+    ORDER=kernels PYTHONPATH=. python benchmarks/ab_tree_kernels.py fixtures --prompts 2 --budgets 1,4,16,64 --batched
 """
 import os
 import sys
@@ -24,4 +25,5 @@ for i, variant in enumerate(os.environ.get("ORDER", "kernels,xla,kernels,xla").s
     jax.clear_caches()
     decode._COMPILED.clear()
     print(f"== {variant} ({i})", flush=True)
-    bench.main([*sys.argv[1:], "--out", os.path.join(out, f"{variant}{i}")])
+    where = ["--out", os.path.join(out, f"{variant}{i}")] if sys.argv[1:2] == ["models"] else []
+    bench.main([*sys.argv[1:], *where])
