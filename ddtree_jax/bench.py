@@ -82,6 +82,11 @@ def _fixtures(args) -> int:
     draft = weights.load_draft(os.path.join(root, "draft"), dtype=jnp.float32)
     with open(os.path.join(root, "generate.json")) as f:
         runs = json.load(f)["runs"][: args.prompts]
+    mesh = None
+    if args.mesh:  # decode.generate places the weights on it (ddtree_jax.sharding)
+        from ddtree_jax import sharding
+
+        mesh = sharding.make_mesh(args.mesh)
     configs = []
     for m in args.methods:
         if m == "ddtree":
@@ -97,11 +102,11 @@ def _fixtures(args) -> int:
             prompts = [r["prompt"] for r in group]
             dr = draft if method != "ar" else None
             t0 = time.perf_counter()
-            decode.generate(target, prompts, opts, draft=dr)  # compiles
+            decode.generate(target, prompts, opts, draft=dr, mesh=mesh)  # compiles
             compile_s = time.perf_counter() - t0
             per_round, res = [], None
             for _ in range(args.repeats):
-                res = decode.generate(target, prompts, opts, draft=dr)
+                res = decode.generate(target, prompts, opts, draft=dr, mesh=mesh)
                 rounds = max(len(a) for a in res.acceptance_lengths) if method != "ar" else max(res.num_generated)
                 per_round.append(1e3 * res.decode_s / max(rounds, 1))
             acc = [a for seq in res.acceptance_lengths for a in seq]
@@ -114,7 +119,7 @@ def _fixtures(args) -> int:
                 "rounds": rounds, "mean_acceptance_length": (sum(acc) / len(acc)) if acc else None,
                 "tokens_per_round": sum(res.num_generated) / len(group) / max(rounds, 1),
                 "matches_reference": parity, "attention": res.attention, "compile_s": compile_s,
-                "device": jax.devices()[0].device_kind, "date": _now(), "command": _command(),
+                "mesh": args.mesh, "device": jax.devices()[0].device_kind, "date": _now(), "command": _command(),
             }
             records.append(rec)
             _log(f"{method:6s} budget={budget} batch={len(group)}: {rec['ms_per_round']:.2f} ms/round, "
@@ -1038,6 +1043,9 @@ def build_parser() -> cli.ArgumentParser:
                    help="tokens per prompt (default: the fixture's max_new_tokens)")
     f.add_argument("--batched", action="store_true", help="also run all prompts as one batch")
     f.add_argument("--repeats", type=int, default=2, help="timed runs per configuration; median (default: 2)")
+    f.add_argument("--mesh", default=None, metavar="DxM",
+                   help="run on a data x model mesh of every visible device (ddtree_jax.sharding; e.g. 1x2: each "
+                        "layer split over 2 devices, 2x1: the prompts split); default: one device")
     f.add_argument("--json", default=None, help="write the records (a JSON list) to this file")
 
     m = sub.add_parser("models", help="random-weight models of real shapes, built on the device",

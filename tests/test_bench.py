@@ -29,6 +29,16 @@ def test_fixtures_mode_smoke(tmp_path, capsys):
     assert "ms_per_round" in table and "ddtree" in table
 
 
+def test_fixtures_mode_on_a_mesh(tmp_path):
+    """--mesh runs decode.generate's sharded path (one CPU device here: 1x1; tests/test_sharding.py has 8) and
+    still gives the reference's tokens; the mesh is recorded."""
+    out = tmp_path / "mesh.json"
+    assert bench.main(["fixtures", "--methods", "ddtree", "--budgets", "4", "--prompts", "1", "--max-new-tokens",
+                       "8", "--repeats", "1", "--mesh", "1x1", "--json", str(out)]) == 0
+    (rec,) = json.loads(out.read_text())
+    assert rec["mesh"] == "1x1" and rec["matches_reference"] is True
+
+
 def test_pair_mode_on_the_fixture_pair(tmp_path, capsys):
     """``bench pair`` with an explicit pair: held-out prompts, every method, acceptance and speed vs AR."""
     from tests.conftest import fixture_path
@@ -113,7 +123,8 @@ def test_ab_options_parse_list_values():
 
 @pytest.mark.parametrize("argv", [["models", "--budgets", "0"], ["models", "--verify-align", "0"],
                                   ["models", "--layer-unroll", "0"], ["models", "--ab", "noname"],
-                                  ["models", "--ab", "x:FUSION,a=b"], ["models", "--ab", "x:a="]])
+                                  ["models", "--ab", "x:FUSION,a=b"], ["models", "--ab", "x:a="],
+                                  ["fixtures", "--mesh", "3x3"], ["fixtures", "--mesh", "two"]])
 def test_bad_flag_is_one_line_error(argv, capsys):
     assert bench.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
