@@ -46,15 +46,23 @@ def _smem_bytes(rows: int, wgs: int, bk: int, stages: int, itemsize: int = 2) ->
     return stages * (rows + _BM * wgs) * bk * itemsize + wgs * _BM * rows * 4
 
 
+_SMEM = 220_000  # bytes of SMEM a CTA may use (227 KB on an H100 / H200, less the barriers)
+
+
 def default_config(rows: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(wgs, bk, stages, splits): a deep ring of weight tiles per CTA; splits of the reduction axis only where the
-    output tiles alone are fewer than the SMs."""
+    """(wgs, bk, stages, splits): a ring of up to 6 weight tiles per CTA that fits SMEM; splits of the reduction axis
+    only where the output tiles alone are fewer than the SMs. (The best config measured differs per shape:
+    benchmarks/KERNELS.md.)"""
     wgs = 2 if n % (2 * _BM) == 0 and n // (2 * _BM) >= _NUM_SMS else 1
+    stages = min(6, (_SMEM - wgs * _BM * rows * 4) // ((rows + _BM * wgs) * 64 * 2))
+    if stages < 2:
+        wgs = 1
+        stages = min(6, (_SMEM - _BM * rows * 4) // ((rows + _BM) * 64 * 2))
     tiles = n // (_BM * wgs)
     splits = 1
     while tiles * splits < _NUM_SMS and k // 64 // (2 * splits) >= 8:
         splits *= 2
-    return wgs, 64, 6, splits
+    return wgs, 64, stages, splits
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
@@ -81,7 +89,7 @@ def stacked_matmul(x: jax.Array, w: jax.Array, layer, *, out_dtype=None,
     k_steps = k // bk
     per = -(-k_steps // splits)  # reduction steps per share (the last may have fewer)
     items = n // bm * splits  # (tile, share) pairs; item = tile * splits + share
-    per_sm = max(1, 220_000 // _smem_bytes(r, wgs, bk, stages))
+    per_sm = max(1, _SMEM // _smem_bytes(r, wgs, bk, stages))
     ctas = min(items, rest[0] if rest else _NUM_SMS * per_sm)
     part_dtype = out_dtype if splits == 1 else jnp.dtype(jnp.float32)
     swizzle = plgpu.find_swizzle(bk * x.dtype.itemsize * 8)

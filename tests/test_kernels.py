@@ -376,6 +376,16 @@ def test_stacked_matmul_is_the_product_of_the_layer(rows, n, k, config):
     assert not np.allclose(np.asarray(got), other, atol=1e-1)  # not another layer
 
 
+def test_stacked_matmul_default_config_fits_shared_memory():
+    from pallas_kernels import stacked_matmul as sm
+
+    for rows in range(8, 257, 8):
+        for n, k in ((6144, 4096), (24576, 4096), (4096, 12288), (576, 1536)):
+            wgs, bk, stages, splits = sm.default_config(rows, n, k)
+            assert stages >= 2 and n % (64 * wgs) == 0 and (k // bk) >= splits, (rows, n, k)
+            assert sm._smem_bytes(rows, wgs, bk, stages) <= sm._SMEM, (rows, n, k)
+
+
 def test_stacked_matmul_refuses_shapes_it_cannot_tile():
     from pallas_kernels import stacked_matmul as sm
 

@@ -6,7 +6,7 @@ report JSON that the tests below assert on:
 - meshes 1x1, 1x2, 2x2, 1x4 (the fixture target has 2 KV heads: replicated to 4) and 8x1, for ar, dflash
   and ddtree: one batch of 8 rows, 3 greedy (compared with the reference fixtures: outputs and per-round
   acceptance lengths) and 5 sampled with temperature / top-k / top-p (compared with one device, same seeds);
-- the compiled HLO of a 2x2 round (row-parallel all-reduces present, nothing vocabulary-sized gathered) and
+- the compiled HLO of a 2x2 round and AR step (row-parallel all-reduces present, nothing vocabulary-sized gathered) and
   of an 8x1 round and prefill (no collective at all: data parallelism is communication-free);
 - decode.generate(mesh=...) padding a batch of 3 to the data axis, and with output-major target weights; the attention and tree-walk kernels per
   device under shard_map (the wrappers' splits on 2x2; the Pallas kernels in the Mosaic GPU interpreter on
@@ -117,7 +117,7 @@ def _script(out_path: str) -> None:
         for method in METHODS:
             result, prefill_hlo, rounds_hlo = run(method, mesh)
             report["grid"][shape][method] = result
-            if (shape, method) in (("2x2", "ddtree"), ("2x2", "dflash"), ("8x1", "ddtree")):
+            if (shape, method) in (("2x2", "ddtree"), ("2x2", "dflash"), ("2x2", "ar"), ("8x1", "ddtree")):
                 report["hlo"][f"{shape} {method}"] = {
                     "rounds": sharding.collectives(rounds_hlo),
                     "prefill": sharding.collectives(prefill_hlo),
@@ -365,6 +365,21 @@ def test_hlo_of_a_tensor_parallel_round(report, method):
     gathers = [c for c in rounds if c["op"] == "all-gather"]
     assert gathers and all(max(d[-1] for _, d in c["shapes"]) <= 2 * BUDGET for c in gathers), gathers
     assert all(c["op"] in ("all-reduce", "all-gather") for c in rounds), rounds
+
+
+def test_hlo_of_a_tensor_parallel_ar_step(report):
+    """2x2 AR: the row-parallel all-reduces of the residual stream (attention output, MLP down), the embedding's, and
+    the argmax's all-gather of one (value, index) per vocabulary shard; nothing vocabulary-sized. (On 2 x H200 the
+    all-reduces take 5-10 µs each and the argmax's all-gather carries 8 bytes: benchmarks/PERF.md, fifteenth run.)"""
+    rounds = report["hlo"]["2x2 ar"]["rounds"]
+    assert all(c["op"] in ("all-reduce", "all-gather") for c in rounds), rounds
+    for einsum in ("bthk,hkd->btd", "btf,fd->btd"):
+        hits = [c for c in rounds if c["op"] == "all-reduce" and c["source"].endswith(einsum + "/dot_general")]
+        assert hits and all(c["shapes"][0][1][-1] == 64 for c in hits), (einsum, rounds)
+    assert any("gather" in c["source"] for c in rounds if c["op"] == "all-reduce"), rounds  # the embedding lookup
+    assert not [c for c in rounds + report["hlo"]["2x2 ar"]["prefill"] if _vocab_sized(c)]
+    gathers = [c for c in rounds if c["op"] == "all-gather"]
+    assert gathers and all(max(d[-1] for _, d in c["shapes"]) <= 2 for c in gathers), gathers
 
 
 def test_hlo_of_a_data_parallel_round_has_no_collectives(report):
