@@ -56,12 +56,12 @@ def choose(logits: Array, keys: Array, temperature: Array, top_p: Array, top_k: 
 
     logits [B, T, V] f32; keys [B, T] (one independent key per node); temperature/top_p/top_k [B].
     """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = sharding.argmax(logits)
 
     def sampled(_):
         filt = filter_logits(logits, temperature, top_p, top_k)
         gumbel = jax.vmap(jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],))))(keys)
-        return jnp.argmax(filt + gumbel, axis=-1).astype(jnp.int32)
+        return sharding.argmax(filt + gumbel)
 
     draw = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
     return jnp.where(temperature[:, None] > 0, draw, greedy)

@@ -16,8 +16,8 @@ Tensor parallelism (``model``), inside each data shard, by XLA's SPMD partitione
     lm_head [D, V]             vocabulary-parallel: logits stay split over the vocabulary
     KV caches [L, B, S, K, hd] split on batch (data) and KV heads (model)
 
-The vocabulary is never gathered: the greedy argmax is XLA's per-shard argmax + a gather of one
-(value, index) pair per shard; the tree's per-depth top-k is a per-shard top-k + a gather of k candidates
+The vocabulary is never gathered: the greedy argmax is a per-shard argmax + a gather of one (value, index)
+pair per shard (:func:`argmax`); the tree's per-depth top-k is a per-shard top-k + a gather of k candidates
 per shard (:func:`top_k`); top-p / top-k filtering for sampling finds its cutoff by a 32-step bisection over
 the float's bit pattern, each step an all-reduce of two [B, T] arrays (:func:`filter_logits`); the Gumbel
 noise is generated in place (partitionable threefry), so a sampled token is the same on every mesh.
@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import re
 from typing import Any, Callable, Sequence
 
@@ -355,27 +356,82 @@ def _vocab_specs(ndim: int, rules: Rules) -> tuple[P, P]:
     return P(rules.batch, *mid, rules.vocab), P(rules.batch, *mid, None)
 
 
+VOCAB_GATHERS = ("all-gather", "psum")
+
+
+def vocab_gather() -> str:
+    """How :func:`top_k` collects the shards' candidates: ``DDTREE_JAX_VOCAB_GATHER`` (read when a program is
+    traced), "all-gather" (default) or "psum" (an all-reduce of zero-padded slots). The same bits either way; which
+    is faster on GPUs is not measured yet (benchmarks/PERF.md, For the lead, item 11)."""
+    how = os.environ.get("DDTREE_JAX_VOCAB_GATHER", "all-gather")
+    if how not in VOCAB_GATHERS:
+        raise ShardingError(f"DDTREE_JAX_VOCAB_GATHER={how!r}: expected one of {', '.join(VOCAB_GATHERS)}")
+    return how
+
+
+def gather_shards(x: Array, axis: str, shards: int, how: str = "all-gather") -> Array:
+    """Inside shard_map: [..., k] on each of ``shards`` devices along mesh axis ``axis`` -> [..., shards * k], the
+    devices' parts in axis order, on every device (``all_gather(tiled=True)``). ``how="psum"``: each device writes
+    its part, as integer bits, into its slot of a zero buffer and the buffers are summed (integer adds of zeros:
+    the same bits, -0.0 and NaN included), an all-reduce instead of an all-gather."""
+    if how == "all-gather":
+        return jax.lax.all_gather(x, axis, axis=x.ndim - 1, tiled=True)
+    bits_type = {2: jnp.int16, 4: jnp.int32}[x.dtype.itemsize]
+    bits = x if jnp.issubdtype(x.dtype, jnp.integer) else jax.lax.bitcast_convert_type(x, bits_type)
+    if bits.dtype.itemsize < 4:  # psum of 16-bit integers: widen (the values stay small: one term is non-zero)
+        bits = bits.astype(jnp.int32)
+    slots = jnp.zeros((*x.shape[:-1], shards, x.shape[-1]), bits.dtype)
+    slots = jax.lax.dynamic_update_index_in_dim(slots, bits, jax.lax.axis_index(axis), axis=x.ndim - 1)
+    out = jax.lax.psum(slots, axis).reshape(*x.shape[:-1], shards * x.shape[-1])
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        return out.astype(x.dtype)
+    return jax.lax.bitcast_convert_type(out.astype(bits_type), x.dtype)
+
+
 def top_k(x: Array, k: int, local: Callable = jax.lax.top_k) -> tuple[Array, Array]:
     """``local(x, k)`` (lax.top_k or an exact equivalent) over the last axis [B, ..., V]; vocabulary-parallel
     under a mesh: each device takes the top k of its shard with ``local``, the k * M candidates are gathered
-    (not the V logits) and reduced. Same result and tie order (lower index first) as lax.top_k."""
+    (not the V logits; :func:`gather_shards`, as :func:`vocab_gather` says) and reduced. Same result and tie order
+    (lower index first) as lax.top_k."""
     act = _vocab_split()
     if act is None:
         return local(x, k)
     mesh, rules = act
     split, rep = _vocab_specs(x.ndim, rules)
+    shards, how = axis_size(mesh, rules.vocab), vocab_gather()
 
     def shard(x):
         width = x.shape[-1]
         vals, ids = local(x, min(k, width))
         ids = ids + jax.lax.axis_index(rules.vocab).astype(ids.dtype) * width
-        vals = jax.lax.all_gather(vals, rules.vocab, axis=x.ndim - 1, tiled=True)  # [..., M * k], shard order
-        ids = jax.lax.all_gather(ids, rules.vocab, axis=x.ndim - 1, tiled=True)
+        vals = gather_shards(vals, rules.vocab, shards, how)  # [..., M * k], shard order
+        ids = gather_shards(ids, rules.vocab, shards, how)
         best, pos = jax.lax.top_k(vals, k)
         return best, jnp.take_along_axis(ids, pos, axis=-1)
 
     # all_gather's result is the same on every vocabulary shard, which check_vma cannot infer
     return _per_device(shard, mesh, (split,), (rep, rep), check_vma=False)(x)
+
+
+def argmax(x: Array) -> Array:
+    """``jnp.argmax(x, axis=-1)`` as int32 (the first of equal maxima, NaN above all); vocabulary-parallel under a
+    mesh: each device's (max, first index) over its shard, gathered (:func:`gather_shards`, as :func:`vocab_gather`
+    says), then the first best of those: the same index."""
+    act = _vocab_split()
+    if act is None:
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    mesh, rules = act
+    split, rep = _vocab_specs(x.ndim, rules)
+    shards, how = axis_size(mesh, rules.vocab), vocab_gather()
+
+    def shard(x):
+        ids = jnp.argmax(x, axis=-1).astype(jnp.int32)[..., None]  # [..., 1]
+        vals = jnp.take_along_axis(x, ids, axis=-1)
+        ids = ids + jax.lax.axis_index(rules.vocab).astype(jnp.int32) * x.shape[-1]
+        vals, ids = gather_shards(vals, rules.vocab, shards, how), gather_shards(ids, rules.vocab, shards, how)
+        return jnp.take_along_axis(ids, jnp.argmax(vals, axis=-1)[..., None], axis=-1)[..., 0]
+
+    return _per_device(shard, mesh, (split,), P(*tuple(rep)[:-1]), check_vma=False)(x)
 
 
 def _ordered(x: Array) -> Array:

@@ -290,7 +290,7 @@ def tree_from_lists(lp: Array, ids: Array, budget: int, *, select: str, unroll: 
 def chain(draft_logits: Array) -> Tree:
     """Chain DFlash: one path of the draft argmax tokens, depths 1..Dp."""
     b, depth_count, _ = draft_logits.shape
-    tokens = jnp.argmax(draft_logits, axis=-1).astype(jnp.int32)
+    tokens = sharding.argmax(draft_logits)
     depths = jnp.broadcast_to(jnp.arange(1, depth_count + 1, dtype=jnp.int32), (b, depth_count))
     parents = jnp.broadcast_to(jnp.arange(-1, depth_count, dtype=jnp.int32), (b, depth_count + 1))
     bits = pack_bits(jnp.tril(jnp.ones((depth_count + 1, depth_count + 1), bool)))

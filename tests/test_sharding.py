@@ -8,6 +8,7 @@ report JSON that the tests below assert on:
   acceptance lengths) and 5 sampled with temperature / top-k / top-p (compared with one device, same seeds);
 - the compiled HLO of a 2x2 round and AR step (row-parallel all-reduces present, nothing vocabulary-sized gathered) and
   of an 8x1 round and prefill (no collective at all: data parallelism is communication-free);
+- the shards' top-k candidates gathered by an all-reduce instead (DDTREE_JAX_VOCAB_GATHER=psum): same bits, same rows;
 - decode.generate(mesh=...) padding a batch of 3 to the data axis, and with output-major target weights; the attention and tree-walk kernels per
   device under shard_map (the wrappers' splits on 2x2; the Pallas kernels in the Mosaic GPU interpreter on
   1x1); a checkpoint saved from one sharded layout and restored into another; impossible meshes.
@@ -256,6 +257,7 @@ def _script(out_path: str) -> None:
                              "ids_beyond_first_shard": int(jnp.sum(want[1] >= 2048))}
     report["seconds"]["vocab_top_k"] = time.time() - t0
 
+
     # checkpoints: read the safetensors into 1x2, save from there, restore into 1x4 (KV heads replicated)
     t0 = time.time()
     cfg2, p2 = sharding.load_target(TARGET, mesh_of("1x2"))
@@ -289,6 +291,25 @@ def _script(out_path: str) -> None:
         except sharding.ShardingError as e:
             errors[name] = str(e)
     report["errors"] = errors
+
+    # the shards' candidates gathered by an all-reduce of zero-padded slots (DDTREE_JAX_VOCAB_GATHER=psum)
+    t0 = time.time()
+    special = jnp.asarray([[-0.0, 0.0, jnp.nan, -jnp.inf, 1.5, -2.25, 3e38, -1e-45]], jnp.float32)
+
+    def gathered(how, x):
+        f = jax.shard_map(lambda a: sharding.gather_shards(a, "model", 4, how), mesh=mesh_of("1x4"),
+                          in_specs=P(None, "model"), out_specs=P(), check_vma=False)
+        return np.asarray(jax.jit(f)(x)).view(np.uint8)
+
+    same_bits = all(np.array_equal(gathered("psum", x), gathered("all-gather", x))
+                    for x in (special, special.astype(jnp.bfloat16), jnp.arange(-3, 5, dtype=jnp.int32)[None]))
+    os.environ["DDTREE_JAX_VOCAB_GATHER"] = "psum"
+    jax.clear_caches()  # last: every program after this point is traced again
+    psum_run, _, psum_rounds = run("ddtree", mesh_of("2x2"))
+    del os.environ["DDTREE_JAX_VOCAB_GATHER"]
+    report["vocab_gather_psum"] = {"same_bits": same_bits, "ddtree_2x2": psum_run,
+                                   "ops": sorted({c["op"] for c in sharding.collectives(psum_rounds)})}
+    report["seconds"]["vocab_gather_psum"] = time.time() - t0
     with open(out_path, "w") as f:
         json.dump(report, f)
 
@@ -380,6 +401,27 @@ def test_hlo_of_a_tensor_parallel_ar_step(report):
     assert not [c for c in rounds + report["hlo"]["2x2 ar"]["prefill"] if _vocab_sized(c)]
     gathers = [c for c in rounds if c["op"] == "all-gather"]
     assert gathers and all(max(d[-1] for _, d in c["shapes"]) <= 2 for c in gathers), gathers
+
+
+def test_candidates_gathered_by_psum_are_the_same(report):
+    """DDTREE_JAX_VOCAB_GATHER=psum (sharding.gather_shards): the tiled all-gather's bits (f32 with -0.0, NaN, -inf,
+    bf16, int32) by an all-reduce, and a 2x2 ddtree round with no all-gather left gives the same rows as with it
+    (greedy rows: the reference's tokens)."""
+    got = report["vocab_gather_psum"]
+    assert got["same_bits"]
+    assert got["ops"] == ["all-reduce"], got["ops"]
+    assert got["ddtree_2x2"] == report["grid"]["2x2"]["ddtree"]
+    runs = _reference_runs()
+    for i in GREEDY:
+        assert got["ddtree_2x2"]["outputs"][i] == runs[ROWS[i][0]]["ar"]
+
+
+def test_a_bad_vocab_gather_is_a_one_line_error(monkeypatch):
+    from ddtree_jax import sharding
+
+    monkeypatch.setenv("DDTREE_JAX_VOCAB_GATHER", "ring")
+    with pytest.raises(sharding.ShardingError, match="expected one of all-gather, psum"):
+        sharding.vocab_gather()
 
 
 def test_hlo_of_a_data_parallel_round_has_no_collectives(report):
