@@ -463,7 +463,7 @@ def stage_matmul(rec, args, deadline):
             for cfg in configs:
                 if cfg[0] == 2 and n % 128:
                     continue
-                if sm._smem_bytes(rows, *cfg[:3]) > 220_000:
+                if sm._smem_bytes(rows, *cfg[:3]) > sm._SMEM:
                     continue
                 try:
                     f = jax.jit(functools.partial(sm.stacked_matmul, out_dtype=jnp.float32, config=cfg, **KW))

@@ -8,7 +8,7 @@ report JSON that the tests below assert on:
   acceptance lengths) and 5 sampled with temperature / top-k / top-p (compared with one device, same seeds);
 - the compiled HLO of a 2x2 round and AR step (row-parallel all-reduces present, nothing vocabulary-sized gathered) and
   of an 8x1 round and prefill (no collective at all: data parallelism is communication-free);
-- the shards' top-k candidates gathered by an all-reduce instead (DDTREE_JAX_VOCAB_GATHER=psum): same bits, same rows;
+- the shards' argmax and top-k candidates gathered by an all-reduce instead (DDTREE_JAX_VOCAB_GATHER=psum): same bits, same rows;
 - decode.generate(mesh=...) padding a batch of 3 to the data axis, and with output-major target weights; the attention and tree-walk kernels per
   device under shard_map (the wrappers' splits on 2x2; the Pallas kernels in the Mosaic GPU interpreter on
   1x1); a checkpoint saved from one sharded layout and restored into another; impossible meshes.
