@@ -83,10 +83,11 @@ def _fixtures(args) -> int:
     with open(os.path.join(root, "generate.json")) as f:
         runs = json.load(f)["runs"][: args.prompts]
     mesh = None
-    if args.mesh:  # decode.generate places the weights on it (ddtree_jax.sharding)
+    if args.mesh:  # the weights placed once (decode.generate would place them again on every call)
         from ddtree_jax import sharding
 
         mesh = sharding.make_mesh(args.mesh)
+        target, draft = sharding.shard_model(target, mesh), sharding.shard_model(draft, mesh)
     configs = []
     for m in args.methods:
         if m == "ddtree":

@@ -388,50 +388,53 @@ def gather_shards(x: Array, axis: str, shards: int, how: str = "all-gather") -> 
     return jax.lax.bitcast_convert_type(out.astype(bits_type), x.dtype)
 
 
-def top_k(x: Array, k: int, local: Callable = jax.lax.top_k) -> tuple[Array, Array]:
-    """``local(x, k)`` (lax.top_k or an exact equivalent) over the last axis [B, ..., V]; vocabulary-parallel
-    under a mesh: each device takes the top k of its shard with ``local``, the k * M candidates are gathered
-    (not the V logits; :func:`gather_shards`, as :func:`vocab_gather` says) and reduced. Same result and tie order
-    (lower index first) as lax.top_k."""
-    act = _vocab_split()
-    if act is None:
-        return local(x, k)
-    mesh, rules = act
+def _from_shard_candidates(x: Array, local: Callable, pick: Callable, n_out: int) -> tuple[Array, ...]:
+    """Under a vocabulary split of x [B, ..., V]: on each device ``local(shard) -> (vals, ids)`` [..., k] (ids within
+    the shard), the devices' candidates gathered in shard order with global ids (:func:`gather_shards`, as
+    :func:`vocab_gather` says), then ``pick(vals, ids)`` on every device: ``n_out`` arrays [B, ..., k'], replicated
+    over the vocabulary axis."""
+    mesh, rules = _vocab_split()
     split, rep = _vocab_specs(x.ndim, rules)
     shards, how = axis_size(mesh, rules.vocab), vocab_gather()
 
     def shard(x):
-        width = x.shape[-1]
-        vals, ids = local(x, min(k, width))
-        ids = ids + jax.lax.axis_index(rules.vocab).astype(ids.dtype) * width
-        vals = gather_shards(vals, rules.vocab, shards, how)  # [..., M * k], shard order
-        ids = gather_shards(ids, rules.vocab, shards, how)
+        vals, ids = local(x)
+        ids = ids + jax.lax.axis_index(rules.vocab).astype(ids.dtype) * x.shape[-1]
+        return pick(gather_shards(vals, rules.vocab, shards, how), gather_shards(ids, rules.vocab, shards, how))
+
+    # the gathered candidates are the same on every vocabulary shard, which check_vma cannot infer
+    return _per_device(shard, mesh, (split,), (rep,) * n_out, check_vma=False)(x)
+
+
+def top_k(x: Array, k: int, local: Callable = jax.lax.top_k) -> tuple[Array, Array]:
+    """``local(x, k)`` (lax.top_k or an exact equivalent) over the last axis [B, ..., V]; vocabulary-parallel
+    under a mesh: each device takes the top k of its shard with ``local``, the k * M candidates are gathered
+    (not the V logits) and reduced. Same result and tie order (lower index first) as lax.top_k."""
+    if _vocab_split() is None:
+        return local(x, k)
+
+    def pick(vals, ids):
         best, pos = jax.lax.top_k(vals, k)
         return best, jnp.take_along_axis(ids, pos, axis=-1)
 
-    # all_gather's result is the same on every vocabulary shard, which check_vma cannot infer
-    return _per_device(shard, mesh, (split,), (rep, rep), check_vma=False)(x)
+    return _from_shard_candidates(x, lambda s: local(s, min(k, s.shape[-1])), pick, 2)
 
 
 def argmax(x: Array) -> Array:
     """``jnp.argmax(x, axis=-1)`` as int32 (the first of equal maxima, NaN above all); vocabulary-parallel under a
-    mesh: each device's (max, first index) over its shard, gathered (:func:`gather_shards`, as :func:`vocab_gather`
-    says), then the first best of those: the same index."""
-    act = _vocab_split()
-    if act is None:
+    mesh: each device's (max, first index) over its shard, gathered, then the first best of those: the same index."""
+    if _vocab_split() is None:
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
-    mesh, rules = act
-    split, rep = _vocab_specs(x.ndim, rules)
-    shards, how = axis_size(mesh, rules.vocab), vocab_gather()
 
-    def shard(x):
-        ids = jnp.argmax(x, axis=-1).astype(jnp.int32)[..., None]  # [..., 1]
-        vals = jnp.take_along_axis(x, ids, axis=-1)
-        ids = ids + jax.lax.axis_index(rules.vocab).astype(jnp.int32) * x.shape[-1]
-        vals, ids = gather_shards(vals, rules.vocab, shards, how), gather_shards(ids, rules.vocab, shards, how)
-        return jnp.take_along_axis(ids, jnp.argmax(vals, axis=-1)[..., None], axis=-1)[..., 0]
+    def local(s):
+        ids = jnp.argmax(s, axis=-1).astype(jnp.int32)[..., None]  # [..., 1]
+        return jnp.take_along_axis(s, ids, axis=-1), ids
 
-    return _per_device(shard, mesh, (split,), P(*tuple(rep)[:-1]), check_vma=False)(x)
+    def pick(vals, ids):
+        return (jnp.take_along_axis(ids, jnp.argmax(vals, axis=-1)[..., None], axis=-1),)
+
+    (ids,) = _from_shard_candidates(x, local, pick, 1)
+    return ids[..., 0]
 
 
 def _ordered(x: Array) -> Array:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax import tree as trees
-from pallas_kernels import ancestor_bits, tree_accept as ta, vocab_top_k
+from pallas_kernels import ancestor_bits, stacked_matmul as sm, tree_accept as ta, vocab_top_k
 from pallas_kernels import tree_attention as tat
 from pallas_kernels.inputs import accept_inputs, ancestor_mask, attention_inputs, random_parents
 from pallas_kernels.bitmask import pack_bits, unpack_bits
@@ -363,8 +363,6 @@ def test_ancestor_bits_kernel_is_the_xla_form(n1, kind, max_depth):
 def test_stacked_matmul_is_the_product_of_the_layer(rows, n, k, config):
     """stacked_matmul (Mosaic GPU interpreter) reads the right layer of the stack and sums every reduction step once:
     equal to an f32 product of that layer up to f32 summation order."""
-    from pallas_kernels import stacked_matmul as sm
-
     rng = np.random.default_rng(rows + n)
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((3, n, k)), jnp.bfloat16)
@@ -377,8 +375,6 @@ def test_stacked_matmul_is_the_product_of_the_layer(rows, n, k, config):
 
 
 def test_stacked_matmul_default_config_fits_shared_memory():
-    from pallas_kernels import stacked_matmul as sm
-
     for rows in range(8, 257, 8):
         for n, k in ((6144, 4096), (24576, 4096), (4096, 12288), (576, 1536)):
             wgs, bk, stages, splits = sm.default_config(rows, n, k)
@@ -387,8 +383,6 @@ def test_stacked_matmul_default_config_fits_shared_memory():
 
 
 def test_stacked_matmul_refuses_shapes_it_cannot_tile():
-    from pallas_kernels import stacked_matmul as sm
-
     assert sm.supports(72, 128, 256, jnp.bfloat16) and not sm.supports(70, 128, 256, jnp.bfloat16)
     assert not sm.supports(72, 100, 256, jnp.bfloat16) and not sm.supports(72, 128, 256, jnp.float32)
     with pytest.raises(ValueError, match="multiple of 8"):
