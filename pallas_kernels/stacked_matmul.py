@@ -53,11 +53,11 @@ def default_config(rows: int, n: int, k: int) -> tuple[int, int, int, int]:
     """(wgs, bk, stages, splits): a ring of up to 6 weight tiles per CTA that fits SMEM; splits of the reduction axis
     only where the output tiles alone are fewer than the SMs. (The best config measured differs per shape:
     benchmarks/KERNELS.md.)"""
-    wgs = 2 if n % (2 * _BM) == 0 and n // (2 * _BM) >= _NUM_SMS else 1
-    stages = min(6, (_SMEM - wgs * _BM * rows * 4) // ((rows + _BM * wgs) * 64 * 2))
-    if stages < 2:
-        wgs = 1
-        stages = min(6, (_SMEM - _BM * rows * 4) // ((rows + _BM) * 64 * 2))
+    def deepest_ring(wgs):
+        return max((s for s in range(2, 7) if _smem_bytes(rows, wgs, 64, s) <= _SMEM), default=0)
+
+    wgs = 2 if n % (2 * _BM) == 0 and n // (2 * _BM) >= _NUM_SMS and deepest_ring(2) else 1
+    stages = deepest_ring(wgs)
     tiles = n // (_BM * wgs)
     splits = 1
     while tiles * splits < _NUM_SMS and k // 64 // (2 * splits) >= 8:
