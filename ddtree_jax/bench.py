@@ -520,11 +520,12 @@ class Bench:
 
             self.mesh = sharding.make_mesh(args.mesh)
             (tcfg, tp), (dcfg, dp) = (sharding.shard_model(m, self.mesh) for m in ((tcfg, tp), (dcfg, dp)))
-        if args.layout != "stacked":  # (the random weights are built stacked and input-major)
-            from ddtree_jax import decode
+        from ddtree_jax import decode
 
-            tp, dp = _sync(tuple(decode.device_layout(p, layout=args.layout) for p in (tp, dp)))
-        info = {"layout": args.layout,
+        # (the random weights are built stacked and input-major)
+        args.draft_layout = args.draft_layout or decode.DRAFT_GPU_LAYOUT
+        tp, dp = _sync((decode.device_layout(tp, layout=args.layout), decode.device_layout(dp, layout=args.draft_layout)))
+        info = {"layout": args.layout, "draft_layout": args.draft_layout,
             "build_s": time.time() - t0, "target_bytes": _nbytes(tp), "draft_bytes": _nbytes(dp),
             "target_layer_bytes": _nbytes(tp.layers), "lm_head_bytes": _nbytes(tp.lm_head),
             "embed_bytes": _nbytes(tp.embed),
@@ -586,7 +587,7 @@ class Bench:
         rec: dict[str, Any] = {"model": shape.name, "method": method, "budget": budget if method == "ddtree" else None,
                                "batch": batch, "prompt_len": prompt_len}
         info: dict[str, Any] = {"capacity": capacity, "attention": spec.attention, "layout": args.layout,
-                                "compile_s": {}}
+                                "draft_layout": args.draft_layout, "compile_s": {}}
 
         # ---- whole rounds: N in one while_loop call
         n = args.rounds
@@ -1082,6 +1083,12 @@ def build_parser() -> cli.ArgumentParser:
                         "the target's matrices stored [out, in], so a one-row step is a row reduction; -fused: "
                         "also q/k/v and gate/up as one matrix each (decode.device_layout; default: %(default)s, "
                         "the GPU default)")
+    m.add_argument("--draft-layout", choices=("unstacked", "stacked", "unstacked-out-major", "stacked-out-major",
+                                              "stacked-out-major-fused"),
+                   default=None,
+                   help="the drafter's layer weights, in the same forms as --layout (its fc stays input-major; a "
+                        "fused drafter keeps its k and v matrices for the context projection) (default: "
+                        "decode.DRAFT_GPU_LAYOUT, stacked-out-major-fused)")
     m.add_argument("--verify-align", type=cli.positive_int, default=None, metavar="N",
                    help="pad each verify block's rows to a multiple of N (default: decode.default_verify_align: "
                         "8 on GPU for dflash/ddtree, else 1)")

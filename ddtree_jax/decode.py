@@ -506,8 +506,8 @@ def device_layout(params, backend: str | None = None, layout: str | None = None)
     ``params.unstack_layers``, avoids slicing altogether but its unrolled loop compiles for minutes); stacked
     and input-major elsewhere. Same math. ``layout`` (default: the ``DDTREE_JAX_LAYOUT`` environment variable,
     else "auto") forces one of ``LAYOUTS``; "-fused" also concatenates each layer's q/k/v and gate/up matrices
-    (``params.fuse_projections``; skipped for weights split across devices). Drafters are never output-major (they
-    never multiply one row) nor fused.
+    (``params.fuse_projections``; skipped for weights split across devices). A drafter takes the same forms (its
+    ``fc`` stays input-major) with its own GPU default, ``DRAFT_GPU_LAYOUT``.
     Idempotent: callers that decode many times lay out once at load (``generate`` then has nothing to do).
 
     On CPU a tied output projection is also materialised once, in float32 ([D, V]): otherwise XLA:CPU
@@ -519,14 +519,14 @@ def device_layout(params, backend: str | None = None, layout: str | None = None)
     if params is None:
         return params
     backend = backend or jax.default_backend()
-    if layout == "auto":
-        layout = GPU_LAYOUT if backend == "gpu" else "stacked"
     target = isinstance(params, TargetParams)
+    if layout == "auto":
+        layout = (GPU_LAYOUT if target else DRAFT_GPU_LAYOUT) if backend == "gpu" else "stacked"
     if backend == "cpu" and target and params.lm_head is None and "out-major" not in layout:
         params = dataclasses.replace(params, lm_head=params.embed.T.astype(jnp.float32))
-    if target and "out-major" in layout:
+    if "out-major" in layout:
         params = output_major(params)
-    if target and layout.endswith("-fused") and _replicated(params.layers):
+    if layout.endswith("-fused") and _replicated(params.layers):
         params = fuse_projections(params)
     return unstack_layers(params) if layout.startswith("unstacked") else params
 
@@ -539,6 +539,11 @@ def _replicated(tree) -> bool:
 # device_layout's choice on GPU: fastest AR and rounds measured, short compiles (benchmarks/PERF.md, seventh run:
 # fusing q/k/v and gate/up took a Qwen3-8B ddtree-64 round from 8.73 to 7.87 ms, AR 5.08 to 4.98 ms)
 GPU_LAYOUT = "stacked-out-major-fused"
+# ... and a drafter's (its products have 16 rows per sequence): output-major with q/k/v and gate/up fused, against
+# input-major and separate, was faster in every interleaved same-process A/B on an H200 (benchmarks/PERF.md, sixteenth
+# run; rounds 0.4-1.3% shorter: Qwen3-8B ddtree 64 7.567 -> 7.536 ms, 4B 5.719 -> 5.669, batch 8 and dflash too).
+# Separate products overlap under concurrent command-buffer scheduling, which is why the gain is small.
+DRAFT_GPU_LAYOUT = "stacked-out-major-fused"
 
 
 def round_up(x: int, m: int) -> int:

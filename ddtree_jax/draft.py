@@ -36,15 +36,17 @@ def extend(
     cos, sin = model.rope_tables(lc, positions)
     w = params.layers
 
+    om = (w[0] if isinstance(w, (tuple, list)) else w).output_major
+
     def kv(ctx, wk, wv, k_norm):  # one layer's context K/V, vmapped over the stacked layers below
-        k = model.rms_norm(jnp.einsum("bcd,dhk->bchk", ctx, wk), k_norm, lc.rms_norm_eps)
-        return model.apply_rope(k, cos, sin), jnp.einsum("bcd,dhk->bchk", ctx, wv)
+        k = model.rms_norm(model.linear(ctx, wk, "bcd,dhk->bchk", om), k_norm, lc.rms_norm_eps)
+        return model.apply_rope(k, cos, sin), model.linear(ctx, wv, "bcd,dhk->bchk", om)
 
     if isinstance(w, (tuple, list)):  # unstacked layers (params.unstack_layers)
         per_layer = [kv(ctx, lw.wk, lw.wv, lw.k_norm) for lw in w]
         k, v = jnp.stack([a for a, _ in per_layer]), jnp.stack([c for _, c in per_layer])
-    else:  # ctx batched over the layers too: a batched GEMM reading each layer's [D, K, hd] in place, where a
-        # shared ctx lets XLA merge the layers into one GEMM over [D, L * K * hd], a transposed copy of wk and wv
+    else:  # ctx batched over the layers too: a batched GEMM reading each layer's [D, K, hd] ([K, hd, D]) in place,
+        # where a shared ctx lets XLA merge the layers into one GEMM over [D, L * K * hd], a transposed copy of wk, wv
         ctx_l = jnp.broadcast_to(ctx[None], (w.wk.shape[0], *ctx.shape))
         k, v = jax.vmap(kv)(ctx_l, w.wk, w.wv, w.k_norm)  # [L, B, C, K, hd]
     return kvcache.KVCache(
@@ -104,7 +106,7 @@ def propose(
         else:
             extra = jnp.where(sliding[i], window, True)
             o = model.tree_attention_lib.tree_attention_reference(q, k_all[i], v_all[i], start, bits, extra_mask=extra)
-        x = x + jnp.einsum("bthk,hkd->btd", o, w.wo, preferred_element_type=jnp.float32)
+        x = x + model.linear(o, w.wo, "bthk,hkd->btd", w.output_major, jnp.float32)
         x = x + model.mlp(model.rms_norm(x, w.mlp_norm, lc.rms_norm_eps), w)
         return (x, k_all, v_all), None
 

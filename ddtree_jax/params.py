@@ -43,7 +43,8 @@ class LayerWeights:
     # True: the seven matrices are stored output-major, [L, *out, *in] (e.g. wq [L, H, hd, D]; see output_major)
     output_major: bool = dataclasses.field(default=False, metadata=dict(static=True))
     # True: wq holds q | k | v ([L, H + 2K, hd, D]) and w_gate holds gate | up ([L, 2F, D]), concatenated along
-    # their output axis; wk, wv and w_up are None (see fuse_projections; output-major only)
+    # their output axis; w_up is None, and wk, wv too in a target, not in a drafter (see fuse_projections;
+    # output-major only)
     fused: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
@@ -192,15 +193,18 @@ def _out_major_axes(name: str, axes: tuple) -> tuple:
     return axes[:lead] + axes[lead + n_in:] + axes[lead:lead + n_in]
 
 
-def output_major(params: TargetParams) -> TargetParams:
-    """The target with its layer matrices and lm_head stored output-major ([*out, *in], PyTorch's layout).
+def output_major(params: TargetParams | DraftParams) -> TargetParams | DraftParams:
+    """The target with its layer matrices and lm_head stored output-major ([*out, *in], PyTorch's layout); a
+    drafter with its layer matrices so (its ``fc`` stays input-major).
 
-    Same math; what changes is how a one-row product reads the weights. An autoregressive step at batch 1
+    Same math; what changes is how a product reads the weights. An autoregressive step at batch 1
     multiplies one row by every matrix, and ``model.linear`` then takes a row reduction (f32 products summed
     over the contiguous input axes), which XLA fuses into one pass over the weights: measured on an H200
     (benchmarks/gemv_ab.py) 3.9 TB/s, where XLA's one-row GEMM over [in, out] weights reads at 2.2 TB/s.
-    Products of more rows stay GEMMs (the transposed operand is free for them). Idempotent; stacked or not."""
-    if params.output_major:
+    Products of more rows stay GEMMs, as fast either way (a drafter's 16-row products too; fused, see
+    :func:`fuse_projections`, they are faster: benchmarks/PERF.md, sixteenth run). Idempotent; stacked or not."""
+    first = params.layers[0] if isinstance(params.layers, (tuple, list)) else params.layers
+    if first.output_major:
         return params
 
     def move(w: LayerWeights) -> LayerWeights:
@@ -211,28 +215,32 @@ def output_major(params: TargetParams) -> TargetParams:
         return dataclasses.replace(w, output_major=True, **moved)
 
     layers = tuple(map(move, params.layers)) if isinstance(params.layers, (tuple, list)) else move(params.layers)
+    if isinstance(params, DraftParams):
+        return dataclasses.replace(params, layers=layers)
     lm_head = None if params.lm_head is None else params.lm_head.T
     return dataclasses.replace(params, layers=layers, lm_head=lm_head, output_major=True)
 
 
-def fuse_projections(params: TargetParams) -> TargetParams:
-    """The output-major target with each layer's q, k and v matrices as one matrix (``wq``: [L, H + 2K, hd, D])
-    and its gate and up matrices as one (``w_gate``: [L, 2F, D]).
+def fuse_projections(params: TargetParams | DraftParams) -> TargetParams | DraftParams:
+    """The output-major target or drafter with each layer's q, k and v matrices as one matrix (``wq``: [L, H + 2K,
+    hd, D]) and its gate and up matrices as one (``w_gate``: [L, 2F, D]).
 
     Same math; fewer, larger products. At 65 rows (a DDTree verify) cuBLAS reads the 8 MB k and v matrices of
     Qwen3-8B at about 1 TB/s each, against 3.4 TB/s for the 100 MB gate and up (benchmarks/PERF.md, seventh run);
     XLA's dot merger would concatenate them at run time, copying the weights every step. Here they are
-    concatenated once, at load. Not for sharded weights: a column split of [q | k | v] would not be a split of
-    the heads. Idempotent; stacked or not."""
-    if not params.output_major:
-        raise ValueError("fuse_projections takes output-major weights (params.output_major first)")
+    concatenated once, at load. A drafter keeps its separate ``wk`` and ``wv`` too: ``draft.extend`` projects the
+    context with them alone (a product over a slice of the fused matrix would copy it). Not for sharded weights:
+    a column split of [q | k | v] would not be a split of the heads. Idempotent; stacked or not."""
+    keep_kv = isinstance(params, DraftParams)
 
     def fuse(w: LayerWeights) -> LayerWeights:
+        if not w.output_major:
+            raise ValueError("fuse_projections takes output-major weights (params.output_major first)")
         if w.fused:
             return w
         out_axis = w.wq.ndim - 3  # [L?, H, hd, D] and [L?, F, D]: the first axis after the layer axis
         return dataclasses.replace(
-            w, fused=True, wk=None, wv=None, w_up=None,
+            w, fused=True, w_up=None, **({} if keep_kv else dict(wk=None, wv=None)),
             wq=jnp.concatenate([w.wq, w.wk, w.wv], axis=out_axis),
             w_gate=jnp.concatenate([w.w_gate, w.w_up], axis=out_axis),
         )

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax import accept, decode
+from ddtree_jax import accept, decode, projection
 from ddtree_jax.params import LayerWeights
 
 
@@ -184,25 +184,33 @@ def test_a_fault_on_the_kernels_path_raises_and_names_the_xla_path(target, draft
 
 @pytest.mark.parametrize("layout", ["unstacked", "stacked-out-major", "unstacked-out-major", "stacked-out-major-fused"])
 def test_gpu_layouts_give_the_same_rounds(target, drafter, reference_runs, layout):
-    """The layouts used on GPU (per-layer buffers in an unrolled loop; output-major target matrices, whose
-    one-row AR steps are row reductions; q/k/v and gate/up fused into one matrix each) compute what the
-    stacked scan does: the reference's rounds."""
+    """The layouts used on GPU (per-layer buffers in an unrolled loop; output-major matrices, whose one-row AR
+    steps are row reductions; q/k/v and gate/up fused into one matrix each), for the target and the drafter,
+    compute what the stacked scan does: the reference's rounds (dflash and ddtree, so ``draft.extend``'s context
+    projections too). The drafter also keeps its own k and v matrices when fused."""
     run = reference_runs[0]
     (cfg, tp), (dcfg, dp) = target, drafter
     tl, dl = (decode.device_layout(p, backend="gpu", layout=layout) for p in (tp, dp))
-    layers = dl.layers if isinstance(dl.layers, LayerWeights) else dl.layers[0]
-    assert tl.output_major == ("out-major" in layout) and not layers.output_major and not layers.fused
-    fused, tlayers = layout.endswith("-fused"), tl.layers if isinstance(tl.layers, LayerWeights) else tl.layers[0]
-    assert tlayers.fused == fused and (tlayers.wk is None) == fused and (tlayers.w_up is None) == fused
-    res = decode.generate((cfg, tl), [run["prompt"]], options("ddtree", run, tree_budget=16), draft=(dcfg, dl))
-    ref = run["ddtree"]["16"]
-    assert res.output_ids[0] == ref["output"] and res.acceptance_lengths[0] == ref["acceptance_lengths"]
+    fused = layout.endswith("-fused")
+    for laid, is_target in ((tl, True), (dl, False)):
+        layers = laid.layers if isinstance(laid.layers, LayerWeights) else laid.layers[0]
+        assert layers.output_major == ("out-major" in layout) and layers.fused == fused
+        assert (layers.w_up is None) == fused and (layers.wk is None) == (fused and is_target)
+    assert tl.output_major == ("out-major" in layout)
+    for method, budget in (("ddtree", "16"), ("dflash", None)):
+        res = decode.generate((cfg, tl), [run["prompt"]], options(method, run, tree_budget=int(budget or 1)),
+                              draft=(dcfg, dl))
+        ref = run[method][budget] if budget else run[method]
+        assert res.output_ids[0] == ref["output"] and res.acceptance_lengths[0] == ref["acceptance_lengths"]
     res = decode.generate((cfg, tl), [run["prompt"]], options("ar", run))
     assert res.output_ids[0] == run["ar"]
     auto = decode.device_layout(tp, backend="gpu")
     assert auto.layers.__class__ is LayerWeights and auto.output_major and auto.layers.fused
-    assert decode.GPU_LAYOUT == "stacked-out-major-fused"
-    assert decode.device_layout(tp, backend="cpu") is tp
+    assert decode.GPU_LAYOUT == projection.LAYOUT == "stacked-out-major-fused"
+    dauto = decode.device_layout(dp, backend="gpu")
+    assert dauto.layers.output_major and dauto.layers.fused and dauto.layers.wk is not None
+    assert decode.DRAFT_GPU_LAYOUT == "stacked-out-major-fused" and projection.DRAFT_LAYOUT == "stacked"
+    assert decode.device_layout(tp, backend="cpu") is tp and decode.device_layout(dp, backend="cpu") is dp
 
 
 def test_fused_projections_are_the_separate_ones(target):

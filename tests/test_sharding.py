@@ -133,22 +133,24 @@ def _script(out_path: str) -> None:
     report["seconds"]["generate"] = time.time() - t0
 
     # output-major target weights (the GPU layout, params.output_major) on meshes: one prompt, so AR multiplies
-    # one row (the row-reduction form) on 1x4 (KV heads repeated along their output-major axis); ddtree on 1x2
+    # one row (the row-reduction form) on 1x4 (KV heads repeated along their output-major axis); ddtree on 1x2,
+    # the drafter output-major too
     t0 = time.time()
     from ddtree_jax import params as params_lib
 
     om = (target[0], params_lib.output_major(target[1]))
+    om_draft = (drafter[0], params_lib.output_major(drafter[1]))
     report["out_major"] = {
         f"{shape} {method}": decode.generate(om, prompts[:1], decode.GenerateOptions(
-            method=method, max_new_tokens=40, tree_budget=BUDGET), draft=drafter, mesh=mesh_of(shape)).output_ids[0]
+            method=method, max_new_tokens=40, tree_budget=BUDGET), draft=om_draft, mesh=mesh_of(shape)).output_ids[0]
         for shape, method in (("1x4", "ar"), ("1x2", "ddtree"))
     }
     report["seconds"]["out_major"] = time.time() - t0
     # the fused layout (q/k/v and gate/up concatenated) only where each device holds whole matrices
     report["fused"] = {
-        shape: decode.device_layout(sharding.shard_model(target, mesh_of(shape))[1], backend="gpu",
-                                    layout="stacked-out-major-fused").layers.fused
-        for shape in ("1x4", "4x1")
+        f"{name} {shape}": decode.device_layout(sharding.shard_model(m, mesh_of(shape))[1], backend="gpu",
+                                                layout="stacked-out-major-fused").layers.fused
+        for name, m in (("target", target), ("drafter", drafter)) for shape in ("1x4", "4x1")
     }
 
     # the attention kernel per device under shard_map: the wrapper's specs on 2x2 (a jnp stand-in that records
@@ -440,14 +442,15 @@ def test_generate_pads_the_batch_to_the_data_axis(report):
 
 
 def test_output_major_weights_on_meshes(report):
-    """Output-major target weights sharded on 1x4 (AR, one row) and 1x2 (ddtree): the reference's tokens."""
+    """Output-major target and drafter weights sharded on 1x4 (AR, one row) and 1x2 (ddtree): the reference's
+    tokens."""
     run = _reference_runs()[0]
     assert report["out_major"] == {k: run["ar"][: len(run["prompt"]) + 40] for k in ("1x4 ar", "1x2 ddtree")}
 
 
 def test_fused_layout_only_for_whole_matrices(report):
     """A column split of [q | k | v] is no split of the heads: split weights stay unfused, replicated ones fuse."""
-    assert report["fused"] == {"1x4": False, "4x1": True}
+    assert report["fused"] == {f"{m} {shape}": shape == "4x1" for m in ("target", "drafter") for shape in ("1x4", "4x1")}
 
 
 def test_attention_kernel_runs_per_device(report):

@@ -1,0 +1,124 @@
+"""Interleaved same-process A/B of whole rounds: every variant compiled once, then timed in alternating pairs (A B,
+B A, A B, ...) so that the drift of one process's speed (up to 8% over a minute on an H200: benchmarks/PERF.md,
+tenth and thirteenth runs) falls on every variant alike. Reports each variant's median ms per round, the median of
+the paired differences against the first variant, and how many pairs the variant won.
+
+A variant is NAME:FIELD=VALUE,... with fields ``draft`` (the drafter's layout, decode.LAYOUTS; default
+decode.DRAFT_GPU_LAYOUT), ``layout`` (the target's; default decode.GPU_LAYOUT) and any XLA option (added to
+decode.XLA_OPTIONS, as ``bench models --ab``).
+
+    PYTHONPATH=. python benchmarks/ab_interleaved.py --model qwen3-8b --method ddtree --budget 64 --pairs 12 \\
+        --variant base: --variant dfused:draft=stacked-out-major-fused --json $OUT/ab.json [--profile $OUT/prof]
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from ddtree_jax import bench, decode
+from ddtree_jax.shapes import SHAPES, build_params, model_configs
+
+
+def variant(text: str) -> tuple[str, dict]:
+    """NAME:FIELD=VALUE,... -> (NAME, {"layout"?, "draft"?, "options": XLA options})."""
+    name, colon, rest = text.partition(":")
+    pieces = [x for x in rest.split(",") if x]
+    fields = dict(x.split("=", 1) for x in pieces if x.startswith(("draft=", "layout=")))
+    others = ",".join(x for x in pieces if not x.startswith(("draft=", "layout=")))
+    fields["options"] = bench.xla_options(others) if others else {}
+    if not (name and colon) or fields["options"] is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME:FIELD=VALUE,...")
+    return name, fields
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3-8b", choices=sorted(SHAPES))
+    p.add_argument("--method", default="ddtree", choices=("ar", "dflash", "ddtree"))
+    p.add_argument("--budget", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=10, help="rounds per timed call")
+    p.add_argument("--pairs", type=int, default=12, help="alternating passes over the variants")
+    p.add_argument("--variant", type=variant, action="append", required=True, help="NAME:FIELD=VALUE,...")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--profile", help="a directory: also trace 5 rounds of each variant and summarise the kernels")
+    args = p.parse_args()
+
+    shape = SHAPES[args.model]
+    tcfg, dcfg = model_configs(shape)
+    tp0, dp0 = build_params(tcfg, dcfg, jnp.bfloat16)
+    spec = bench.make_spec(tcfg, dcfg, args.method, args.budget, "auto")
+    _, capacity, out_len = decode.layout(spec, [args.prompt] * args.batch, 256)
+    state = bench.make_state(spec, shape.vocab, args.batch, args.prompt, capacity, out_len, jnp.bfloat16)
+    n = jnp.int32(args.rounds)
+    laid: dict[tuple, object] = {}
+
+    def lay(params, layout):
+        key = (type(params).__name__, layout)
+        if key not in laid:
+            laid[key] = jax.block_until_ready(decode.device_layout(params, layout=layout))
+        return laid[key]
+
+    runs = {}
+    for name, fields in args.variant:
+        tl, dl = fields.get("layout", decode.GPU_LAYOUT), fields.get("draft", decode.DRAFT_GPU_LAYOUT)
+        opts = fields["options"]
+        tp = lay(tp0, tl)
+        dp = lay(dp0, dl) if args.method != "ar" else None
+        t0 = time.perf_counter()
+        compiled = decode.run_rounds.lower(spec, tp, dp, state, n).compile({**decode.XLA_OPTIONS, **opts})
+        cs = time.perf_counter() - t0
+        state = jax.block_until_ready(compiled(tp, dp, bench.reset(state, args.prompt), jnp.int32(2)))  # warm
+        runs[name] = dict(compiled=compiled, tp=tp, dp=dp, layout=tl, draft_layout=dl, options=opts,
+                          compile_s=cs, ms=[])
+        print(f"{name}: layout {tl}, draft {dl}, options {opts}, compiled in {cs:.1f}s", flush=True)
+
+    names = list(runs)
+    for i in range(args.pairs):
+        for name in names if i % 2 == 0 else names[::-1]:
+            r = runs[name]
+            state = jax.block_until_ready(bench.reset(state, args.prompt))
+            t0 = time.perf_counter()
+            state = jax.block_until_ready(r["compiled"](r["tp"], r["dp"], state, n))
+            r["ms"].append(1e3 * (time.perf_counter() - t0) / args.rounds)
+
+    base = runs[names[0]]["ms"]
+    out = {"model": args.model, "method": args.method, "budget": args.budget if args.method == "ddtree" else None,
+           "prompt_len": args.prompt, "batch": args.batch, "rounds_per_call": args.rounds, "pairs": args.pairs,
+           "device": jax.devices()[0].device_kind, "date": bench._now(), "variants": {}}
+    for name in names:
+        r = runs[name]
+        diffs = [m - b for m, b in zip(r["ms"], base)]
+        out["variants"][name] = {
+            "layout": r["layout"], "draft_layout": r["draft_layout"], "xla_options": r["options"],
+            "compile_s": r["compile_s"], "median_ms": statistics.median(r["ms"]), "ms": r["ms"],
+            "median_diff_ms_vs_first": statistics.median(diffs), "pairs_faster_than_first": sum(d < 0 for d in diffs),
+        }
+        print(f"{name:>12}: median {statistics.median(r['ms']):.3f} ms/round, paired diff vs {names[0]} "
+              f"{statistics.median(diffs):+.3f} ms (faster in {sum(d < 0 for d in diffs)} of {len(diffs)}), "
+              f"range {min(r['ms']):.3f}-{max(r['ms']):.3f}", flush=True)
+    if args.profile:
+        out["profiles"] = {}
+        for name in names:
+            r = runs[name]
+            d = f"{args.profile}/{name}"
+            state = jax.block_until_ready(bench.reset(state, args.prompt))
+            with jax.profiler.trace(d):
+                state = jax.block_until_ready(r["compiled"](r["tp"], r["dp"], state, jnp.int32(5)))
+            path = sorted(glob.glob(f"{d}/**/*.xplane.pb", recursive=True))[-1]
+            out["profiles"][name] = bench.profile_summary(path, top=60)
+            print(f"{name}: profile {path}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
