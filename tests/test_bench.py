@@ -2,11 +2,14 @@
 with per-round times, acceptance lengths and parity with the reference output. Kept well under a minute."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from ddtree_jax import bench, projection
+from ddtree_jax import bench, decode, projection
 
 
 def test_fixtures_mode_smoke(tmp_path, capsys):
@@ -83,6 +86,28 @@ def test_models_mode_writes_the_issue_records(tmp_path):
         assert set(by[m]["breakdown_ms"]) >= {"draft", "tree", "verify", "accept_commit"}
         assert by[m]["roofline_ms"] is None and by[m]["ratio_to_ar"] > 0 and by[m]["floor_ms"] > 0
     assert "ceilings" in json.loads((tmp_path / "bench_details.json").read_text())
+    assert {r["details"]["draft_layout"] for r in records} == {decode.DRAFT_GPU_LAYOUT}  # --draft-layout's default
+
+
+def test_interleaved_ab_script(tmp_path):
+    """benchmarks/ab_interleaved.py on the tiny shape (CPU): each variant's layouts and XLA options as asked, one
+    timing per pair each, the paired differences against the first; a malformed variant is a one-line error."""
+    root = Path(__file__).resolve().parents[1]
+    script, out = root / "benchmarks" / "ab_interleaved.py", tmp_path / "ab.json"
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    args = [sys.executable, str(script), "--model", "tiny", "--method", "ddtree", "--budget", "4", "--prompt", "16",
+            "--rounds", "2", "--pairs", "3", "--variant", "base:", "--variant", "dom:draft=stacked-out-major",
+            "--json", str(out)]
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(out.read_text())
+    base, dom = got["variants"]["base"], got["variants"]["dom"]
+    assert got["model"] == "tiny" and got["budget"] == 4 and got["pairs"] == 3
+    assert base["draft_layout"] == "stacked-out-major-fused" and dom["draft_layout"] == "stacked-out-major"
+    assert len(base["ms"]) == len(dom["ms"]) == 3 and min(base["ms"] + dom["ms"]) > 0
+    assert base["median_diff_ms_vs_first"] == 0 and base["pairs_faster_than_first"] == 0
+    bad = subprocess.run(args[:-4] + ["--variant", "nocolon"], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and "is not NAME:FIELD=VALUE" in bad.stderr.strip().splitlines()[-1]
 
 
 def test_the_recorded_h200_results_hold_issue_5s_fields_and_grid():
