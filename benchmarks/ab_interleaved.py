@@ -21,7 +21,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax import bench, decode
+from ddtree_jax import bench, cli, decode
 from ddtree_jax.shapes import SHAPES, build_params, model_configs
 
 
@@ -34,6 +34,9 @@ def variant(text: str) -> tuple[str, dict]:
     fields["options"] = bench.xla_options(others) if others else {}
     if not (name and colon) or fields["options"] is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not NAME:FIELD=VALUE,...")
+    for key in ("draft", "layout"):
+        if fields.get(key, "auto") not in decode.LAYOUTS:
+            raise argparse.ArgumentTypeError(f"{key}={fields[key]!r}: expected one of {', '.join(decode.LAYOUTS)}")
     return name, fields
 
 
@@ -41,11 +44,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen3-8b", choices=sorted(SHAPES))
     p.add_argument("--method", default="ddtree", choices=("ar", "dflash", "ddtree"))
-    p.add_argument("--budget", type=int, default=64)
-    p.add_argument("--prompt", type=int, default=512)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=10, help="rounds per timed call")
-    p.add_argument("--pairs", type=int, default=12, help="alternating passes over the variants")
+    p.add_argument("--budget", type=cli.positive_int, default=64)
+    p.add_argument("--prompt", type=cli.positive_int, default=512)
+    p.add_argument("--batch", type=cli.positive_int, default=1)
+    p.add_argument("--rounds", type=cli.positive_int, default=10, help="rounds per timed call")
+    p.add_argument("--pairs", type=cli.positive_int, default=12, help="alternating passes over the variants")
     p.add_argument("--variant", type=variant, action="append", required=True, help="NAME:FIELD=VALUE,...")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--profile", help="a directory: also trace 5 rounds of each variant and summarise the kernels")

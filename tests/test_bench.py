@@ -106,8 +106,9 @@ def test_interleaved_ab_script(tmp_path):
     assert base["draft_layout"] == "stacked-out-major-fused" and dom["draft_layout"] == "stacked-out-major"
     assert len(base["ms"]) == len(dom["ms"]) == 3 and min(base["ms"] + dom["ms"]) > 0
     assert base["median_diff_ms_vs_first"] == 0 and base["pairs_faster_than_first"] == 0
-    bad = subprocess.run(args[:-4] + ["--variant", "nocolon"], capture_output=True, text=True, env=env, timeout=120)
-    assert bad.returncode == 2 and "is not NAME:FIELD=VALUE" in bad.stderr.strip().splitlines()[-1]
+    for variant, msg in (("nocolon", "is not NAME:FIELD=VALUE"), ("x:draft=rolled", "draft='rolled': expected one of")):
+        bad = subprocess.run(args[:-4] + ["--variant", variant], capture_output=True, text=True, env=env, timeout=120)
+        assert bad.returncode == 2 and msg in bad.stderr.strip().splitlines()[-1], bad.stderr
 
 
 def test_the_recorded_h200_results_hold_issue_5s_fields_and_grid():
