@@ -524,7 +524,8 @@ class Bench:
 
         # (the random weights are built stacked and input-major)
         args.draft_layout = args.draft_layout or decode.DRAFT_GPU_LAYOUT
-        tp, dp = _sync((decode.device_layout(tp, layout=args.layout), decode.device_layout(dp, layout=args.draft_layout)))
+        tp, dp = _sync((decode.device_layout(tp, layout=args.layout),
+                        decode.device_layout(dp, layout=args.draft_layout)))
         info = {"layout": args.layout, "draft_layout": args.draft_layout,
             "build_s": time.time() - t0, "target_bytes": _nbytes(tp), "draft_bytes": _nbytes(dp),
             "target_layer_bytes": _nbytes(tp.layers), "lm_head_bytes": _nbytes(tp.lm_head),
@@ -666,6 +667,7 @@ class Bench:
                 info["one_call_vs_separate"] = heavy["one_call_vs_separate"]
         rec.update({"roofline_ms": rec.get("roofline_ms"), "breakdown_ms": rec.get("breakdown_ms"),
                     "date": _now(), "command": _command(), "device": self.device, "attention": spec.attention,
+                    "layout": args.layout, "draft_layout": args.draft_layout,  # what projection.round_costs filters on
                     "mean_acceptance_length": info["mean_acceptance_length"], "details": info})
         _log(f"  -> {ms:.3f} ms/round" + (f", breakdown {_fmt(rec.get('breakdown_ms'))}" if args.breakdown else "")
              + (f", ratio to AR {rec['ratio_to_ar']:.3f}" if rec.get("ratio_to_ar") else "")
@@ -1025,6 +1027,10 @@ def _names(text: str) -> list[str]:
     return vals
 
 
+# decode.LAYOUTS but "auto" (not imported here: --help without jax)
+LAYOUT_CHOICES = ("unstacked", "stacked", "unstacked-out-major", "stacked-out-major", "stacked-out-major-fused")
+
+
 def build_parser() -> cli.ArgumentParser:
     here = os.path.dirname(os.path.abspath(__file__))
     fixtures_default = os.path.join(os.path.dirname(here), "tests", "fixtures", "ddtree_reference")
@@ -1075,16 +1081,14 @@ def build_parser() -> cli.ArgumentParser:
     m.add_argument("--no-breakdown", dest="breakdown", action="store_false", help="skip the stage breakdown")
     m.add_argument("--breakdown-first-only", action="store_true",
                    help="break down only the first prompt/batch configuration (saves compiles)")
-    m.add_argument("--layout", choices=("unstacked", "stacked", "unstacked-out-major", "stacked-out-major",
-                                        "stacked-out-major-fused"),
+    m.add_argument("--layout", choices=LAYOUT_CHOICES,
                    default="stacked-out-major-fused",
                    help="layer weights as separate per-layer arrays (an unrolled layer loop) or stacked [L, ...] "
                         "arrays under lax.scan (XLA copies each layer's slice on GPU unless fused); -out-major: "
                         "the target's matrices stored [out, in], so a one-row step is a row reduction; -fused: "
                         "also q/k/v and gate/up as one matrix each (decode.device_layout; default: %(default)s, "
                         "the GPU default)")
-    m.add_argument("--draft-layout", choices=("unstacked", "stacked", "unstacked-out-major", "stacked-out-major",
-                                              "stacked-out-major-fused"),
+    m.add_argument("--draft-layout", choices=LAYOUT_CHOICES,
                    default=None,
                    help="the drafter's layer weights, in the same forms as --layout (its fc stays input-major; a "
                         "fused drafter keeps its k and v matrices for the context projection) (default: "

@@ -67,7 +67,8 @@ def round_costs(records: list[dict], model: str, prompt_len: int, batch: int, bu
         hits = [r for r in records if (r.get("model"), r.get("method"), r.get("budget"), r.get("batch"),
                                        r.get("prompt_len")) == (model, method, budget, batch, prompt_len)
                 and (layout is None or r.get("layout") == layout)
-                and (draft_layout is None or r.get("draft_layout", "stacked") == draft_layout) and r.get("ms_per_round")]
+                and (draft_layout is None or r.get("draft_layout", "stacked") == draft_layout)
+                and r.get("ms_per_round")]
         if hits:
             out[f"{method}{budget or ''}"] = max(hits, key=lambda r: r.get("date", ""))
         else:

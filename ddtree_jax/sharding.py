@@ -362,7 +362,7 @@ VOCAB_GATHERS = ("all-gather", "psum")
 def vocab_gather() -> str:
     """How :func:`top_k` and :func:`argmax` collect the shards' candidates: ``DDTREE_JAX_VOCAB_GATHER`` (read when
     a program is traced), "all-gather" (default) or "psum" (an all-reduce of zero-padded slots). The same bits either
-    way; which is faster on GPUs is not measured yet (benchmarks/PERF.md, For the lead, item 11)."""
+    way; on two H200s neither was faster (benchmarks/PERF.md, sixteenth run)."""
     how = os.environ.get("DDTREE_JAX_VOCAB_GATHER", "all-gather")
     if how not in VOCAB_GATHERS:
         raise ShardingError(f"DDTREE_JAX_VOCAB_GATHER={how!r}: expected one of {', '.join(VOCAB_GATHERS)}")

@@ -86,7 +86,14 @@ def test_models_mode_writes_the_issue_records(tmp_path):
         assert set(by[m]["breakdown_ms"]) >= {"draft", "tree", "verify", "accept_commit"}
         assert by[m]["roofline_ms"] is None and by[m]["ratio_to_ar"] > 0 and by[m]["floor_ms"] > 0
     assert "ceilings" in json.loads((tmp_path / "bench_details.json").read_text())
-    assert {r["details"]["draft_layout"] for r in records} == {decode.DRAFT_GPU_LAYOUT}  # --draft-layout's default
+    for r in records:  # --draft-layout's default, at the top level where projection.round_costs reads it
+        assert r["draft_layout"] == r["details"]["draft_layout"] == decode.DRAFT_GPU_LAYOUT
+        assert r["layout"] == projection.LAYOUT
+
+
+def test_layout_flags_offer_decodes_layouts():
+    """bench models' --layout / --draft-layout choices (written out: --help imports no jax) are decode.LAYOUTS."""
+    assert set(bench.LAYOUT_CHOICES) == set(decode.LAYOUTS) - {"auto"}
 
 
 def test_interleaved_ab_script(tmp_path):

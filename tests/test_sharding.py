@@ -450,7 +450,8 @@ def test_output_major_weights_on_meshes(report):
 
 def test_fused_layout_only_for_whole_matrices(report):
     """A column split of [q | k | v] is no split of the heads: split weights stay unfused, replicated ones fuse."""
-    assert report["fused"] == {f"{m} {shape}": shape == "4x1" for m in ("target", "drafter") for shape in ("1x4", "4x1")}
+    want = {f"{m} {shape}": shape == "4x1" for m in ("target", "drafter") for shape in ("1x4", "4x1")}
+    assert report["fused"] == want
 
 
 def test_attention_kernel_runs_per_device(report):
