@@ -4,17 +4,21 @@ tenth and thirteenth runs) falls on every variant alike. Reports each variant's 
 the paired differences against the first variant, and how many pairs the variant won.
 
 A variant is NAME:FIELD=VALUE,... with fields ``draft`` (the drafter's layout, decode.LAYOUTS; default
-decode.DRAFT_GPU_LAYOUT), ``layout`` (the target's; default decode.GPU_LAYOUT) and any XLA option (added to
-decode.XLA_OPTIONS, as ``bench models --ab``).
+decode.DRAFT_GPU_LAYOUT), ``layout`` (the target's; default decode.GPU_LAYOUT), ``DDTREE_JAX_*`` environment
+variables (set while the variant is traced and compiled, e.g. DDTREE_JAX_QKV_WRITE=xla) and any XLA option (added
+to decode.XLA_OPTIONS, as ``bench models --ab``).
 
     PYTHONPATH=. python benchmarks/ab_interleaved.py --model qwen3-8b --method ddtree --budget 64 --pairs 12 \\
-        --variant base: --variant dfused:draft=stacked-out-major-fused --json $OUT/ab.json [--profile $OUT/prof]
+        --variant base: --variant dfused:draft=stacked-out-major-fused --json $OUT/ab.json [--profile $OUT/prof] \\
+        [--hlo $OUT/hlo]
 """
 from __future__ import annotations
 
 import argparse
 import glob
+import gzip
 import json
+import os
 import statistics
 import time
 
@@ -30,7 +34,8 @@ def variant(text: str) -> tuple[str, dict]:
     name, colon, rest = text.partition(":")
     pieces = [x for x in rest.split(",") if x]
     fields = dict(x.split("=", 1) for x in pieces if x.startswith(("draft=", "layout=")))
-    others = ",".join(x for x in pieces if not x.startswith(("draft=", "layout=")))
+    fields["env"] = dict(x.split("=", 1) for x in pieces if x.startswith("DDTREE_JAX_") and "=" in x)
+    others = ",".join(x for x in pieces if not x.startswith(("draft=", "layout=", "DDTREE_JAX_")))
     fields["options"] = bench.xla_options(others) if others else {}
     if not (name and colon) or fields["options"] is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not NAME:FIELD=VALUE,...")
@@ -52,6 +57,7 @@ def main() -> None:
     p.add_argument("--variant", type=variant, action="append", required=True, help="NAME:FIELD=VALUE,...")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--profile", help="a directory: also trace 5 rounds of each variant and summarise the kernels")
+    p.add_argument("--hlo", help="a directory: write each variant's optimized HLO there (NAME.hlo.txt.gz)")
     args = p.parse_args()
 
     shape = SHAPES[args.model]
@@ -76,12 +82,27 @@ def main() -> None:
         tp = lay(tp0, tl)
         dp = lay(dp0, dl) if args.method != "ar" else None
         t0 = time.perf_counter()
-        compiled = decode.run_rounds.lower(spec, tp, dp, state, n).compile({**decode.XLA_OPTIONS, **opts})
+        saved = {k: os.environ.get(k) for k in fields["env"]}
+        os.environ.update(fields["env"])
+        jax.clear_caches()  # else run_rounds' trace is reused: an environment variable is read when tracing
+        try:
+            compiled = decode.run_rounds.lower(spec, tp, dp, state, n).compile({**decode.XLA_OPTIONS, **opts})
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k)
+                else:
+                    os.environ[k] = v
         cs = time.perf_counter() - t0
+        if args.hlo:
+            os.makedirs(args.hlo, exist_ok=True)
+            with gzip.open(os.path.join(args.hlo, f"{name}.hlo.txt.gz"), "wt") as f:
+                f.write(compiled.as_text())
         state = jax.block_until_ready(compiled(tp, dp, bench.reset(state, args.prompt), jnp.int32(2)))  # warm
         runs[name] = dict(compiled=compiled, tp=tp, dp=dp, layout=tl, draft_layout=dl, options=opts,
-                          compile_s=cs, ms=[])
-        print(f"{name}: layout {tl}, draft {dl}, options {opts}, compiled in {cs:.1f}s", flush=True)
+                          env=fields["env"], compile_s=cs, ms=[])
+        print(f"{name}: layout {tl}, draft {dl}, options {opts}, env {fields['env']}, compiled in {cs:.1f}s",
+              flush=True)
 
     names = list(runs)
     for i in range(args.pairs):
@@ -100,7 +121,7 @@ def main() -> None:
         r = runs[name]
         diffs = [m - b for m, b in zip(r["ms"], base)]
         out["variants"][name] = {
-            "layout": r["layout"], "draft_layout": r["draft_layout"], "xla_options": r["options"],
+            "layout": r["layout"], "draft_layout": r["draft_layout"], "xla_options": r["options"], "env": r["env"],
             "compile_s": r["compile_s"], "median_ms": statistics.median(r["ms"]), "ms": r["ms"],
             "median_diff_ms_vs_first": statistics.median(diffs), "pairs_faster_than_first": sum(d < 0 for d in diffs),
         }

@@ -201,9 +201,10 @@ def kernel_mismatch(impl: str = "pallas") -> str | None:
     interpreter) once on small random problems (``pallas_kernels.inputs``) and compare them with their jnp
     references: the attention as the model calls it (``model.attention_fn(impl)``), on a ragged bf16 GQA tree
     problem, reading the middle layer (traced) of a stacked cache whose other layers differ, so a wrong layer
-    cannot match; the tree walk, on trees whose target choices mostly follow the tree, so paths go deep.
-    Returns a description of the first mismatch, or None."""
-    from pallas_kernels import inputs, tree_accept as tw, tree_attention as ta
+    cannot match; the tree walk, on trees whose target choices mostly follow the tree, so paths go deep; for
+    'pallas-inplace', the layer's q/k norm, RoPE and K/V write (``pallas_kernels.qkv_write``), some rows past the
+    cache. Returns a description of the first mismatch, or None."""
+    from pallas_kernels import inputs, qkv_write, tree_accept as tw, tree_attention as ta
 
     q, k, v, prefix, bits = inputs.attention_inputs(0, 2, 5, 4, 2, 128, 128, [3, 70])
     stacked = [jnp.stack([-x[:, ::-1], x, x[:, ::-1]]) for x in (k, v)]  # [3, B, S, K, hd]: layer 1 is (k, v)
@@ -219,6 +220,18 @@ def kernel_mismatch(impl: str = "pallas") -> str | None:
     want = tw.tree_accept_reference(tok, par, tgt, max_depth=15)
     if not all(np.array_equal(x, y) for x, y in zip(got, want)):
         return f"tree walk: lengths {np.asarray(got[1]).tolist()}, reference {np.asarray(want[1]).tolist()}"
+    if impl.startswith("pallas-inplace"):
+        rng = np.random.default_rng(1)
+        qkv, k_all, v_all = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+                             for s in ((2, 3, 8, 128), (3, 2, 16, 2, 128), (3, 2, 16, 2, 128)))
+        qn, kn = (jnp.asarray(1 + 0.3 * rng.standard_normal(128), jnp.bfloat16) for _ in range(2))
+        cos, sin = jnp.cos(jnp.arange(768.0).reshape(2, 3, 128)), jnp.sin(jnp.arange(768.0).reshape(2, 3, 128))
+        args = (qkv, qn, kn, cos, sin, k_all, v_all, jnp.int32(1), jnp.asarray([5, 14], jnp.int32))
+        got = jax.jit(functools.partial(qkv_write.qkv_write, heads=4, eps=1e-6, interpret=interpret))(*args)
+        want = qkv_write.reference(*args, heads=4, eps=1e-6)
+        err = max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))) for x, y in zip(got, want))
+        if not err < 0.05:  # values of about 1-3 that may differ in their last bit: within 0.016
+            return f"q/k norm, RoPE and K/V write (qkv_write): off by {err:.3g} from the reference"
     return None
 
 

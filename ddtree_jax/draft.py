@@ -98,9 +98,7 @@ def propose(
         x, k_all, v_all = carry
         w, i = inputs
         h = model.rms_norm(x, w.attn_norm, lc.rms_norm_eps)
-        q, k, v = model.qkv(h, w, lc.rms_norm_eps, cos, sin)
-        k_all = kvcache.write_layer(k_all, i, k, start)
-        v_all = kvcache.write_layer(v_all, i, v, start)
+        q, k_all, v_all = model.attention_inputs(h, w, lc.rms_norm_eps, cos, sin, k_all, v_all, i, start, attention)
         if window is None:
             o = attend(q, k_all, v_all, start, bits, layer=i)
         else:

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax import cache as kvcache
+from ddtree_jax import cache as kvcache, sharding
 from ddtree_jax.config import ModelConfig
 from ddtree_jax.params import LayerWeights, TargetParams
 from ddtree_jax.sharding import constrain, per_device_attention
-from pallas_kernels import tree_attention as tree_attention_lib
+from pallas_kernels import qkv_write, tree_attention as tree_attention_lib
 
 Array = jax.Array
 
@@ -122,6 +123,32 @@ def qkv(x: Array, w: LayerWeights, eps: float, cos: Array, sin: Array) -> tuple[
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
+QKV_WRITE_ENV = "DDTREE_JAX_QKV_WRITE"  # "xla": never the qkv_write kernel (read at trace time)
+
+
+def qkv_kernel_applies(impl: str, w: LayerWeights, x: Array, k_all: Array) -> bool:
+    """Whether :func:`attention_inputs` uses the ``pallas_kernels.qkv_write`` kernel: with the attention reading the
+    stacked cache in place ('pallas-inplace', on GPU or interpreted), fused q|k|v weights, 16-bit floats, one device
+    (no mesh), and ``DDTREE_JAX_QKV_WRITE`` not "xla"."""
+    return (impl.startswith("pallas-inplace") and w.fused and sharding.active() is None
+            and os.environ.get(QKV_WRITE_ENV, "kernel") != "xla" and x.dtype == k_all.dtype
+            and qkv_write.supports(x.dtype, k_all.shape[-1]))
+
+
+def attention_inputs(x: Array, w: LayerWeights, eps: float, cos: Array, sin: Array, k_all: Array, v_all: Array,
+                     layer: Array, start: Array, impl: str = "xla") -> tuple[Array, Array, Array]:
+    """A layer's attention inputs: q [B, T, H, hd] and the stacked caches k_all, v_all [L, B, S, K, hd] with the
+    layer's k and v written at slots start[b] + t (:func:`qkv` then ``cache.write_layer``). Where
+    :func:`qkv_kernel_applies`, the norms, RoPE and both writes are one kernel (``pallas_kernels.qkv_write``: the
+    same math, rounded after each operation; XLA's form may differ in a value's last bit)."""
+    if qkv_kernel_applies(impl, w, x, k_all):
+        qkv_ = linear(x, w.wq, "btd,dhk->bthk", w.output_major)  # [B, T, H + 2K, hd]
+        return qkv_write.qkv_write(qkv_, w.q_norm, w.k_norm, cos, sin, k_all, v_all, layer, start,
+                                   heads=w.wo.shape[-2], eps=eps, interpret=impl.endswith("-interpret"))
+    q, k, v = qkv(x, w, eps, cos, sin)
+    return q, kvcache.write_layer(k_all, layer, k, start), kvcache.write_layer(v_all, layer, v, start)
+
+
 def forward(
     params: TargetParams,
     cfg: ModelConfig,
@@ -160,9 +187,7 @@ def forward(
         x, k_all, v_all, tapped = carry
         w, i = inputs
         h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
-        q, k, v = qkv(h, w, cfg.rms_norm_eps, cos, sin)
-        k_all = kvcache.write_layer(k_all, i, k, start)
-        v_all = kvcache.write_layer(v_all, i, v, start)
+        q, k_all, v_all = attention_inputs(h, w, cfg.rms_norm_eps, cos, sin, k_all, v_all, i, start, attention)
         o = attend(q, k_all, v_all, start, tree_bits, layer=i)
         x = x + linear(o, w.wo, "bthk,hkd->btd", w.output_major, jnp.float32)
         x = x + mlp(rms_norm(x, w.mlp_norm, cfg.rms_norm_eps), w)

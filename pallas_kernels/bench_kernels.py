@@ -16,6 +16,9 @@ Stages
   accept    tree_accept (+ the cache commit) timing at batch 1, budget 256, Qwen3-8B cache
   matmul    stacked_matmul (a few rows times one layer of stacked weights, in place) against XLA's product at
             the Qwen3-8B / 4B layer shapes and 72 / 16 / 8 rows: error, device time, weight-read bandwidth
+  qkv       qkv_write (q/k norm, RoPE and the K/V cache write) at Qwen3-8B's heads, batch x rows 1x1 .. 8x72:
+            against its per-operation-rounded definition computed in numpy (values off, in bf16 ulps), slots
+            untouched, and device time per layer against XLA's form (split, norms, RoPE, two scatters)
 Each stage writes DIR/kernels_<stage>.json as it goes; a short table is printed last.
 """
 
@@ -482,9 +485,103 @@ def stage_matmul(rec, args, deadline):
                   flush=True)
 
 
+QKV_CASES = [(1, 1), (1, 16), (1, 72), (8, 72)]  # (batch, rows)
+
+
+def _qkv_numpy(qkv, qn, kn, cos, sin, heads, eps):
+    """qkv_write's q, k, v rows by its definition (each operation rounded to bf16), in numpy float32."""
+    import ml_dtypes
+
+    rnd = lambda a: np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)  # noqa: E731
+    x = np.asarray(qkv.astype(jnp.float32))
+    kv = (x.shape[2] - heads) // 2
+    c, s = rnd(cos)[:, :, None], rnd(sin)[:, :, None]
+    half = x.shape[-1] // 2
+
+    def norm_rope(a, w):
+        r = (1.0 / np.sqrt(np.mean(a * a, axis=-1, keepdims=True) + np.float32(eps))).astype(np.float32)
+        a = rnd(np.asarray(w.astype(jnp.float32)) * (a * r))
+        rot = np.concatenate([-a[..., half:], a[..., :half]], axis=-1)
+        return rnd(rnd(a * c) + rnd(rot * s))
+
+    return norm_rope(x[:, :, :heads], qn), norm_rope(x[:, :, heads:heads + kv], kn), x[:, :, heads + kv:]
+
+
+def stage_qkv(rec, args, deadline):
+    """qkv_write at Qwen3-8B's heads: exactness against its numpy definition, the slots it must not touch, and
+    device time per layer in a jitted loop over 8 layers against XLA's form (a copy of the caches into the loop,
+    the same for both, is left out of the sums)."""
+    from ddtree_jax import cache as kvcache, model
+    from pallas_kernels import qkv_write as qw
+
+    h, kv, hd = QWEN3_8B["h"], QWEN3_8B["kv"], QWEN3_8B["hd"]
+    layers, slots, eps, loop = 4, 1024, 1e-6, 8
+    rng = np.random.default_rng(3)
+    for b, t in QKV_CASES:
+        if time.time() > deadline:
+            rec.add({"stopped": "budget"})
+            return
+        qkv = jnp.asarray(rng.standard_normal((b, t, h + 2 * kv, hd)) * 2, jnp.bfloat16)
+        qn, kn = (jnp.asarray(1 + 0.3 * rng.standard_normal(hd), jnp.bfloat16) for _ in range(2))
+        start = rng.integers(0, slots - t, b).astype(np.int32)
+        start[-1] = slots - max(1, t // 2)  # the last sequence's last rows fall past the cache: dropped
+        pos = (start[:, None] + np.arange(t)[None]).astype(np.float32)
+        f = pos[..., None] / (1e6 ** (np.arange(0, hd, 2) / hd))
+        emb = np.concatenate([f, f], -1).astype(np.float32)
+        cos, sin = jnp.asarray(np.cos(emb)), jnp.asarray(np.sin(emb))
+        k_all, v_all = (jnp.asarray(rng.standard_normal((layers, b, slots, kv, hd)), jnp.bfloat16) for _ in range(2))
+        start_j, layer = jnp.asarray(start), 2
+        kernel = jax.jit(functools.partial(qw.qkv_write, heads=h, eps=eps, **KW))
+        q, k2, v2 = kernel(qkv, qn, kn, cos, sin, k_all, v_all, jnp.int32(layer), start_j)
+        wq, wk, wv = _qkv_numpy(qkv, qn, kn, cos, sin, h, eps)
+        k_old, v_old = np.asarray(k_all.astype(jnp.float32)), np.asarray(v_all.astype(jnp.float32))
+        k_new, v_new = np.asarray(k2.astype(jnp.float32)), np.asarray(v2.astype(jnp.float32))
+        ulp = lambda a, w: np.abs(a - w) / np.maximum(np.abs(w), 1e-30) * 256  # noqa: E731 - bf16: 8 bits
+        row = {"batch": b, "rows": t, "q_values_off": int((np.asarray(q.astype(jnp.float32)) != wq).sum()),
+               "q_max_ulps": float(ulp(np.asarray(q.astype(jnp.float32)), wq).max())}
+        touched = np.zeros(k_old.shape, bool)
+        koff = voff = 0
+        for bi in range(b):
+            for ti in range(t):
+                sl = start[bi] + ti
+                if sl < slots:
+                    touched[layer, bi, sl] = True
+                    koff += int((k_new[layer, bi, sl] != wk[bi, ti]).sum())
+                    voff += int((v_new[layer, bi, sl] != wv[bi, ti]).sum())
+        row.update(k_values_off=koff, v_values_off=voff,
+                   untouched_slots_equal=bool((k_new[~touched] == k_old[~touched]).all()
+                                              and (v_new[~touched] == v_old[~touched]).all()))
+
+        def xla_form(qkv, qn, kn, cos, sin, k_all, v_all, layer, start):
+            q, k, v = jnp.split(qkv, [h, h + kv], axis=2)
+            q, k = (model.apply_rope(model.rms_norm(a, w, eps), cos, sin) for a, w in ((q, qn), (k, kn)))
+            return q, kvcache.write_layer(k_all, layer, k, start), kvcache.write_layer(v_all, layer, v, start)
+
+        for name, form in (("kernel", functools.partial(qw.qkv_write, heads=h, eps=eps, **KW)), ("xla", xla_form)):
+            def many(qkv, qn, kn, cos, sin, k_all, v_all, start, form=form):
+                def body(i, c):
+                    k_all, v_all, acc = c
+                    q, k_all, v_all = form(qkv, qn, kn, cos, sin, k_all, v_all, i % layers, start)
+                    return k_all, v_all, acc + q[0, 0, 0, 0].astype(jnp.float32)
+                k_all, v_all, acc = jax.lax.fori_loop(0, loop, body, (k_all, v_all, jnp.float32(0)))
+                return acc + k_all[0, 0, 0, 0, 0] + v_all[0, 0, 0, 0, 0]
+
+            us, how, _ = device_time_us(jax.jit(many), [(qkv, qn, kn, cos, sin, k_all, v_all, start_j)], 20)
+            kept = [(n, u) for n, u in LAST_BREAKDOWN if "copy" not in n]
+            row[f"{name}_us_per_layer"] = sum(u for _, u in kept) / loop if how == "cupti" else us / loop
+            row[f"{name}_kernels_per_layer"] = len(kept) / loop
+            row[f"{name}_breakdown"] = LAST_BREAKDOWN[:]
+        rec.add(row)
+        print(f"qkv b={b} t={t}: q off {row['q_values_off']} (max {row['q_max_ulps']:.2f} ulp), k off {koff}, "
+              f"v off {voff}, untouched {row['untouched_slots_equal']} | kernel {row['kernel_us_per_layer']:.2f} us "
+              f"({row['kernel_kernels_per_layer']:.1f} kernels) vs xla {row['xla_us_per_layer']:.2f} us "
+              f"({row['xla_kernels_per_layer']:.1f}) per layer", flush=True)
+
+
 def _shrink_for_dry_run():
     global VALIDATION_CASES, SWEEP_SHAPES, SWEEP_CONFIGS, BENCH_PREFIXES, BENCH_BUDGETS, ACCEPT_SHAPES
-    global MATMUL_SHAPES, MATMUL_ROWS, MATMUL_SWEEP
+    global MATMUL_SHAPES, MATMUL_ROWS, MATMUL_SWEEP, QKV_CASES
+    QKV_CASES = [(2, 3)]
     MATMUL_SHAPES, MATMUL_ROWS, MATMUL_SWEEP = [("8b.tiny", 128, 256)], [72, 8], [(1, 64, 2, 2), (2, 64, 2, 1)]
     KW["interpret"] = True
     QWEN3_8B.update(h=4, kv=2, hd=64)
@@ -527,7 +624,7 @@ def main(argv=None):
         meta["flags"] = flags
         print("flags from the smoke stage:", flags)
     stages = {"smoke": stage_smoke, "validate": stage_validate, "sweep": stage_sweep, "bench": stage_bench,
-              "accept": stage_accept, "matmul": stage_matmul}
+              "accept": stage_accept, "matmul": stage_matmul, "qkv": stage_qkv}
     for name in args.stages.split(","):
         rec = Recorder(args.out, name, meta)
         t0 = time.time()

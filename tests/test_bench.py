@@ -1,6 +1,7 @@
 """Smoke test of ``python -m ddtree_jax.bench fixtures`` (CPU, the tiny reference pair): records come out,
 with per-round times, acceptance lengths and parity with the reference output. Kept well under a minute."""
 
+import gzip
 import json
 import os
 import subprocess
@@ -104,7 +105,7 @@ def test_interleaved_ab_script(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(root)}
     args = [sys.executable, str(script), "--model", "tiny", "--method", "ddtree", "--budget", "4", "--prompt", "16",
             "--rounds", "2", "--pairs", "3", "--variant", "base:", "--variant", "dom:draft=stacked-out-major",
-            "--json", str(out)]
+            "--variant", "env:DDTREE_JAX_QKV_WRITE=xla", "--json", str(out), "--hlo", str(tmp_path / "hlo")]
     done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(out.read_text())
@@ -113,8 +114,11 @@ def test_interleaved_ab_script(tmp_path):
     assert base["draft_layout"] == "stacked-out-major-fused" and dom["draft_layout"] == "stacked-out-major"
     assert len(base["ms"]) == len(dom["ms"]) == 3 and min(base["ms"] + dom["ms"]) > 0
     assert base["median_diff_ms_vs_first"] == 0 and base["pairs_faster_than_first"] == 0
+    assert got["variants"]["env"]["env"] == {"DDTREE_JAX_QKV_WRITE": "xla"} and base["env"] == {}
+    for name in ("base", "dom"):  # --hlo: each variant's optimized HLO module
+        assert gzip.open(tmp_path / "hlo" / f"{name}.hlo.txt.gz", "rt").read().startswith("HloModule")
     for variant, msg in (("nocolon", "is not NAME:FIELD=VALUE"), ("x:draft=rolled", "draft='rolled': expected one of")):
-        bad = subprocess.run(args[:-4] + ["--variant", variant], capture_output=True, text=True, env=env, timeout=120)
+        bad = subprocess.run(args[:-8] + ["--variant", variant], capture_output=True, text=True, env=env, timeout=120)
         assert bad.returncode == 2 and msg in bad.stderr.strip().splitlines()[-1], bad.stderr
 
 

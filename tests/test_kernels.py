@@ -264,13 +264,18 @@ def test_the_gpu_probe_passes_in_the_interpreter():
 
 def test_the_in_place_probe_passes_and_catches_a_wrong_layer(monkeypatch):
     """The probe behind auto's choice of 'pallas-inplace' passes in the interpreter, and it fails when the kernel
-    reads another layer of the stacked cache than the one asked for."""
+    reads another layer of the stacked cache than the one asked for, or when qkv_write writes another layer."""
     from ddtree_jax import decode
+    from pallas_kernels import qkv_write as qw
 
     assert decode.kernel_mismatch("pallas-inplace-interpret") is None
     right = tat.tree_attention
     monkeypatch.setattr(tat, "tree_attention", lambda *a, layer=None, **kw: right(*a, layer=layer + 1, **kw))
     assert "pallas-inplace" in decode.kernel_mismatch("pallas-inplace-interpret")
+    monkeypatch.undo()
+    right_qkv = qw.qkv_write
+    monkeypatch.setattr(qw, "qkv_write", lambda *a, **kw: right_qkv(*a[:7], a[7] - 1, *a[8:], **kw))
+    assert "qkv_write" in decode.kernel_mismatch("pallas-inplace-interpret")
 
 
 def test_auto_prefers_in_place_then_sliced_then_xla_on_a_gpu(monkeypatch):
@@ -307,6 +312,80 @@ def test_the_model_reads_the_stacked_cache_in_place_with_pallas_inplace():
     np.testing.assert_array_equal(np.asarray(outs["pallas-inplace-interpret"][1].v, np.float32),
                                   np.asarray(outs["pallas-interpret"][1].v, np.float32))
     assert np.abs(in_place - xla).max() < 0.1 * np.abs(xla).max()
+
+
+# ------------------------------------------------------------------------------------ q/k norm, RoPE, K/V write
+def _qkv_case(rng, b, t, h, kv, hd, layers, slots, start, normed):
+    qkv = jnp.asarray(rng.standard_normal((b, t, h + 2 * kv, hd)) * 3, jnp.bfloat16)
+    qn, kn = ((jnp.asarray(1 + 0.3 * rng.standard_normal(hd), jnp.bfloat16) for _ in range(2)) if normed
+              else (None, None))
+    f = (np.asarray(start)[:, None] + np.arange(t))[..., None] / (1e4 ** (np.arange(0, hd, 2) / hd))
+    emb = np.concatenate([f, f], -1).astype(np.float32)
+    k_all, v_all = (jnp.asarray(rng.standard_normal((layers, b, slots, kv, hd)), jnp.bfloat16) for _ in range(2))
+    return qkv, qn, kn, jnp.asarray(np.cos(emb)), jnp.asarray(np.sin(emb)), k_all, v_all
+
+
+@pytest.mark.parametrize("b,t,h,kv,hd,start,normed", [
+    (1, 1, 8, 2, 64, [30], True),  # an AR step
+    (2, 5, 6, 2, 32, [14, 3], True),  # heads not a multiple of the 8 per program; rows past the cache dropped
+    (2, 3, 16, 1, 64, [0, 38], False),  # no q/k norm (Llama); 16 q heads: two programs
+])
+def test_qkv_write_is_its_definition(b, t, h, kv, hd, start, normed):
+    """qkv_write (Pallas interpreter) gives its reference exactly: q normed and rotated, the layer's slots start[b] + t
+    of both caches written (rows past the cache dropped), every other slot and layer untouched."""
+    from pallas_kernels import qkv_write as qw
+
+    rng = np.random.default_rng(b * 100 + t)
+    layers, slots = 3, 40
+    args = (*_qkv_case(rng, b, t, h, kv, hd, layers, slots, start, normed), jnp.int32(1), jnp.asarray(start, jnp.int32))
+    got = qw.qkv_write(*args, heads=h, eps=1e-6, interpret=True)
+    want = qw.reference(*args, heads=h, eps=1e-6)
+    for x, y in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    k_old, k_new = np.asarray(args[5], np.float32), np.asarray(got[1], np.float32)
+    written = np.zeros(k_old.shape, bool)
+    for bi, s0 in enumerate(start):
+        written[1, bi, s0:min(s0 + t, slots)] = True
+    assert (k_new[~written] == k_old[~written]).all() and (k_new[written] != k_old[written]).any()
+    with pytest.raises(ValueError, match="does not match the cache"):
+        qw.qkv_write(args[0][:, :, 1:], *args[1:], heads=h, eps=1e-6, interpret=True)
+
+
+def test_the_model_writes_q_k_v_by_the_kernel_with_pallas_inplace(monkeypatch):
+    """model.forward with 'pallas-inplace' attention and fused q|k|v weights takes the qkv_write kernel (and
+    DDTREE_JAX_QKV_WRITE=xla, or unfused weights, XLA's form); both give the same hidden states and caches (on CPU
+    to the bit; on a GPU XLA may keep f32 between the operations the kernel rounds)."""
+    from ddtree_jax import cache as kvcache, decode, model, shapes
+    from pallas_kernels.bitmask import causal_bits
+
+    tcfg, dcfg = shapes.model_configs(shapes.SHAPES["tiny"])
+    plain, _ = shapes.build_params(tcfg, dcfg, jnp.bfloat16)
+    fused = decode.device_layout(plain, layout="stacked-out-major-fused")
+    b, t, prefix = 2, 4, 21
+    rng = np.random.default_rng(0)
+    cache = kvcache.init(tcfg.num_layers, b, 128, tcfg.num_kv_heads, tcfg.head_dim, jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal(cache.k.shape), jnp.bfloat16) for _ in range(2))
+    cache = kvcache.KVCache(k, v, jnp.full((b,), prefix, jnp.int32))
+    tokens = jnp.asarray(rng.integers(0, tcfg.vocab_size, (b, t)), jnp.int32)
+    positions = prefix + jnp.arange(t)[None].repeat(b, 0)
+    layer0 = jax.tree.map(lambda x: x[0], fused.layers)
+    impl = "pallas-inplace-interpret"
+
+    def run(params):
+        fn = jax.jit(lambda p, c: model.forward(p, tcfg, tokens, positions, c, causal_bits(b, t), attention=impl))
+        return fn(params, cache), fn.lower(params, cache).as_text()
+
+    (hk, ck, _), text = run(fused)
+    assert model.qkv_kernel_applies(impl, layer0, hk.astype(jnp.bfloat16), cache.k) and "qkv_write" in text
+    assert not model.qkv_kernel_applies("xla", layer0, hk.astype(jnp.bfloat16), cache.k)
+    monkeypatch.setenv(model.QKV_WRITE_ENV, "xla")
+    (hx, cx, _), text = run(fused)
+    assert "qkv_write" not in text
+    monkeypatch.delenv(model.QKV_WRITE_ENV)
+    assert "qkv_write" not in run(plain)[1]  # unfused weights: XLA's form
+    np.testing.assert_array_equal(np.asarray(hk, np.float32), np.asarray(hx, np.float32))
+    for a, c in ((ck.k, cx.k), (ck.v, cx.v)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32))
 
 
 # ------------------------------------------------------------------------------------ the tree build's kernels
