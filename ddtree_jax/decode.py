@@ -202,8 +202,8 @@ def kernel_mismatch(impl: str = "pallas") -> str | None:
     references: the attention as the model calls it (``model.attention_fn(impl)``), on a ragged bf16 GQA tree
     problem, reading the middle layer (traced) of a stacked cache whose other layers differ, so a wrong layer
     cannot match; the tree walk, on trees whose target choices mostly follow the tree, so paths go deep; for
-    'pallas-inplace', the layer's q/k norm, RoPE and K/V write (``pallas_kernels.qkv_write``), some rows past the
-    cache. Returns a description of the first mismatch, or None."""
+    'pallas-inplace', also one query row (``pallas_kernels.decode_attention``) and the layer's q/k norm, RoPE and
+    K/V write (``pallas_kernels.qkv_write``), some rows past the cache. Returns a description of the first mismatch, or None."""
     from pallas_kernels import inputs, qkv_write, tree_accept as tw, tree_attention as ta
 
     q, k, v, prefix, bits = inputs.attention_inputs(0, 2, 5, 4, 2, 128, 128, [3, 70])
@@ -214,6 +214,13 @@ def kernel_mismatch(impl: str = "pallas") -> str | None:
     err = float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
     if not err < 2e-2:
         return f"tree attention ({impl}): relative error {err:.3g} against the reference"
+    if impl.startswith("pallas-inplace"):  # one row per sequence: an AR step (pallas_kernels.decode_attention)
+        one = jnp.ones((q.shape[0], 1, 1), jnp.uint32)
+        out = jax.jit(lambda *a: attend(*a[:5], layer=a[5]))(q[:, :1], *stacked, prefix, one, jnp.int32(1))
+        ref = ta.tree_attention_reference(q[:, :1], k, v, prefix, one).astype(jnp.float32)
+        err = float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+        if not err < 2e-2:
+            return f"one-row attention ({impl}): relative error {err:.3g} against the reference"
     tok, par, tgt = inputs.accept_inputs(np.random.default_rng(0), 8, 65, "random", 15)
     interpret = impl.endswith("-interpret")
     got = jax.jit(functools.partial(tw.tree_accept, max_depth=15, interpret=interpret))(tok, par, tgt)

@@ -19,7 +19,7 @@ from ddtree_jax import cache as kvcache, sharding
 from ddtree_jax.config import ModelConfig
 from ddtree_jax.params import LayerWeights, TargetParams
 from ddtree_jax.sharding import constrain, per_device_attention
-from pallas_kernels import qkv_write, tree_attention as tree_attention_lib
+from pallas_kernels import add_norm, decode_attention, qkv_write, tree_attention as tree_attention_lib
 
 Array = jax.Array
 
@@ -50,17 +50,32 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
 ATTENTION_IMPLS = ("xla", "pallas", "pallas-interpret", "pallas-inplace", "pallas-inplace-interpret")
 
 
+DECODE_ATTENTION_ENV = "DDTREE_JAX_DECODE_ATTENTION"  # "tree": one-row steps take the tree kernel too (trace time)
+
+
+def decode_attention_applies(q: Array, k: Array) -> bool:
+    """Whether 'pallas-inplace' attention of q [B, T, H, hd] over the stacked cache k takes
+    ``pallas_kernels.decode_attention`` (one row per sequence, an AR step) instead of the tree kernel: T = 1, a cache
+    of at most ``decode_attention.MAX_SLOTS`` slots, and ``DDTREE_JAX_DECODE_ATTENTION`` not "tree"."""
+    return (decode_attention.supports(q, k) and k.shape[-3] <= decode_attention.MAX_SLOTS
+            and os.environ.get(DECODE_ATTENTION_ENV, "kernel") != "tree")
+
+
 def attention_fn(impl: str):
     """The tree attention implementation ``attend(q, k, v, prefix_len, tree_bits, layer=None, **kw)``: 'xla' (the
     jnp reference), 'pallas' (the kernel), 'pallas-inplace' (the kernel reading the layer's K/V in place from the
-    stacked cache), each '-interpret' in the Mosaic GPU interpreter. With ``layer``, k and v are the stacked
+    stacked cache; one-row steps by ``pallas_kernels.decode_attention``, see :func:`decode_attention_applies`), each
+    '-interpret' in the Pallas interpreters. With ``layer``, k and v are the stacked
     cache [L, B, S, K, hd]: 'pallas' slices it (XLA copies a slice for a custom call), the others do not."""
     if impl == "xla":
         return tree_attention_lib.tree_attention_reference
     if impl in ATTENTION_IMPLS:  # per device under shard_map when a mesh is active
-        kernel = functools.partial(tree_attention_lib.tree_attention, interpret=impl.endswith("-interpret"))
+        interpret = impl.endswith("-interpret")
+        kernel = functools.partial(tree_attention_lib.tree_attention, interpret=interpret)
         sharded = per_device_attention(kernel)
         in_place = per_device_attention(kernel, stacked=True) if impl.startswith("pallas-inplace") else None
+        one_row = per_device_attention(functools.partial(decode_attention.decode_attention, interpret=interpret),
+                                       stacked=True)
 
         def attend(q, k, v, prefix_len, tree_bits, layer=None, **kw):
             # The kernel takes 16-bit floats and head_dim 64/128; anything else (e.g. an f32 model on
@@ -70,6 +85,8 @@ def attention_fn(impl: str):
             if layer is None:
                 return sharded(q, k, v, prefix_len, tree_bits)
             if in_place is not None:
+                if decode_attention_applies(q, k):
+                    return one_row(q, k, v, prefix_len, tree_bits, layer)
                 return in_place(q, k, v, prefix_len, tree_bits, layer)
             return sharded(q, k[layer], v[layer], prefix_len, tree_bits)
 
@@ -121,6 +138,20 @@ def qkv(x: Array, w: LayerWeights, eps: float, cos: Array, sin: Array) -> tuple[
     if w.q_norm is not None:
         q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+ADD_NORM_ENV = "DDTREE_JAX_ADD_NORM"  # "xla": never the add_norm kernel (read at trace time)
+
+
+def residual_norm(x: Array, delta: Array, w: Array, eps: float, impl: str = "xla") -> tuple[Array, Array]:
+    """(x + delta, :func:`rms_norm` of it): the residual add and the norm after it, f32 x and delta [..., D]. With
+    'pallas-inplace' attention on one device (no mesh) and ``DDTREE_JAX_ADD_NORM`` not "xla", one kernel
+    (``pallas_kernels.add_norm``: the same math, its mean square summed in its own order)."""
+    if (impl.startswith("pallas-inplace") and sharding.active() is None and x.dtype == jnp.float32
+            and os.environ.get(ADD_NORM_ENV, "kernel") != "xla"):
+        return add_norm.add_norm(x, delta.astype(jnp.float32), w, eps=eps, interpret=impl.endswith("-interpret"))
+    x = x + delta
+    return x, rms_norm(x, w, eps)
 
 
 QKV_WRITE_ENV = "DDTREE_JAX_QKV_WRITE"  # "xla": never the qkv_write kernel (read at trace time)
@@ -183,28 +214,30 @@ def forward(
         slot_of_layer[layer] = j
     slot_of_layer = jnp.asarray(slot_of_layer, jnp.int32)
 
+    eps = cfg.rms_norm_eps
+
     def layer(carry, inputs):
-        x, k_all, v_all, tapped = carry
-        w, i = inputs
-        h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
-        q, k_all, v_all = attention_inputs(h, w, cfg.rms_norm_eps, cos, sin, k_all, v_all, i, start, attention)
+        x, delta, k_all, v_all, tapped = carry  # the residual stream is x + delta: the MLP's output is added by the
+        w, i = inputs  # next norm (residual_norm)
+        x, h = residual_norm(x, delta, w.attn_norm, eps, attention)
+        q, k_all, v_all = attention_inputs(h, w, eps, cos, sin, k_all, v_all, i, start, attention)
         o = attend(q, k_all, v_all, start, tree_bits, layer=i)
-        x = x + linear(o, w.wo, "bthk,hkd->btd", w.output_major, jnp.float32)
-        x = x + mlp(rms_norm(x, w.mlp_norm, cfg.rms_norm_eps), w)
-        x = constrain(x, ("batch", "seq", "embed"))
+        x, h = residual_norm(x, linear(o, w.wo, "bthk,hkd->btd", w.output_major, jnp.float32), w.mlp_norm, eps,
+                             attention)
+        x, delta = (constrain(a, ("batch", "seq", "embed")) for a in (x, mlp(h, w)))
         if n_taps:
-            tapped = tapped.at[slot_of_layer[i]].set(x, mode="drop")
-        return (x, k_all, v_all, tapped), None
+            tapped = tapped.at[slot_of_layer[i]].set(x + delta, mode="drop")
+        return (x, delta, k_all, v_all, tapped), None
 
     tapped = jnp.zeros((n_taps, b, t, cfg.hidden_size), jnp.float32) if n_taps else None
-    carry = (x, cache.k, cache.v, tapped)
+    carry = (x, jnp.zeros_like(x), cache.k, cache.v, tapped)
     if isinstance(params.layers, (tuple, list)):  # unstacked (params.unstack_layers): an unrolled loop
         for i, w in enumerate(params.layers):
             carry, _ = layer(carry, (w, i))
     else:
         carry, _ = jax.lax.scan(layer, carry, (params.layers, jnp.arange(cfg.num_layers)), unroll=unroll)
-    x, k_all, v_all, tapped = carry
-    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    x, delta, k_all, v_all, tapped = carry
+    _, x = residual_norm(x, delta, params.final_norm, eps, attention)
     tapped = tapped.astype(x.dtype) if n_taps else None
     features = None
     if n_taps:

@@ -16,6 +16,8 @@ Stages
   accept    tree_accept (+ the cache commit) timing at batch 1, budget 256, Qwen3-8B cache
   matmul    stacked_matmul (a few rows times one layer of stacked weights, in place) against XLA's product at
             the Qwen3-8B / 4B layer shapes and 72 / 16 / 8 rows: error, device time, weight-read bandwidth
+  decode    decode_attention (one query row per sequence, the stacked cache in place) at Qwen3-8B's heads, batch 1
+            and 8, prefixes 0..32k: error against the f32 reference, device time against the tree kernel at T = 1
   qkv       qkv_write (q/k norm, RoPE and the K/V cache write) at Qwen3-8B's heads, batch x rows 1x1 .. 8x72:
             against its per-operation-rounded definition computed in numpy (values off, in bf16 ulps), slots
             untouched, and device time per layer against XLA's form (split, norms, RoPE, two scatters)
@@ -485,6 +487,41 @@ def stage_matmul(rec, args, deadline):
                   flush=True)
 
 
+DECODE_CASES = [(1, 0), (1, 511), (1, 2047), (1, 8191), (1, 32767), (8, 511), (8, 2047)]  # (batch, prefix)
+
+
+def stage_decode(rec, args, deadline):
+    """decode_attention against the f32 reference (relative L2 error) and its device time against the tree kernel
+    on the same one-row problem (its pad, Mosaic kernel and combine), layer 1 of a 2-layer stacked cache."""
+    from pallas_kernels import decode_attention as da
+
+    h, kv, hd = QWEN3_8B["h"], QWEN3_8B["kv"], QWEN3_8B["hd"]
+    rng = np.random.default_rng(5)
+    for b, prefix in DECODE_CASES:
+        if time.time() > deadline:
+            rec.add({"stopped": "budget"})
+            return
+        slots = prefix + 1 + 320  # the AR step's own slot and a round's scratch
+        q = jnp.asarray(rng.standard_normal((b, 1, h, hd)), jnp.bfloat16)
+        k, v = (jax.random.normal(jax.random.key(i), (2, b, slots, kv, hd), jnp.float32).astype(jnp.bfloat16)
+                for i in range(2))
+        p = jnp.full((b,), prefix, jnp.int32)
+        bits = jnp.ones((b, 1, 1), jnp.uint32)
+        layer = jnp.int32(1)
+        fn = jax.jit(functools.partial(da.decode_attention, **KW))
+        tree = jax.jit(lambda q, k, v, p, bits, layer: tat.tree_attention(q, k, v, p, bits, layer=layer, **KW))
+        row = {"batch": b, "prefix": prefix, "splits": da.default_splits(slots),
+               **_err(fn(q, k, v, p, bits, layer), reference_f32(q, k[1], v[1], p, bits))}
+        row["kernel_us"], _, _ = device_time_us(fn, [(q, k, v, p, bits, layer)], 20)
+        row["kernel_breakdown"] = LAST_BREAKDOWN[:]
+        row["tree_kernel_us"], _, _ = device_time_us(tree, [(q, k, v, p, bits, layer)], 20)
+        row["tree_breakdown"] = LAST_BREAKDOWN[:]
+        rec.add(row)
+        print(f"decode b={b} prefix={prefix}: err {row['rel_l2_err']:.1e} | kernel {row['kernel_us']:.2f} us "
+              f"({len(row['kernel_breakdown'])} kernels) vs tree kernel {row['tree_kernel_us']:.2f} us "
+              f"({len(row['tree_breakdown'])})", flush=True)
+
+
 QKV_CASES = [(1, 1), (1, 16), (1, 72), (8, 72)]  # (batch, rows)
 
 
@@ -580,8 +617,8 @@ def stage_qkv(rec, args, deadline):
 
 def _shrink_for_dry_run():
     global VALIDATION_CASES, SWEEP_SHAPES, SWEEP_CONFIGS, BENCH_PREFIXES, BENCH_BUDGETS, ACCEPT_SHAPES
-    global MATMUL_SHAPES, MATMUL_ROWS, MATMUL_SWEEP, QKV_CASES
-    QKV_CASES = [(2, 3)]
+    global MATMUL_SHAPES, MATMUL_ROWS, MATMUL_SWEEP, QKV_CASES, DECODE_CASES
+    QKV_CASES, DECODE_CASES = [(2, 3)], [(2, 70)]
     MATMUL_SHAPES, MATMUL_ROWS, MATMUL_SWEEP = [("8b.tiny", 128, 256)], [72, 8], [(1, 64, 2, 2), (2, 64, 2, 1)]
     KW["interpret"] = True
     QWEN3_8B.update(h=4, kv=2, hd=64)
@@ -624,7 +661,8 @@ def main(argv=None):
         meta["flags"] = flags
         print("flags from the smoke stage:", flags)
     stages = {"smoke": stage_smoke, "validate": stage_validate, "sweep": stage_sweep, "bench": stage_bench,
-              "accept": stage_accept, "matmul": stage_matmul, "qkv": stage_qkv}
+              "accept": stage_accept, "matmul": stage_matmul, "qkv": stage_qkv,
+              "decode": stage_decode}
     for name in args.stages.split(","):
         rec = Recorder(args.out, name, meta)
         t0 = time.time()

@@ -314,6 +314,48 @@ def test_the_model_reads_the_stacked_cache_in_place_with_pallas_inplace():
     assert np.abs(in_place - xla).max() < 0.1 * np.abs(xla).max()
 
 
+# ------------------------------------------------------------------------------------ one-row (AR) attention
+@pytest.mark.parametrize("b,h,kv,hd,slots,prefixes,bit,splits", [
+    (2, 8, 2, 64, 200, [0, 150], 1, 3),  # an empty prefix (the row sees itself only); a split with no slots
+    (1, 32, 8, 128, 300, [257], 1, None),  # Qwen3's heads, default splits
+    (3, 4, 4, 64, 130, [5, 64, 128], 0, 2),  # GQA 1; the row's own slot masked out (bit 0 clear)
+])
+def test_decode_attention_matches_the_reference(b, h, kv, hd, slots, prefixes, bit, splits):
+    """decode_attention (Pallas interpreter) on layer 1 of a stacked cache whose other layers differ: the tree
+    attention reference's output for one row (f32, highest precision) within bf16's error."""
+    from pallas_kernels import decode_attention as da
+
+    rng = np.random.default_rng(b * 10 + h)
+    q = jnp.asarray(rng.standard_normal((b, 1, h, hd)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((3, b, slots, kv, hd)), jnp.bfloat16) for _ in range(2))
+    p = jnp.asarray(prefixes, jnp.int32)
+    bits = jnp.full((b, 1, 1), bit, jnp.uint32)
+    got = np.asarray(da.decode_attention(q, k, v, p, bits, jnp.int32(1), splits=splits, interpret=True), np.float32)
+    want = np.asarray(_f32_reference(q, k[1], v[1], p, bits))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-3
+    with pytest.raises(ValueError, match="decode_attention takes"):
+        da.decode_attention(jnp.concatenate([q, q], axis=1), k, v, p, bits, jnp.int32(1), interpret=True)
+
+
+def test_ar_steps_take_the_one_row_kernel_with_pallas_inplace(monkeypatch):
+    """'pallas-inplace' attention of one row per sequence over the stacked cache runs decode_attention (and the tree
+    kernel with DDTREE_JAX_DECODE_ATTENTION=tree, or for a longer block): the same output within bf16's error."""
+    from ddtree_jax import model
+
+    q, k, v, prefix, _ = attention_inputs(0, 2, 1, 8, 2, 96, 64, [3, 70])  # S 96, head_dim 64
+    stacked = [jnp.stack([-x, x]) for x in (k, v)]
+    one = jnp.ones((2, 1, 1), jnp.uint32)
+    attend = model.attention_fn("pallas-inplace-interpret")
+    run = lambda: jax.jit(lambda *a: attend(*a[:5], layer=a[5]))  # noqa: E731 - a fresh trace each time
+    args = (q, *stacked, prefix, one, jnp.int32(1))
+    assert "decode_attention" in run().lower(*args).as_text()
+    out = np.asarray(run()(*args), np.float32)
+    monkeypatch.setenv(model.DECODE_ATTENTION_ENV, "tree")
+    assert "decode_attention" not in run().lower(*args).as_text()
+    tree = np.asarray(run()(*args), np.float32)
+    assert np.linalg.norm(out - tree) / np.linalg.norm(tree) < 5e-3
+
+
 # ------------------------------------------------------------------------------------ q/k norm, RoPE, K/V write
 def _qkv_case(rng, b, t, h, kv, hd, layers, slots, start, normed):
     qkv = jnp.asarray(rng.standard_normal((b, t, h + 2 * kv, hd)) * 3, jnp.bfloat16)
@@ -351,10 +393,29 @@ def test_qkv_write_is_its_definition(b, t, h, kv, hd, start, normed):
         qw.qkv_write(args[0][:, :, 1:], *args[1:], heads=h, eps=1e-6, interpret=True)
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 2560), (2, 3, 100)])  # an AR row of Qwen3-4B; D not a power of two
+def test_add_norm_is_the_residual_add_and_rms_norm(shape):
+    """add_norm (Pallas interpreter): the sum exactly, the normalised row as model.rms_norm's to a last bf16 bit."""
+    from ddtree_jax import model
+    from pallas_kernels import add_norm
+
+    rng = np.random.default_rng(shape[-1])
+    x, d = (jnp.asarray(rng.standard_normal(shape) * 4, jnp.float32) for _ in range(2))
+    w = jnp.asarray(1 + 0.3 * rng.standard_normal(shape[-1]), jnp.bfloat16)
+    s, h = add_norm.add_norm(x, d, w, eps=1e-6, interpret=True)
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(x + d))
+    want = np.asarray(model.rms_norm(x + d, w, 1e-6), np.float32)
+    np.testing.assert_allclose(np.asarray(h, np.float32), want, rtol=2**-7, atol=0)
+    assert h.dtype == jnp.bfloat16 and h.shape == shape
+    with pytest.raises(ValueError, match="add_norm takes float32"):
+        add_norm.add_norm(x.astype(jnp.bfloat16), d, w, eps=1e-6, interpret=True)
+
+
 def test_the_model_writes_q_k_v_by_the_kernel_with_pallas_inplace(monkeypatch):
-    """model.forward with 'pallas-inplace' attention and fused q|k|v weights takes the qkv_write kernel (and
-    DDTREE_JAX_QKV_WRITE=xla, or unfused weights, XLA's form); both give the same hidden states and caches (on CPU
-    to the bit; on a GPU XLA may keep f32 between the operations the kernel rounds)."""
+    """model.forward with 'pallas-inplace' attention and fused q|k|v weights takes the qkv_write kernel and the
+    add_norm kernel (DDTREE_JAX_QKV_WRITE=xla / DDTREE_JAX_ADD_NORM=xla, or unfused weights for the first, XLA's
+    forms); both give the same hidden states and caches (on CPU to the bit here; on a GPU XLA may keep f32 between
+    the operations qkv_write rounds, and sums a mean square in another order)."""
     from ddtree_jax import cache as kvcache, decode, model, shapes
     from pallas_kernels.bitmask import causal_bits
 
@@ -377,11 +438,14 @@ def test_the_model_writes_q_k_v_by_the_kernel_with_pallas_inplace(monkeypatch):
 
     (hk, ck, _), text = run(fused)
     assert model.qkv_kernel_applies(impl, layer0, hk.astype(jnp.bfloat16), cache.k) and "qkv_write" in text
+    assert "add_norm" in text  # the residual adds and norms: pallas_kernels.add_norm
     assert not model.qkv_kernel_applies("xla", layer0, hk.astype(jnp.bfloat16), cache.k)
     monkeypatch.setenv(model.QKV_WRITE_ENV, "xla")
+    monkeypatch.setenv(model.ADD_NORM_ENV, "xla")
     (hx, cx, _), text = run(fused)
-    assert "qkv_write" not in text
+    assert "qkv_write" not in text and "add_norm" not in text
     monkeypatch.delenv(model.QKV_WRITE_ENV)
+    monkeypatch.delenv(model.ADD_NORM_ENV)
     assert "qkv_write" not in run(plain)[1]  # unfused weights: XLA's form
     np.testing.assert_array_equal(np.asarray(hk, np.float32), np.asarray(hx, np.float32))
     for a, c in ((ck.k, cx.k), (ck.v, cx.v)):
