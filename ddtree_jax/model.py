@@ -230,7 +230,7 @@ def forward(
         return (x, delta, k_all, v_all, tapped), None
 
     tapped = jnp.zeros((n_taps, b, t, cfg.hidden_size), jnp.float32) if n_taps else None
-    carry = (x, jnp.zeros_like(x), cache.k, cache.v, tapped)
+    carry = (x, jnp.zeros(x.shape, x.dtype), cache.k, cache.v, tapped)  # zeros_like would copy x's sharding
     if isinstance(params.layers, (tuple, list)):  # unstacked (params.unstack_layers): an unrolled loop
         for i, w in enumerate(params.layers):
             carry, _ = layer(carry, (w, i))
