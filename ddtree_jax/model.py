@@ -55,9 +55,9 @@ DECODE_ATTENTION_ENV = "DDTREE_JAX_DECODE_ATTENTION"  # "tree": one-row steps ta
 
 def decode_attention_applies(q: Array, k: Array) -> bool:
     """Whether 'pallas-inplace' attention of q [B, T, H, hd] over the stacked cache k takes
-    ``pallas_kernels.decode_attention`` (one row per sequence, an AR step) instead of the tree kernel: T = 1, a cache
-    of at most ``decode_attention.MAX_SLOTS`` slots, and ``DDTREE_JAX_DECODE_ATTENTION`` not "tree"."""
-    return (decode_attention.supports(q, k) and k.shape[-3] <= decode_attention.MAX_SLOTS
+    ``pallas_kernels.decode_attention`` (one row per sequence, an AR step) instead of the tree kernel: T = 1, batch x
+    cache slots at most ``decode_attention.MAX_KEYS``, and ``DDTREE_JAX_DECODE_ATTENTION`` not "tree"."""
+    return (decode_attention.supports(q, k) and q.shape[0] * k.shape[-3] <= decode_attention.MAX_KEYS
             and os.environ.get(DECODE_ATTENTION_ENV, "kernel") != "tree")
 
 

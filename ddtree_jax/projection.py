@@ -22,10 +22,10 @@ REPO = Path(__file__).resolve().parents[1]
 PAPER_TAU = REPO / "benchmarks" / "paper_tau.json"
 RESULTS = REPO / "benchmarks" / "results" / "h200.json"
 LAYOUT = "stacked-out-major-fused"  # the records of the current GPU layout (decode.GPU_LAYOUT)
-# ... and the drafter's layout of the records the README's tables read: "stacked" (input-major), decode's GPU default
-# until the sixteenth run, which made it "stacked-out-major-fused" (decode.DRAFT_GPU_LAYOUT) without a new grid.
-# Records without the field are "stacked". Set this to decode.DRAFT_GPU_LAYOUT once a grid in it is recorded.
-DRAFT_LAYOUT = "stacked"
+# ... and the drafter's layouts of the records the README's tables read, preferred first: decode.DRAFT_GPU_LAYOUT
+# since the sixteenth run (a batch-1 grid in it: the seventeenth run), then "stacked" (input-major, the default before;
+# records without the field), for the groups (model, prompt, batch) not yet measured again (batch 8).
+DRAFT_LAYOUTS = ("stacked-out-major-fused", "stacked")
 
 
 def load_json(path: str | Path, what: str):
@@ -57,26 +57,27 @@ def load_tau(path: str | Path = PAPER_TAU) -> dict:
 
 
 def round_costs(records: list[dict], model: str, prompt_len: int, batch: int, budgets: list[int],
-                layout: str | None = LAYOUT, draft_layout: str | None = DRAFT_LAYOUT) -> dict[str, dict]:
+                layout: str | None = LAYOUT, draft_layouts: tuple[str, ...] | None = DRAFT_LAYOUTS) -> dict[str, dict]:
     """The latest record of AR, dflash and ddtree at each budget for one model, prompt and batch, in ``layout``
-    and ``draft_layout`` (None: any): {"ar" | "dflash" | "ddtree<B>": record}. Raises ValueError naming what is
-    missing."""
+    and one drafter layout, the first of ``draft_layouts`` that has them all (None: any): {"ar" | "dflash" |
+    "ddtree<B>": record}. Raises ValueError naming what is missing (in the last drafter layout tried)."""
     want = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in budgets]
-    out, missing = {}, []
-    for method, budget in want:
-        hits = [r for r in records if (r.get("model"), r.get("method"), r.get("budget"), r.get("batch"),
-                                       r.get("prompt_len")) == (model, method, budget, batch, prompt_len)
-                and (layout is None or r.get("layout") == layout)
-                and (draft_layout is None or r.get("draft_layout", "stacked") == draft_layout)
-                and r.get("ms_per_round")]
-        if hits:
-            out[f"{method}{budget or ''}"] = max(hits, key=lambda r: r.get("date", ""))
-        else:
-            missing.append(f"{method}{budget or ''}")
-    if missing:
-        raise ValueError(f"no {layout or 'recorded'} record of {model} at prompt {prompt_len}, batch {batch} for "
-                         f"{', '.join(missing)}")
-    return out
+    for draft_layout in draft_layouts or (None,):
+        out, missing = {}, []
+        for method, budget in want:
+            hits = [r for r in records if (r.get("model"), r.get("method"), r.get("budget"), r.get("batch"),
+                                           r.get("prompt_len")) == (model, method, budget, batch, prompt_len)
+                    and (layout is None or r.get("layout") == layout)
+                    and (draft_layout is None or r.get("draft_layout", "stacked") == draft_layout)
+                    and r.get("ms_per_round")]
+            if hits:
+                out[f"{method}{budget or ''}"] = max(hits, key=lambda r: r.get("date", ""))
+            else:
+                missing.append(f"{method}{budget or ''}")
+        if not missing:
+            return out
+    raise ValueError(f"no {layout or 'recorded'} record of {model} at prompt {prompt_len}, batch {batch} for "
+                     f"{', '.join(missing)}")
 
 
 def speedup(tau: float, ar_ms: float, round_ms: float) -> float:

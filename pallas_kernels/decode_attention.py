@@ -27,7 +27,10 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-MAX_SLOTS = 8192  # caches up to which it was measured faster than the tree kernel (H200; at 32k: 63 against 43 µs)
+# batch x cache slots up to which it was measured faster than the tree kernel (H200, Qwen3-8B heads: batch 1 at 8.5k
+# slots 14.3 against 17.0 µs, at 33k 45.0 against 42.7; batch 8 at 832 slots 10.6 against 13.3, at 2.4k 32.1 against
+# 29.1; benchmarks/PERF.md, seventeenth run)
+MAX_KEYS = 16384
 
 
 def default_splits(slots: int) -> int:

@@ -209,7 +209,7 @@ def test_gpu_layouts_give_the_same_rounds(target, drafter, reference_runs, layou
     assert decode.GPU_LAYOUT == projection.LAYOUT == "stacked-out-major-fused"
     dauto = decode.device_layout(dp, backend="gpu")
     assert dauto.layers.output_major and dauto.layers.fused and dauto.layers.wk is not None
-    assert decode.DRAFT_GPU_LAYOUT == "stacked-out-major-fused" and projection.DRAFT_LAYOUT == "stacked"
+    assert decode.DRAFT_GPU_LAYOUT == "stacked-out-major-fused" == projection.DRAFT_LAYOUTS[0]
     assert decode.device_layout(tp, backend="cpu") is tp and decode.device_layout(dp, backend="cpu") is dp
 
 

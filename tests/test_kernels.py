@@ -339,7 +339,8 @@ def test_decode_attention_matches_the_reference(b, h, kv, hd, slots, prefixes, b
 
 def test_ar_steps_take_the_one_row_kernel_with_pallas_inplace(monkeypatch):
     """'pallas-inplace' attention of one row per sequence over the stacked cache runs decode_attention (and the tree
-    kernel with DDTREE_JAX_DECODE_ATTENTION=tree, or for a longer block): the same output within bf16's error."""
+    kernel with DDTREE_JAX_DECODE_ATTENTION=tree, for a longer block, or past MAX_KEYS batch x slots): the same
+    output within bf16's error."""
     from ddtree_jax import model
 
     q, k, v, prefix, _ = attention_inputs(0, 2, 1, 8, 2, 96, 64, [3, 70])  # S 96, head_dim 64
@@ -354,6 +355,10 @@ def test_ar_steps_take_the_one_row_kernel_with_pallas_inplace(monkeypatch):
     assert "decode_attention" not in run().lower(*args).as_text()
     tree = np.asarray(run()(*args), np.float32)
     assert np.linalg.norm(out - tree) / np.linalg.norm(tree) < 5e-3
+    monkeypatch.delenv(model.DECODE_ATTENTION_ENV)
+    q2, big = jnp.zeros((2, 1, 2, 16), jnp.bfloat16), jnp.zeros((1, 2, 8193, 1, 16), jnp.bfloat16)
+    assert model.decode_attention_applies(q2[:1], big) and not model.decode_attention_applies(q2, big)  # MAX_KEYS
+    assert not model.decode_attention_applies(jnp.zeros((1, 2, 2, 16), jnp.bfloat16), big)  # two rows: a block
 
 
 # ------------------------------------------------------------------------------------ q/k norm, RoPE, K/V write

@@ -32,6 +32,21 @@ def test_round_costs_take_the_latest_record_of_the_layout_and_name_what_is_missi
     assert projection.round_costs(records, "m", 512, 1, [])["ar"]["ms_per_round"] == 4.0
 
 
+def test_round_costs_take_a_group_from_one_drafter_layout_the_first_that_has_it_all():
+    """A (model, prompt, batch) group comes whole from the first drafter layout of DRAFT_LAYOUTS with every record
+    (records without the field are "stacked"), never mixed: a partial newer grid leaves the older group in place."""
+    new, old = projection.DRAFT_LAYOUTS[:2]
+    assert old == "stacked"
+    records = [_rec("ar", None, 5.0), _rec("dflash", None, 7.0), _rec("ddtree", 64, 8.0),
+               {**_rec("ar", None, 4.5, "2026-12-01T00:00:00+00:00"), "draft_layout": new},
+               {**_rec("dflash", None, 6.5, "2026-12-01T00:00:00+00:00"), "draft_layout": new}]
+    got = projection.round_costs(records, "m", 512, 1, [64])  # the new layout lacks ddtree64: the old group whole
+    assert [got[k]["ms_per_round"] for k in ("ar", "dflash", "ddtree64")] == [5.0, 7.0, 8.0]
+    records.append({**_rec("ddtree", 64, 7.5, "2026-12-01T00:00:00+00:00"), "draft_layout": new})
+    got = projection.round_costs(records, "m", 512, 1, [64])
+    assert [got[k]["ms_per_round"] for k in ("ar", "dflash", "ddtree64")] == [4.5, 6.5, 7.5]
+
+
 def test_the_papers_table_as_shipped(tmp_path):
     temps = projection.load_tau()
     assert set(temps) == {"0.0", "1.0"}
