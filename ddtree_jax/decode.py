@@ -203,7 +203,8 @@ def kernel_mismatch(impl: str = "pallas") -> str | None:
     problem, reading the middle layer (traced) of a stacked cache whose other layers differ, so a wrong layer
     cannot match; the tree walk, on trees whose target choices mostly follow the tree, so paths go deep; for
     'pallas-inplace', also one query row (``pallas_kernels.decode_attention``) and the layer's q/k norm, RoPE and
-    K/V write (``pallas_kernels.qkv_write``), some rows past the cache. Returns a description of the first mismatch, or None."""
+    K/V write (``pallas_kernels.qkv_write``), some rows past the cache. Returns a description of the first mismatch,
+    or None."""
     from pallas_kernels import inputs, qkv_write, tree_accept as tw, tree_attention as ta
 
     q, k, v, prefix, bits = inputs.attention_inputs(0, 2, 5, 4, 2, 128, 128, [3, 70])

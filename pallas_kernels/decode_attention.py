@@ -6,7 +6,8 @@ pads the G = H / K query heads of a KV head to its 64-row tiles, and with the pa
 an AR step's attention is three kernels of about 8 µs together per layer on an H200 (Qwen3-4B, prompt 512;
 benchmarks/PERF.md, seventeenth run). Here: a grid of (sequence x KV head, split); each program takes the G query rows
 (padded to 16, the smallest dot), walks its share of the visible slots in blocks of 64 with an online softmax, and
-writes its partial (accumulator, running max, running sum); XLA combines the splits (one small fusion).
+writes its partial (accumulator, running max, running sum); XLA combines the splits (two small kernels in that
+profile).
 
 Shapes: q [B, 1, H, hd] (16-bit float), k, v the stacked caches [L, B, S, K, hd] read in place at ``layer``,
 prefix_len [B] int32, tree_bits [B, 1, W] uint32 -> [B, 1, H, hd] in q's dtype.
