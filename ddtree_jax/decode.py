@@ -229,16 +229,11 @@ def kernel_mismatch(impl: str = "pallas") -> str | None:
     if not all(np.array_equal(x, y) for x, y in zip(got, want)):
         return f"tree walk: lengths {np.asarray(got[1]).tolist()}, reference {np.asarray(want[1]).tolist()}"
     if impl.startswith("pallas-inplace"):
-        rng = np.random.default_rng(1)
-        qkv, k_all, v_all = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
-                             for s in ((2, 3, 8, 128), (3, 2, 16, 2, 128), (3, 2, 16, 2, 128)))
-        qn, kn = (jnp.asarray(1 + 0.3 * rng.standard_normal(128), jnp.bfloat16) for _ in range(2))
-        cos, sin = jnp.cos(jnp.arange(768.0).reshape(2, 3, 128)), jnp.sin(jnp.arange(768.0).reshape(2, 3, 128))
-        args = (qkv, qn, kn, cos, sin, k_all, v_all, jnp.int32(1), jnp.asarray([5, 14], jnp.int32))
+        args = inputs.qkv_write_inputs(1, 2, 3, 4, 2, 128, layers=3, slots=16, start=[5, 14])  # rows 16, 17 dropped
         got = jax.jit(functools.partial(qkv_write.qkv_write, heads=4, eps=1e-6, interpret=interpret))(*args)
         want = qkv_write.reference(*args, heads=4, eps=1e-6)
         err = max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))) for x, y in zip(got, want))
-        if not err < 0.05:  # values of about 1-3 that may differ in their last bit: within 0.016
+        if not err < 0.05:  # normed values below 8 that may differ in their last bit: within 0.03
             return f"q/k norm, RoPE and K/V write (qkv_write): off by {err:.3g} from the reference"
     return None
 

@@ -50,15 +50,34 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
 ATTENTION_IMPLS = ("xla", "pallas", "pallas-interpret", "pallas-inplace", "pallas-inplace-interpret")
 
 
-DECODE_ATTENTION_ENV = "DDTREE_JAX_DECODE_ATTENTION"  # "tree": one-row steps take the tree kernel too (trace time)
+# The layer kernels' switches, read when a function is traced: unset or "kernel" is on, the value here is off.
+QKV_WRITE_ENV, ADD_NORM_ENV = "DDTREE_JAX_QKV_WRITE", "DDTREE_JAX_ADD_NORM"
+DECODE_ATTENTION_ENV = "DDTREE_JAX_DECODE_ATTENTION"
+KERNEL_SWITCHES = {QKV_WRITE_ENV: "xla", ADD_NORM_ENV: "xla", DECODE_ATTENTION_ENV: "tree"}
+
+
+def kernel_on(env: str) -> bool:
+    """Whether the layer kernel behind the environment variable ``env`` (``KERNEL_SWITCHES``) is on; any value but
+    "kernel" and its off value is a ValueError (one line from the command line), not silently the default."""
+    value = os.environ.get(env, "kernel")
+    if value not in ("kernel", KERNEL_SWITCHES[env]):
+        raise ValueError(f"{env}={value!r}: expected 'kernel' or {KERNEL_SWITCHES[env]!r}")
+    return value == "kernel"
+
+
+def _layer_kernels(impl: str) -> bool:
+    """Whether ``impl`` takes the layer kernels that run on one device only (qkv_write, add_norm): 'pallas-inplace'
+    (on GPU or interpreted) without a mesh."""
+    return impl.startswith("pallas-inplace") and sharding.active() is None
 
 
 def decode_attention_applies(q: Array, k: Array) -> bool:
     """Whether 'pallas-inplace' attention of q [B, T, H, hd] over the stacked cache k takes
-    ``pallas_kernels.decode_attention`` (one row per sequence, an AR step) instead of the tree kernel: T = 1, batch x
-    cache slots at most ``decode_attention.MAX_KEYS``, and ``DDTREE_JAX_DECODE_ATTENTION`` not "tree"."""
+    ``pallas_kernels.decode_attention`` (one row per sequence, an AR step; per device under a mesh, as the tree
+    kernel) instead of the tree kernel: T = 1, batch x cache slots at most ``decode_attention.MAX_KEYS``, and
+    ``DDTREE_JAX_DECODE_ATTENTION`` not "tree"."""
     return (decode_attention.supports(q, k) and q.shape[0] * k.shape[-3] <= decode_attention.MAX_KEYS
-            and os.environ.get(DECODE_ATTENTION_ENV, "kernel") != "tree")
+            and kernel_on(DECODE_ATTENTION_ENV))
 
 
 def attention_fn(impl: str):
@@ -140,30 +159,22 @@ def qkv(x: Array, w: LayerWeights, eps: float, cos: Array, sin: Array) -> tuple[
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-ADD_NORM_ENV = "DDTREE_JAX_ADD_NORM"  # "xla": never the add_norm kernel (read at trace time)
-
-
 def residual_norm(x: Array, delta: Array, w: Array, eps: float, impl: str = "xla") -> tuple[Array, Array]:
     """(x + delta, :func:`rms_norm` of it): the residual add and the norm after it, f32 x and delta [..., D]. With
     'pallas-inplace' attention on one device (no mesh) and ``DDTREE_JAX_ADD_NORM`` not "xla", one kernel
     (``pallas_kernels.add_norm``: the same math, its mean square summed in its own order)."""
-    if (impl.startswith("pallas-inplace") and sharding.active() is None and x.dtype == jnp.float32
-            and os.environ.get(ADD_NORM_ENV, "kernel") != "xla"):
+    if _layer_kernels(impl) and x.dtype == jnp.float32 and kernel_on(ADD_NORM_ENV):
         return add_norm.add_norm(x, delta.astype(jnp.float32), w, eps=eps, interpret=impl.endswith("-interpret"))
     x = x + delta
     return x, rms_norm(x, w, eps)
-
-
-QKV_WRITE_ENV = "DDTREE_JAX_QKV_WRITE"  # "xla": never the qkv_write kernel (read at trace time)
 
 
 def qkv_kernel_applies(impl: str, w: LayerWeights, x: Array, k_all: Array) -> bool:
     """Whether :func:`attention_inputs` uses the ``pallas_kernels.qkv_write`` kernel: with the attention reading the
     stacked cache in place ('pallas-inplace', on GPU or interpreted), fused q|k|v weights, 16-bit floats, one device
     (no mesh), and ``DDTREE_JAX_QKV_WRITE`` not "xla"."""
-    return (impl.startswith("pallas-inplace") and w.fused and sharding.active() is None
-            and os.environ.get(QKV_WRITE_ENV, "kernel") != "xla" and x.dtype == k_all.dtype
-            and qkv_write.supports(x.dtype, k_all.shape[-1]))
+    return (_layer_kernels(impl) and w.fused and x.dtype == k_all.dtype and qkv_write.supports(x.dtype, k_all.shape[-1])
+            and kernel_on(QKV_WRITE_ENV))
 
 
 def attention_inputs(x: Array, w: LayerWeights, eps: float, cos: Array, sin: Array, k_all: Array, v_all: Array,

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import tree_accept as ta
 from pallas_kernels import tree_attention as tat
-from pallas_kernels.inputs import accept_inputs, attention_inputs
+from pallas_kernels.inputs import accept_inputs, attention_inputs, qkv_write_inputs
 
 QWEN3_8B = dict(h=32, kv=8, hd=128)
 LAST_BREAKDOWN: list = []  # (kernel name, median us) of the last CUPTI measurement
@@ -558,16 +558,11 @@ def stage_qkv(rec, args, deadline):
         if time.time() > deadline:
             rec.add({"stopped": "budget"})
             return
-        qkv = jnp.asarray(rng.standard_normal((b, t, h + 2 * kv, hd)) * 2, jnp.bfloat16)
-        qn, kn = (jnp.asarray(1 + 0.3 * rng.standard_normal(hd), jnp.bfloat16) for _ in range(2))
         start = rng.integers(0, slots - t, b).astype(np.int32)
         start[-1] = slots - max(1, t // 2)  # the last sequence's last rows fall past the cache: dropped
-        pos = (start[:, None] + np.arange(t)[None]).astype(np.float32)
-        f = pos[..., None] / (1e6 ** (np.arange(0, hd, 2) / hd))
-        emb = np.concatenate([f, f], -1).astype(np.float32)
-        cos, sin = jnp.asarray(np.cos(emb)), jnp.asarray(np.sin(emb))
-        k_all, v_all = (jnp.asarray(rng.standard_normal((layers, b, slots, kv, hd)), jnp.bfloat16) for _ in range(2))
-        start_j, layer = jnp.asarray(start), 2
+        layer = 2
+        qkv, qn, kn, cos, sin, k_all, v_all, _, start_j = qkv_write_inputs(b * 100 + t, b, t, h, kv, hd, layers, slots,
+                                                                           start, layer=layer)
         kernel = jax.jit(functools.partial(qw.qkv_write, heads=h, eps=eps, **KW))
         q, k2, v2 = kernel(qkv, qn, kn, cos, sin, k_all, v_all, jnp.int32(layer), start_j)
         wq, wk, wv = _qkv_numpy(qkv, qn, kn, cos, sin, h, eps)

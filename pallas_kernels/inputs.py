@@ -1,6 +1,7 @@
 """Random inputs of the shapes DDTree gives the kernels: trees (random, chain, star), their ancestor masks,
-tree-attention problems and tree walks. Shared by the kernels' validation and benchmarks (bench_kernels),
-the tests, and the once-per-process GPU probe (``ddtree_jax.decode.pallas_kernels_work``)."""
+tree-attention problems, tree walks and a layer's q|k|v rows with caches (``qkv_write``). Shared by the kernels'
+validation and benchmarks (bench_kernels), the tests, and the once-per-process GPU probe
+(``ddtree_jax.decode.pallas_kernels_work``)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,21 @@ def attention_inputs(seed, b, t, h, kv, s, hd, plens, kind="random", dtype=jnp.b
     k = jax.random.normal(kk, (b, s, kv, hd), jnp.float32).astype(dtype)
     v = jax.random.normal(kvv, (b, s, kv, hd), jnp.float32).astype(dtype)
     return q, k, v, jnp.asarray(plens, jnp.int32), tree_bits(rng, b, t, kind)
+
+
+def qkv_write_inputs(seed, b, t, h, kv, hd, layers, slots, start, normed=True, layer=1, theta=1e6):
+    """``qkv_write``'s arguments: q|k|v rows [B, T, H + 2K, hd] (x3, so norms matter), q/k norm weights about 1 (or
+    None), RoPE tables at positions start[b] + t, random stacked caches [layers, B, slots, K, hd] (the rows at
+    slots >= ``slots`` are the ones dropped), ``layer`` and start. bf16."""
+    rng = np.random.default_rng(seed)
+    qkv = jnp.asarray(rng.standard_normal((b, t, h + 2 * kv, hd)) * 3, jnp.bfloat16)
+    qn, kn = ((jnp.asarray(1 + 0.3 * rng.standard_normal(hd), jnp.bfloat16) for _ in range(2)) if normed
+              else (None, None))
+    f = (np.asarray(start)[:, None] + np.arange(t))[..., None] / (theta ** (np.arange(0, hd, 2) / hd))
+    emb = np.concatenate([f, f], -1).astype(np.float32)
+    k_all, v_all = (jnp.asarray(rng.standard_normal((layers, b, slots, kv, hd)), jnp.bfloat16) for _ in range(2))
+    return (qkv, qn, kn, jnp.asarray(np.cos(emb)), jnp.asarray(np.sin(emb)), k_all, v_all, jnp.int32(layer),
+            jnp.asarray(start, jnp.int32))
 
 
 def accept_inputs(rng, b, n1, kind, max_depth=None):

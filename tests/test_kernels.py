@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from ddtree_jax import tree as trees
 from pallas_kernels import ancestor_bits, stacked_matmul as sm, tree_accept as ta, vocab_top_k
 from pallas_kernels import tree_attention as tat
-from pallas_kernels.inputs import accept_inputs, ancestor_mask, attention_inputs, random_parents
+from pallas_kernels.inputs import accept_inputs, ancestor_mask, attention_inputs, qkv_write_inputs, random_parents
 from pallas_kernels.bitmask import pack_bits, unpack_bits
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "ddtree_reference")
@@ -362,16 +362,6 @@ def test_ar_steps_take_the_one_row_kernel_with_pallas_inplace(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------ q/k norm, RoPE, K/V write
-def _qkv_case(rng, b, t, h, kv, hd, layers, slots, start, normed):
-    qkv = jnp.asarray(rng.standard_normal((b, t, h + 2 * kv, hd)) * 3, jnp.bfloat16)
-    qn, kn = ((jnp.asarray(1 + 0.3 * rng.standard_normal(hd), jnp.bfloat16) for _ in range(2)) if normed
-              else (None, None))
-    f = (np.asarray(start)[:, None] + np.arange(t))[..., None] / (1e4 ** (np.arange(0, hd, 2) / hd))
-    emb = np.concatenate([f, f], -1).astype(np.float32)
-    k_all, v_all = (jnp.asarray(rng.standard_normal((layers, b, slots, kv, hd)), jnp.bfloat16) for _ in range(2))
-    return qkv, qn, kn, jnp.asarray(np.cos(emb)), jnp.asarray(np.sin(emb)), k_all, v_all
-
-
 @pytest.mark.parametrize("b,t,h,kv,hd,start,normed", [
     (1, 1, 8, 2, 64, [30], True),  # an AR step
     (2, 5, 6, 2, 32, [14, 3], True),  # heads not a multiple of the 8 per program; rows past the cache dropped
@@ -382,9 +372,8 @@ def test_qkv_write_is_its_definition(b, t, h, kv, hd, start, normed):
     of both caches written (rows past the cache dropped), every other slot and layer untouched."""
     from pallas_kernels import qkv_write as qw
 
-    rng = np.random.default_rng(b * 100 + t)
-    layers, slots = 3, 40
-    args = (*_qkv_case(rng, b, t, h, kv, hd, layers, slots, start, normed), jnp.int32(1), jnp.asarray(start, jnp.int32))
+    slots = 40
+    args = qkv_write_inputs(b * 100 + t, b, t, h, kv, hd, layers=3, slots=slots, start=start, normed=normed)
     got = qw.qkv_write(*args, heads=h, eps=1e-6, interpret=True)
     want = qw.reference(*args, heads=h, eps=1e-6)
     for x, y in zip(got, want):
@@ -452,6 +441,9 @@ def test_the_model_writes_q_k_v_by_the_kernel_with_pallas_inplace(monkeypatch):
     (hx, cx, _), text = run(fused)
     assert "qkv_write" not in text and "add_norm" not in text
     monkeypatch.delenv(model.QKV_WRITE_ENV)
+    monkeypatch.setenv(model.ADD_NORM_ENV, "off")  # not a value of the switch: an error, not the default
+    with pytest.raises(ValueError, match="DDTREE_JAX_ADD_NORM='off': expected 'kernel' or 'xla'"):
+        run(fused)
     monkeypatch.delenv(model.ADD_NORM_ENV)
     assert "qkv_write" not in run(plain)[1]  # unfused weights: XLA's form
     np.testing.assert_array_equal(np.asarray(hk, np.float32), np.asarray(hx, np.float32))
