@@ -17,7 +17,8 @@ Stages
   matmul    stacked_matmul (a few rows times one layer of stacked weights, in place) against XLA's product at
             the Qwen3-8B / 4B layer shapes and 72 / 16 / 8 rows: error, device time, weight-read bandwidth
   decode    decode_attention (one query row per sequence, the stacked cache in place) at Qwen3-8B's heads, batch 1
-            and 8, prefixes 0..32k: error against the f32 reference, device time against the tree kernel at T = 1
+            and 8, prefixes 0..32k: error against the f32 reference, device time against the tree kernel at T = 1,
+            and at 1-32 splits
   qkv       qkv_write (q/k norm, RoPE and the K/V cache write) at Qwen3-8B's heads, batch x rows 1x1 .. 8x72:
             against its per-operation-rounded definition computed in numpy (values off, in bf16 ulps), slots
             untouched, and device time per layer against XLA's form (split, norms, RoPE, two scatters)
@@ -487,21 +488,25 @@ def stage_matmul(rec, args, deadline):
                   flush=True)
 
 
-DECODE_CASES = [(1, 0), (1, 511), (1, 2047), (1, 8191), (1, 32767), (8, 511), (8, 2047)]  # (batch, prefix)
+# (batch, prefix, cache slots: None for the prefix + 321, an AR step's own slot and a round's scratch; 2880 is the
+# models grid's capacity at prompts 512 and 2048)
+DECODE_CASES = [(1, 0, None), (1, 511, None), (1, 511, 2880), (1, 2047, None), (1, 2047, 2880), (1, 8191, None),
+                (1, 32767, None), (8, 511, None), (8, 511, 2880), (8, 2047, None), (8, 2047, 2880)]
 
 
 def stage_decode(rec, args, deadline):
     """decode_attention against the f32 reference (relative L2 error) and its device time against the tree kernel
-    on the same one-row problem (its pad, Mosaic kernel and combine), layer 1 of a 2-layer stacked cache."""
+    on the same one-row problem (its pad, Mosaic kernel and combine), layer 1 of a 2-layer stacked cache; and its
+    device time at 1-32 splits, all kernels and the attention kernel alone (each checked against the reference)."""
     from pallas_kernels import decode_attention as da
 
     h, kv, hd = QWEN3_8B["h"], QWEN3_8B["kv"], QWEN3_8B["hd"]
     rng = np.random.default_rng(5)
-    for b, prefix in DECODE_CASES:
+    for b, prefix, slots in DECODE_CASES:
         if time.time() > deadline:
             rec.add({"stopped": "budget"})
             return
-        slots = prefix + 1 + 320  # the AR step's own slot and a round's scratch
+        slots = slots or prefix + 1 + 320
         q = jnp.asarray(rng.standard_normal((b, 1, h, hd)), jnp.bfloat16)
         k, v = (jax.random.normal(jax.random.key(i), (2, b, slots, kv, hd), jnp.float32).astype(jnp.bfloat16)
                 for i in range(2))
@@ -510,16 +515,23 @@ def stage_decode(rec, args, deadline):
         layer = jnp.int32(1)
         fn = jax.jit(functools.partial(da.decode_attention, **KW))
         tree = jax.jit(lambda q, k, v, p, bits, layer: tat.tree_attention(q, k, v, p, bits, layer=layer, **KW))
-        row = {"batch": b, "prefix": prefix, "splits": da.default_splits(slots),
+        row = {"batch": b, "prefix": prefix, "slots": slots, "splits": da.default_splits(slots, b * kv),
                **_err(fn(q, k, v, p, bits, layer), reference_f32(q, k[1], v[1], p, bits))}
         row["kernel_us"], _, _ = device_time_us(fn, [(q, k, v, p, bits, layer)], 20)
         row["kernel_breakdown"] = LAST_BREAKDOWN[:]
+        row["by_splits"] = {}  # other splits: us, all kernels and the attention kernel alone (the same output)
+        for n in (1, 2, 4, 8, 16, 32):
+            other = jax.jit(functools.partial(da.decode_attention, splits=n, **KW))
+            assert _err(other(q, k, v, p, bits, layer), reference_f32(q, k[1], v[1], p, bits))["rel_l2_err"] < 5e-3
+            total = device_time_us(other, [(q, k, v, p, bits, layer)], 20)[0]
+            row["by_splits"][n] = [total, sum(t for name, t in LAST_BREAKDOWN if "decode_attention" in name)]
         row["tree_kernel_us"], _, _ = device_time_us(tree, [(q, k, v, p, bits, layer)], 20)
         row["tree_breakdown"] = LAST_BREAKDOWN[:]
         rec.add(row)
-        print(f"decode b={b} prefix={prefix}: err {row['rel_l2_err']:.1e} | kernel {row['kernel_us']:.2f} us "
+        print(f"decode b={b} prefix={prefix} slots={slots}: err {row['rel_l2_err']:.1e} | kernel {row['kernel_us']:.2f} us "
               f"({len(row['kernel_breakdown'])} kernels) vs tree kernel {row['tree_kernel_us']:.2f} us "
-              f"({len(row['tree_breakdown'])})", flush=True)
+              f"({len(row['tree_breakdown'])}); by splits "
+              + " ".join(f"{n}: {t:.2f} ({k:.2f})" for n, (t, k) in row["by_splits"].items()), flush=True)
 
 
 QKV_CASES = [(1, 1), (1, 16), (1, 72), (8, 72)]  # (batch, rows)
@@ -613,7 +625,7 @@ def stage_qkv(rec, args, deadline):
 def _shrink_for_dry_run():
     global VALIDATION_CASES, SWEEP_SHAPES, SWEEP_CONFIGS, BENCH_PREFIXES, BENCH_BUDGETS, ACCEPT_SHAPES
     global MATMUL_SHAPES, MATMUL_ROWS, MATMUL_SWEEP, QKV_CASES, DECODE_CASES
-    QKV_CASES, DECODE_CASES = [(2, 3)], [(2, 70)]
+    QKV_CASES, DECODE_CASES = [(2, 3)], [(2, 70, None)]
     MATMUL_SHAPES, MATMUL_ROWS, MATMUL_SWEEP = [("8b.tiny", 128, 256)], [72, 8], [(1, 64, 2, 2), (2, 64, 2, 1)]
     KW["interpret"] = True
     QWEN3_8B.update(h=4, kv=2, hd=64)

@@ -6,8 +6,12 @@ pads the G = H / K query heads of a KV head to its 64-row tiles, and with the pa
 an AR step's attention is three kernels of about 8 µs together per layer on an H200 (Qwen3-4B, prompt 512;
 benchmarks/PERF.md, seventeenth run). Here: a grid of (sequence x KV head, split); each program takes the G query rows
 (padded to 16, the smallest dot), walks its share of the visible slots in blocks of 64 with an online softmax, and
-writes its partial (accumulator, running max, running sum); XLA combines the splits (two small kernels in that
-profile).
+stores its partial (accumulator, running max, running sum) for the G rows; XLA merges the splits (:func:`combine`).
+With one split the kernel writes the output itself.
+
+Merging in the kernel instead (the last program of a sequence x KV head, found by an atomic count, reads the others'
+partials) made the kernel 2.5-4 µs longer, more than XLA's kernels after it cost, and AR steps 0.02-0.03 ms slower
+(eighteenth run; ``benchmarks/decode_combine_in_kernel.patch``).
 
 Shapes: q [B, 1, H, hd] (16-bit float), k, v the stacked caches [L, B, S, K, hd] read in place at ``layer``,
 prefix_len [B] int32, tree_bits [B, 1, W] uint32 -> [B, 1, H, hd] in q's dtype.
@@ -20,6 +24,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.lengths import lengths
+
 _BLOCK = 64  # keys per step
 _MIN_ROWS = 16  # the smallest M of a Triton dot
 
@@ -28,15 +34,19 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-# batch x cache slots up to which it was measured faster than the tree kernel (H200, Qwen3-8B heads: batch 1 at 8.5k
-# slots 14.3 against 17.0 µs, at 33k 45.0 against 42.7; batch 8 at 832 slots 10.6 against 13.3, at 2.4k 32.1 against
-# 29.1; benchmarks/PERF.md, seventeenth run)
-MAX_KEYS = 16384
+# batch x cache slots up to which it was measured faster than the tree kernel (H200, Qwen3-8B heads, µs with XLA's
+# combine: batch 1 at 8.5k slots 13.8 against 17.5, at 33k 43.5 against 42.1; batch 8 at 2.9k slots 23.1 (8 splits)
+# against 29.3; benchmarks/PERF.md, eighteenth run)
+MAX_KEYS = 24576
 
 
-def default_splits(slots: int) -> int:
-    """Programs per (sequence, KV head): one per 64 slots of the cache (one block of keys each), 2 to 32."""
-    return max(2, min(32, slots // _BLOCK))
+def default_splits(slots: int, rows: int = 1) -> int:
+    """Programs per (sequence, KV head) for a cache of ``slots`` and ``rows`` = batch x KV heads: one per 256 slots,
+    2 to 32, at most 512 programs in all unless that leaves fewer than 2. Each split's share of the visible slots is
+    set at run time (whole blocks of 64), and XLA's combine reads every split: more splits shorten the kernel and
+    lengthen the combine (eighteenth run's sweep, H200, Qwen3-8B heads: batch 1 best at 4-8 splits for 513 visible
+    slots, 16-32 for 2k, 32 for 8k; batch 8 at 4-8)."""
+    return max(2, min(32, slots // 256, 512 // max(rows, 1)))
 
 
 def supports(q, k) -> bool:
@@ -45,8 +55,8 @@ def supports(q, k) -> bool:
             and q.shape[-1] >= 16 and q.shape[-1] & (q.shape[-1] - 1) == 0 and q.shape[2] % k.shape[-2] == 0)
 
 
-def _kernel(q_ref, k_ref, v_ref, lens_ref, bits_ref, o_ref, m_ref, l_ref, *, batch: int, kv: int, g: int, gp: int,
-            hd: int, splits: int, scale: float):
+def _kernel(q_ref, k_ref, v_ref, lens_ref, bits_ref, *out_refs, batch: int, kv: int, g: int, gp: int, hd: int,
+            splits: int, scale: float):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as pltriton
 
@@ -59,7 +69,8 @@ def _kernel(q_ref, k_ref, v_ref, lens_ref, bits_ref, o_ref, m_ref, l_ref, *, bat
     hi = jnp.minimum(lo + per, n)
     d = jnp.arange(hd, dtype=jnp.int32)[None, :]
     rows = jnp.arange(gp, dtype=jnp.int32)[:, None]
-    q = pltriton.load(q_ref.at[b, 0, kh * g + rows, d], mask=rows < g, other=0)  # [gp, hd]
+    real = rows < g
+    q = pltriton.load(q_ref.at[b, 0, kh * g + rows, d], mask=real, other=0)  # [gp, hd]
 
     def step(i, carry):
         m, l, acc = carry
@@ -78,9 +89,21 @@ def _kernel(q_ref, k_ref, v_ref, lens_ref, bits_ref, o_ref, m_ref, l_ref, *, bat
     blocks = (jnp.maximum(hi - lo, 0) + _BLOCK - 1) // _BLOCK
     init = (jnp.full((gp,), -jnp.inf, jnp.float32), jnp.zeros((gp,), jnp.float32), jnp.zeros((gp, hd), jnp.float32))
     m, l, acc = jax.lax.fori_loop(0, blocks, step, init)
-    pltriton.store(o_ref.at[bk, sp, rows, d], acc)
-    pltriton.store(m_ref.at[bk, sp, rows[:, 0]], m)
-    pltriton.store(l_ref.at[bk, sp, rows[:, 0]], l)
+    if splits == 1:  # the whole row here: the output
+        (o_ref,) = out_refs
+        pltriton.store(o_ref.at[b, 0, kh * g + rows, d], (acc / l[:, None]).astype(o_ref.dtype), mask=real)
+        return
+    acc_ref, m_ref, l_ref = out_refs
+    pltriton.store(acc_ref.at[bk, sp, rows, d], acc, mask=real)
+    pltriton.store(m_ref.at[bk, sp, rows[:, 0]], m, mask=real[:, 0])
+    pltriton.store(l_ref.at[bk, sp, rows[:, 0]], l, mask=real[:, 0])
+
+
+def combine(acc, m, l):
+    """The splits' partials (acc [N, S, G, hd], running max and sum m, l [N, S, G], f32) -> the softmax-weighted
+    output [N, G, hd] f32 (XLA: two or three small kernels). Splits that saw no slot (m = -inf, l = 0) weigh 0."""
+    w = jnp.exp(m - jnp.max(m, axis=1, keepdims=True))
+    return jnp.sum(w[..., None] * acc, axis=1) / jnp.sum(w * l, axis=1)[..., None]
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "interpret"))
@@ -98,20 +121,19 @@ def decode_attention(q, k, v, prefix_len, tree_bits, layer, *, scale: float | No
                          f"dtype, got q {q.shape} {q.dtype}, k {k.shape} {k.dtype}")
     g = h // kv
     gp = max(_MIN_ROWS, _pow2(g))
-    splits = splits or default_splits(s)
+    splits = splits or default_splits(s, b * kv)
     scale = hd**-0.5 if scale is None else scale
-    lens = jnp.concatenate([prefix_len.astype(jnp.int32), jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))])
-    acc, m, l = pl.pallas_call(
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)] if splits == 1 else [
+        jax.ShapeDtypeStruct((b * kv, splits, g, hd), jnp.float32),
+        jax.ShapeDtypeStruct((b * kv, splits, g), jnp.float32), jax.ShapeDtypeStruct((b * kv, splits, g), jnp.float32)]
+    outs = pl.pallas_call(
         functools.partial(_kernel, batch=b, kv=kv, g=g, gp=gp, hd=hd, splits=splits, scale=float(scale)),
         grid=(b * kv, splits),
-        out_shape=(jax.ShapeDtypeStruct((b * kv, splits, gp, hd), jnp.float32),
-                   jax.ShapeDtypeStruct((b * kv, splits, gp), jnp.float32),
-                   jax.ShapeDtypeStruct((b * kv, splits, gp), jnp.float32)),
+        out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="decode_attention",
-    )(q, k, v, lens, jax.lax.bitcast_convert_type(tree_bits.reshape(b, -1), jnp.int32))
-    top = jnp.max(m, axis=1, keepdims=True)
-    w = jnp.exp(m - top)  # splits with no slots: m = -inf, weight 0
-    out = jnp.sum(w[..., None] * acc, axis=1) / jnp.sum(w * l, axis=1)[..., None]  # [B * K, gp, hd]
-    return out[:, :g].reshape(b, 1, h, hd).astype(q.dtype)
+    )(q, k, v, lengths(prefix_len, layer), jax.lax.bitcast_convert_type(tree_bits.reshape(b, -1), jnp.int32))
+    if splits == 1:
+        return outs[0]
+    return combine(*outs).reshape(b, 1, h, hd).astype(q.dtype)

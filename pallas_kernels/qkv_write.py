@@ -26,6 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.lengths import lengths
 
 _ROWS = 8  # heads per program (a power of two): Qwen3-8B's 32 + 8 + 8 heads of a token in 6 programs
 
@@ -113,7 +114,7 @@ def qkv_write(qkv, q_norm, k_norm, cos, sin, k_all, v_all, layer, start, *, head
     normed = q_norm is not None
     if not normed:  # placeholders, never read
         q_norm = k_norm = jnp.zeros((hd,), qkv.dtype)
-    lens = jnp.concatenate([start.astype(jnp.int32), jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))])  # [B + 1]
+    lens = lengths(start, layer)  # [B + 1], the array decode_attention takes too
     q, k_all, v_all = pl.pallas_call(
         functools.partial(_kernel, batch=b, t=t, h=heads, kv=kv, hd=hd, slots=k_all.shape[2], eps=eps, normed=normed,
                           rows=_ROWS),

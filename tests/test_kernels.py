@@ -319,6 +319,8 @@ def test_the_model_reads_the_stacked_cache_in_place_with_pallas_inplace():
     (2, 8, 2, 64, 200, [0, 150], 1, 3),  # an empty prefix (the row sees itself only); a split with no slots
     (1, 32, 8, 128, 300, [257], 1, None),  # Qwen3's heads, default splits
     (3, 4, 4, 64, 130, [5, 64, 128], 0, 2),  # GQA 1; the row's own slot masked out (bit 0 clear)
+    (2, 8, 2, 64, 200, [0, 150], 1, 1),  # one split: the kernel writes the output itself
+    (1, 9, 3, 64, 700, [600], 1, None),  # SmolLM2's heads (the default pair): 3 query heads per KV head
 ])
 def test_decode_attention_matches_the_reference(b, h, kv, hd, slots, prefixes, bit, splits):
     """decode_attention (Pallas interpreter) on layer 1 of a stacked cache whose other layers differ: the tree
@@ -337,11 +339,20 @@ def test_decode_attention_matches_the_reference(b, h, kv, hd, slots, prefixes, b
         da.decode_attention(jnp.concatenate([q, q], axis=1), k, v, p, bits, jnp.int32(1), interpret=True)
 
 
+def test_decode_attention_splits_follow_the_cache_and_the_batch():
+    """One split per 256 cache slots, 2 to 32, at most 512 programs (batch x KV heads x splits) unless under 2."""
+    from pallas_kernels import decode_attention as da
+
+    assert [da.default_splits(s, 8) for s in (321, 832, 2880, 8512, 33088)] == [2, 3, 11, 32, 32]
+    assert da.default_splits(2880, 64) == 8 and da.default_splits(33088, 1024) == 2  # batch 8 / 128, 8 KV heads
+
+
 def test_ar_steps_take_the_one_row_kernel_with_pallas_inplace(monkeypatch):
     """'pallas-inplace' attention of one row per sequence over the stacked cache runs decode_attention (and the tree
     kernel with DDTREE_JAX_DECODE_ATTENTION=tree, for a longer block, or past MAX_KEYS batch x slots): the same
     output within bf16's error."""
     from ddtree_jax import model
+    from pallas_kernels import decode_attention as da
 
     q, k, v, prefix, _ = attention_inputs(0, 2, 1, 8, 2, 96, 64, [3, 70])  # S 96, head_dim 64
     stacked = [jnp.stack([-x, x]) for x in (k, v)]
@@ -356,7 +367,8 @@ def test_ar_steps_take_the_one_row_kernel_with_pallas_inplace(monkeypatch):
     tree = np.asarray(run()(*args), np.float32)
     assert np.linalg.norm(out - tree) / np.linalg.norm(tree) < 5e-3
     monkeypatch.delenv(model.DECODE_ATTENTION_ENV)
-    q2, big = jnp.zeros((2, 1, 2, 16), jnp.bfloat16), jnp.zeros((1, 2, 8193, 1, 16), jnp.bfloat16)
+    q2 = jnp.zeros((2, 1, 2, 16), jnp.bfloat16)
+    big = jnp.zeros((1, 2, da.MAX_KEYS // 2 + 1, 1, 16), jnp.bfloat16)  # batch 2: past MAX_KEYS
     assert model.decode_attention_applies(q2[:1], big) and not model.decode_attention_applies(q2, big)  # MAX_KEYS
     assert not model.decode_attention_applies(jnp.zeros((1, 2, 2, 16), jnp.bfloat16), big)  # two rows: a block
 

@@ -1,0 +1,17 @@
+"""The integer operand the layer kernels share: [prefix lengths (B), layer index] int32.
+
+``qkv_write`` and ``decode_attention`` read the stacked caches in place at a layer index that must reach them inside
+an operand of their own: passed alone as the layer loop's [1]-slice, it met XLA's dynamic-slice fusion and corrupted
+the decode state (benchmarks/PERF.md, twelfth run). Both kernels take this one array, the sequences' prefix lengths
+(cache slots before the new rows) with the layer appended, built by the same concatenation, which XLA makes once per
+layer for both.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def lengths(prefix_len, layer):
+    """prefix_len [B], layer (an integer scalar) -> [B + 1] int32."""
+    return jnp.concatenate([prefix_len.astype(jnp.int32), jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))])
