@@ -93,12 +93,14 @@ def propose(
     window = window_mask(cfg, positions, dcache.capacity)
     sliding = jnp.asarray([t == "sliding_attention" for t in (cfg.layer_types or ("full_attention",) * lc.num_layers)])
     attend = model.attention_fn(attention)
+    stacked = None if isinstance(params.layers, (tuple, list)) else params.layers  # q/k norms read in place
 
     def layer(carry, inputs):
         x, k_all, v_all = carry
         w, i = inputs
         h = model.rms_norm(x, w.attn_norm, lc.rms_norm_eps)
-        q, k_all, v_all = model.attention_inputs(h, w, lc.rms_norm_eps, cos, sin, k_all, v_all, i, start, attention)
+        q, k_all, v_all = model.attention_inputs(h, w, lc.rms_norm_eps, cos, sin, k_all, v_all, i, start, attention,
+                                                 stacked)
         if window is None:
             o = attend(q, k_all, v_all, start, bits, layer=i)
         else:

@@ -159,12 +159,18 @@ def qkv(x: Array, w: LayerWeights, eps: float, cos: Array, sin: Array) -> tuple[
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def residual_norm(x: Array, delta: Array, w: Array, eps: float, impl: str = "xla") -> tuple[Array, Array]:
+def residual_norm(x: Array, delta: Array, w: Array, eps: float, impl: str = "xla",
+                  stacked: tuple[Array, Array, Array] | None = None) -> tuple[Array, Array]:
     """(x + delta, :func:`rms_norm` of it): the residual add and the norm after it, f32 x and delta [..., D]. With
     'pallas-inplace' attention on one device (no mesh) and ``DDTREE_JAX_ADD_NORM`` not "xla", one kernel
-    (``pallas_kernels.add_norm``: the same math, its mean square summed in its own order)."""
+    (``pallas_kernels.add_norm``: the same math, its mean square summed in its own order). ``stacked``: (every
+    layer's weights [L, D], the layer, the prefix lengths [B]), which the kernel reads in place instead of w (the
+    layer's row of them), so that XLA needs no slice kernel for it."""
     if _layer_kernels(impl) and x.dtype == jnp.float32 and kernel_on(ADD_NORM_ENV):
-        return add_norm.add_norm(x, delta.astype(jnp.float32), w, eps=eps, interpret=impl.endswith("-interpret"))
+        kw = dict(eps=eps, interpret=impl.endswith("-interpret"))
+        if stacked is not None:
+            return add_norm.add_norm(x, delta.astype(jnp.float32), *stacked, **kw)
+        return add_norm.add_norm(x, delta.astype(jnp.float32), w, **kw)
     x = x + delta
     return x, rms_norm(x, w, eps)
 
@@ -178,14 +184,17 @@ def qkv_kernel_applies(impl: str, w: LayerWeights, x: Array, k_all: Array) -> bo
 
 
 def attention_inputs(x: Array, w: LayerWeights, eps: float, cos: Array, sin: Array, k_all: Array, v_all: Array,
-                     layer: Array, start: Array, impl: str = "xla") -> tuple[Array, Array, Array]:
+                     layer: Array, start: Array, impl: str = "xla",
+                     stacked: LayerWeights | None = None) -> tuple[Array, Array, Array]:
     """A layer's attention inputs: q [B, T, H, hd] and the stacked caches k_all, v_all [L, B, S, K, hd] with the
     layer's k and v written at slots start[b] + t (:func:`qkv` then ``cache.write_layer``). Where
     :func:`qkv_kernel_applies`, the norms, RoPE and both writes are one kernel (``pallas_kernels.qkv_write``: the
-    same math, rounded after each operation; XLA's form may differ in a value's last bit)."""
+    same math, rounded after each operation; XLA's form may differ in a value's last bit), which reads the q/k norm
+    weights of ``stacked`` (every layer's weights, if given) in place at ``layer`` instead of w's."""
     if qkv_kernel_applies(impl, w, x, k_all):
         qkv_ = linear(x, w.wq, "btd,dhk->bthk", w.output_major)  # [B, T, H + 2K, hd]
-        return qkv_write.qkv_write(qkv_, w.q_norm, w.k_norm, cos, sin, k_all, v_all, layer, start,
+        norms = stacked if stacked is not None else w
+        return qkv_write.qkv_write(qkv_, norms.q_norm, norms.k_norm, cos, sin, k_all, v_all, layer, start,
                                    heads=w.wo.shape[-2], eps=eps, interpret=impl.endswith("-interpret"))
     q, k, v = qkv(x, w, eps, cos, sin)
     return q, kvcache.write_layer(k_all, layer, k, start), kvcache.write_layer(v_all, layer, v, start)
@@ -227,14 +236,20 @@ def forward(
 
     eps = cfg.rms_norm_eps
 
+    stacked = None if isinstance(params.layers, (tuple, list)) else params.layers  # the kernels read norms in place
+
     def layer(carry, inputs):
         x, delta, k_all, v_all, tapped = carry  # the residual stream is x + delta: the MLP's output is added by the
         w, i = inputs  # next norm (residual_norm)
-        x, h = residual_norm(x, delta, w.attn_norm, eps, attention)
-        q, k_all, v_all = attention_inputs(h, w, eps, cos, sin, k_all, v_all, i, start, attention)
+
+        def at(name):  # a norm weight of every layer, which the kernel reads at layer i
+            return None if stacked is None else (getattr(stacked, name), i, start)
+
+        x, h = residual_norm(x, delta, w.attn_norm, eps, attention, at("attn_norm"))
+        q, k_all, v_all = attention_inputs(h, w, eps, cos, sin, k_all, v_all, i, start, attention, stacked)
         o = attend(q, k_all, v_all, start, tree_bits, layer=i)
         x, h = residual_norm(x, linear(o, w.wo, "bthk,hkd->btd", w.output_major, jnp.float32), w.mlp_norm, eps,
-                             attention)
+                             attention, at("mlp_norm"))
         x, delta = (constrain(a, ("batch", "seq", "embed")) for a in (x, mlp(h, w)))
         if n_taps:
             tapped = tapped.at[slot_of_layer[i]].set(x + delta, mode="drop")

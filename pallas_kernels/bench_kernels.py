@@ -528,7 +528,8 @@ def stage_decode(rec, args, deadline):
         row["tree_kernel_us"], _, _ = device_time_us(tree, [(q, k, v, p, bits, layer)], 20)
         row["tree_breakdown"] = LAST_BREAKDOWN[:]
         rec.add(row)
-        print(f"decode b={b} prefix={prefix} slots={slots}: err {row['rel_l2_err']:.1e} | kernel {row['kernel_us']:.2f} us "
+        print(f"decode b={b} prefix={prefix} slots={slots}: err {row['rel_l2_err']:.1e} | "
+              f"kernel {row['kernel_us']:.2f} us "
               f"({len(row['kernel_breakdown'])} kernels) vs tree kernel {row['tree_kernel_us']:.2f} us "
               f"({len(row['tree_breakdown'])}); by splits "
               + " ".join(f"{n}: {t:.2f} ({k:.2f})" for n, (t, k) in row["by_splits"].items()), flush=True)

@@ -1,10 +1,10 @@
 """The integer operand the layer kernels share: [prefix lengths (B), layer index] int32.
 
-``qkv_write`` and ``decode_attention`` read the stacked caches in place at a layer index that must reach them inside
-an operand of their own: passed alone as the layer loop's [1]-slice, it met XLA's dynamic-slice fusion and corrupted
-the decode state (benchmarks/PERF.md, twelfth run). Both kernels take this one array, the sequences' prefix lengths
-(cache slots before the new rows) with the layer appended, built by the same concatenation, which XLA makes once per
-layer for both.
+``qkv_write`` and ``decode_attention`` read the stacked caches, and ``add_norm`` and ``qkv_write`` every layer's norm
+weights, in place at a layer index that must reach them inside an operand: passed alone as the layer loop's [1]-slice,
+it met XLA's dynamic-slice fusion and corrupted the decode state (benchmarks/PERF.md, twelfth run). The kernels take
+this one array, the sequences' prefix lengths (cache slots before the new rows) with the layer appended, built by the
+same concatenation, which XLA makes once per layer for all of them.
 """
 
 from __future__ import annotations

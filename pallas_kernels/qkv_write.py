@@ -14,7 +14,8 @@ eps))), then round(round(n * round(cos)) + round(rotate_half(n) * round(sin))). 
 operations (its excess-precision default), so the two forms can differ in the last bit of a value.
 
 Shapes (H query heads, K key/value heads, hd a power of two):
-    qkv [B, T, H + 2K, hd] (rows q heads, then k, then v), q_norm / k_norm [hd] or None, cos / sin [B, T, hd] f32,
+    qkv [B, T, H + 2K, hd] (rows q heads, then k, then v), q_norm / k_norm [hd], or every layer's [L, hd] (the
+    kernel reads row ``layer`` in place: no slice kernel), or None, cos / sin [B, T, hd] f32,
     k_all / v_all [L, B, S, K, hd], layer int32 scalar, start [B] int32
     -> q [B, T, H, hd], and k_all / v_all with layer ``layer``'s slots start[b] + t written (slots >= S dropped)
 """
@@ -47,7 +48,8 @@ def _norm_rope(x, xr, w, wr, c, s, sign, dtype, eps, normed: bool):
 
 
 def _kernel(qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, lens_ref, k_in, v_in, q_ref, k_ref, v_ref, *,
-            batch: int, t: int, h: int, kv: int, hd: int, slots: int, eps: float, normed: bool, rows: int):
+            batch: int, t: int, h: int, kv: int, hd: int, slots: int, eps: float, normed: bool, stacked: bool,
+            rows: int):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as pltriton
 
@@ -76,7 +78,9 @@ def _kernel(qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, lens_ref, k_in, v_in, q_r
                 for ref in (cos_ref, sin_ref))
         w = wr = None
         if normed:
-            w, wr = (pltriton.load(w_ref.at[a]).astype(jnp.float32)[None, :] for a in (d, dr))
+            # every layer's weights: the layer's row, read in place (one indexer: the Triton lowering takes no more)
+            w, wr = (pltriton.load(w_ref.at[layer, a] if stacked else w_ref.at[a]).astype(jnp.float32)[None, :]
+                     for a in (d, dr))
         return i, ok, _norm_rope(x, xr, w, wr, c, s, sign, dtype, eps, normed)
 
     @pl.when(j < nq)
@@ -114,10 +118,14 @@ def qkv_write(qkv, q_norm, k_norm, cos, sin, k_all, v_all, layer, start, *, head
     normed = q_norm is not None
     if not normed:  # placeholders, never read
         q_norm = k_norm = jnp.zeros((hd,), qkv.dtype)
-    lens = lengths(start, layer)  # [B + 1], the array decode_attention takes too
+    stacked = q_norm.ndim == 2
+    if q_norm.shape[-1:] != (hd,) or k_norm.shape != q_norm.shape or q_norm.ndim > 2:
+        raise ValueError(f"qkv_write: q_norm and k_norm must both be [hd] or both [L, hd], got {q_norm.shape} and "
+                         f"{k_norm.shape} for head_dim {hd}")
+    lens = lengths(start, layer)  # [B + 1], the array decode_attention and add_norm take too
     q, k_all, v_all = pl.pallas_call(
         functools.partial(_kernel, batch=b, t=t, h=heads, kv=kv, hd=hd, slots=k_all.shape[2], eps=eps, normed=normed,
-                          rows=_ROWS),
+                          stacked=stacked, rows=_ROWS),
         grid=(b * t, -(-heads // _ROWS) + 2 * -(-kv // _ROWS)),
         out_shape=(jax.ShapeDtypeStruct((b, t, heads, hd), qkv.dtype),
                    jax.ShapeDtypeStruct(k_all.shape, k_all.dtype), jax.ShapeDtypeStruct(v_all.shape, v_all.dtype)),

@@ -397,6 +397,14 @@ def test_qkv_write_is_its_definition(b, t, h, kv, hd, start, normed):
     assert (k_new[~written] == k_old[~written]).all() and (k_new[written] != k_old[written]).any()
     with pytest.raises(ValueError, match="does not match the cache"):
         qw.qkv_write(args[0][:, :, 1:], *args[1:], heads=h, eps=1e-6, interpret=True)
+    if normed:  # every layer's norm weights, read at the layer in place: the same result
+        qn, kn, layer = args[1], args[2], int(args[7])
+        q_all, k_all = (jnp.stack([w if i == layer else -w for i in range(3)]) for w in (qn, kn))
+        stacked = qw.qkv_write(args[0], q_all, k_all, *args[3:], heads=h, eps=1e-6, interpret=True)
+        for x, y in zip(stacked, got):
+            np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+        with pytest.raises(ValueError, match="both be"):
+            qw.qkv_write(args[0], q_all, kn, *args[3:], heads=h, eps=1e-6, interpret=True)
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 2560), (2, 3, 100)])  # an AR row of Qwen3-4B; D not a power of two
@@ -417,11 +425,37 @@ def test_add_norm_is_the_residual_add_and_rms_norm(shape):
     assert h.dtype == jnp.bfloat16 and h.shape == shape
     with pytest.raises(ValueError, match="add_norm takes float32"):
         add_norm.add_norm(x.astype(jnp.bfloat16), d, w, eps=1e-6, interpret=True)
+    w_all = jnp.stack([-w, 2 * w, w])  # every layer's weights, read at the layer (in the lengths operand) in place
+    lens = jnp.full((shape[0],), 7, jnp.int32)
+    s2, h2 = add_norm.add_norm(x, d, w_all, jnp.int32(2), lens, eps=1e-6, interpret=True)
+    np.testing.assert_array_equal(np.asarray(s2), np.asarray(s))
+    np.testing.assert_array_equal(np.asarray(h2, np.float32), np.asarray(h, np.float32))
+    with pytest.raises(ValueError, match="with layer and prefix_len"):
+        add_norm.add_norm(x, d, w_all, eps=1e-6, interpret=True)
+
+
+def _pallas_calls(closed) -> list[tuple]:
+    """(name, operand shapes...) of every pallas_call in a closed jaxpr, nested ones included."""
+    out = []
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "pallas_call":
+                out.append((e.params["name"], *(tuple(v.aval.shape) for v in e.invars)))
+            for v in e.params.values():
+                for sub in v if isinstance(v, (list, tuple)) else [v]:
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(closed.jaxpr)
+    return out
 
 
 def test_the_model_writes_q_k_v_by_the_kernel_with_pallas_inplace(monkeypatch):
     """model.forward with 'pallas-inplace' attention and fused q|k|v weights takes the qkv_write kernel and the
-    add_norm kernel (DDTREE_JAX_QKV_WRITE=xla / DDTREE_JAX_ADD_NORM=xla, or unfused weights for the first, XLA's
+    add_norm kernel, which read every layer's norm weights in place (no slice of them per layer)
+    (DDTREE_JAX_QKV_WRITE=xla / DDTREE_JAX_ADD_NORM=xla, or unfused weights for the first, XLA's
     forms); both give the same hidden states and caches (on CPU to the bit here; on a GPU XLA may keep f32 between
     the operations qkv_write rounds, and sums a mean square in another order)."""
     from ddtree_jax import cache as kvcache, decode, model, shapes
@@ -447,6 +481,11 @@ def test_the_model_writes_q_k_v_by_the_kernel_with_pallas_inplace(monkeypatch):
     (hk, ck, _), text = run(fused)
     assert model.qkv_kernel_applies(impl, layer0, hk.astype(jnp.bfloat16), cache.k) and "qkv_write" in text
     assert "add_norm" in text  # the residual adds and norms: pallas_kernels.add_norm
+    calls = _pallas_calls(jax.make_jaxpr(lambda p, c: model.forward(p, tcfg, tokens, positions, c,
+                                                                    causal_bits(b, t), attention=impl))(fused, cache))
+    layers, d, hd = tcfg.num_layers, tcfg.hidden_size, tcfg.head_dim  # the layers' norm weights read in place:
+    assert [c[3] for c in calls if c[0] == "add_norm"] == [(layers, d), (layers, d), (d,)]  # every layer's, final
+    assert [c[2:4] for c in calls if c[0] == "qkv_write"] == [((layers, hd), (layers, hd))]
     assert not model.qkv_kernel_applies("xla", layer0, hk.astype(jnp.bfloat16), cache.k)
     monkeypatch.setenv(model.QKV_WRITE_ENV, "xla")
     monkeypatch.setenv(model.ADD_NORM_ENV, "xla")
