@@ -425,9 +425,9 @@ def test_add_norm_is_the_residual_add_and_rms_norm(shape):
     assert h.dtype == jnp.bfloat16 and h.shape == shape
     with pytest.raises(ValueError, match="add_norm takes float32"):
         add_norm.add_norm(x.astype(jnp.bfloat16), d, w, eps=1e-6, interpret=True)
-    w_all = jnp.stack([-w, 2 * w, w])  # every layer's weights, read at the layer (in the lengths operand) in place
-    lens = jnp.full((shape[0],), 7, jnp.int32)
-    s2, h2 = add_norm.add_norm(x, d, w_all, jnp.int32(2), lens, eps=1e-6, interpret=True)
+    w_all = jnp.stack([-w, w, 2 * w])  # every layer's weights, read at the layer (in the lengths operand) in place;
+    lens = jnp.zeros((shape[0],), jnp.int32)  # a kernel reading a prefix length as the layer would take row 0
+    s2, h2 = add_norm.add_norm(x, d, w_all, jnp.int32(1), lens, eps=1e-6, interpret=True)
     np.testing.assert_array_equal(np.asarray(s2), np.asarray(s))
     np.testing.assert_array_equal(np.asarray(h2, np.float32), np.asarray(h, np.float32))
     with pytest.raises(ValueError, match="with layer and prefix_len"):
@@ -500,6 +500,32 @@ def test_the_model_writes_q_k_v_by_the_kernel_with_pallas_inplace(monkeypatch):
     np.testing.assert_array_equal(np.asarray(hk, np.float32), np.asarray(hx, np.float32))
     for a, c in ((ck.k, cx.k), (ck.v, cx.v)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32))
+
+
+def test_the_drafter_reads_its_q_k_norms_in_place_with_pallas_inplace():
+    """draft.propose with the GPU's fused output-major drafter and 'pallas-inplace' attention: qkv_write takes every
+    layer's q/k norm weights, and the logits are the unstacked drafter's (each layer's own weights) to the bit, and
+    XLA's within bf16's error."""
+    from ddtree_jax import cache as kvcache, decode, draft, params as params_lib, shapes
+
+    tcfg, dcfg = shapes.model_configs(shapes.SHAPES["tiny"])
+    tparams, dparams = shapes.build_params(tcfg, dcfg, jnp.bfloat16)
+    fused = decode.device_layout(dparams, layout=decode.DRAFT_GPU_LAYOUT)
+    lc, b = dcfg.layers, 2
+    rng = np.random.default_rng(3)
+    cache = kvcache.init(lc.num_layers, b, 96, lc.num_kv_heads, lc.head_dim, jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal(cache.k.shape), jnp.bfloat16) for _ in range(2))
+    cache = kvcache.KVCache(k, v, jnp.asarray([17, 40], jnp.int32))
+    bonus = jnp.asarray([3, 5], jnp.int32)
+    impl = "pallas-inplace-interpret"
+    run = lambda p, a: draft.propose(p, dcfg, tparams, cache, bonus, attention=a)  # noqa: E731
+    calls = _pallas_calls(jax.make_jaxpr(lambda p: run(p, impl))(fused))
+    norms = [c[2:4] for c in calls if c[0] == "qkv_write"]
+    assert norms == [((lc.num_layers, lc.head_dim), (lc.num_layers, lc.head_dim))]
+    stacked, unstacked, xla = (np.asarray(run(p, a), np.float32) for p, a in (
+        (fused, impl), (params_lib.unstack_layers(fused), impl), (fused, "xla")))
+    np.testing.assert_array_equal(stacked, unstacked)
+    assert np.linalg.norm(stacked - xla) / np.linalg.norm(xla) < 1e-2
 
 
 # ------------------------------------------------------------------------------------ the tree build's kernels
