@@ -11,7 +11,7 @@ Semantics (``reference``): s = x + delta (f32); h = round(w * (s * rsqrt(mean(s^
 Shapes: x, delta [..., D] float32, w [D] -> (s [..., D] float32, h [..., D] in w's dtype). Or w every layer's weights
 [L, D] with ``layer`` and ``prefix_len`` [B]: the kernel reads the layer index from the layer kernels' shared integer
 operand (``pallas_kernels.lengths``) and that row of w in place. A layer's [D] row as an operand of its own is a slice
-that XLA copies in a kernel of its own (the norm weights' slices were four kernels of ~1.5 µs per iteration of the
+that XLA copies in a kernel of its own (the norm weights' slices were four kernels of 1.3-1.5 µs per iteration of the
 4-layer loop in the eighteenth run's 4B AR profile; reading them in place took 0.06 ms off a 4B AR step).
 """
 

@@ -34,9 +34,9 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-# batch x cache slots up to which it was measured faster than the tree kernel (H200, Qwen3-8B heads, µs with XLA's
-# combine: batch 1 at 8.5k slots 13.8 against 17.5, at 33k 43.5 against 42.1; batch 8 at 2.9k slots 23.1 (8 splits)
-# against 29.3; benchmarks/PERF.md, eighteenth run)
+# batch x cache slots up to which it takes the one-row steps, a limit set between measured points (H200, Qwen3-8B
+# heads, µs with XLA's combine, against the tree kernel: batch 1 at 8.5k slots 13.8 against 17.5, at 33k 43.5 against
+# 42.1; batch 8 at 2.4k and 2.9k slots 23.4 and 23.1 against 29.2 and 29.3; benchmarks/PERF.md, eighteenth run)
 MAX_KEYS = 24576
 
 
