@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.bitmask import unpack_bits
+from pallas_kernels.lengths import lengths
 
 
 def visibility(prefix_len: jax.Array, tree_bits: jax.Array, t: int, s: int) -> jax.Array:
@@ -205,12 +206,10 @@ def tree_attention(q, k, v, prefix_len, tree_bits, *, scale: float | None = None
     prefix_len = prefix_len.astype(jnp.int32)
     lens_in = prefix_len
     # With ``layer`` the stacked cache is viewed as [L * B, S, K, hd] (a bitcast) and the layer index rides in the
-    # lengths operand, [B + 1]. As an operand of its own, an int32 [1] that XLA sliced asynchronously out of the
-    # layer loop's indices (dynamic-slice fusion on), it made the compiled prefill set the state's round counter to
-    # the prompt length at batch 1 on an H200 (jaxlib 0.11.2; benchmarks/PERF.md, twelfth run).
+    # lengths operand, [B + 1] (``pallas_kernels.lengths``: why not an operand of its own).
     if stacked:
         k, v = (x.reshape(x.shape[0] * b, *x.shape[2:]) for x in (k, v))
-        lens_in = jnp.concatenate([prefix_len, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))])  # [B + 1]
+        lens_in = lengths(prefix_len, layer)
     qp = jnp.pad(_pack_rows(q, kv), [(0, 0), (0, 0), (0, rows_pad - rows), (0, 0)])
     bits = jnp.repeat(_shifted_bits(tree_bits, prefix_len, t, words), g, axis=1)  # [B, R, words]
     bits = jnp.pad(bits, [(0, 0), (0, rows_pad - rows), (0, 0)]).transpose(0, 2, 1)  # [B, words, R_pad]
