@@ -22,11 +22,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.blocks import pow2
 from pallas_kernels.lengths import lengths
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _kernel(x_ref, d_ref, w_ref, *refs, dim: int, eps: float, batch: int | None):
@@ -34,7 +31,7 @@ def _kernel(x_ref, d_ref, w_ref, *refs, dim: int, eps: float, batch: int | None)
     import jax.experimental.pallas.triton as pltriton
 
     r = pl.program_id(0)
-    i = jnp.arange(_pow2(dim), dtype=jnp.int32)
+    i = jnp.arange(pow2(dim), dtype=jnp.int32)
     ok = i < dim
     if batch is None:
         s_ref, h_ref = refs

@@ -17,12 +17,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.blocks import pow2
+
 
 MAX_NODES = 512  # tree indices (root included) up to which the words fit in registers: faster than XLA's form
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _kernel(par_ref, out_ref, *, m: int, mp: int, wp: int, max_depth: int):
@@ -49,7 +47,7 @@ def ancestor_bits(parents: jax.Array, max_depth: int, *, interpret: bool = False
     import jax.experimental.pallas.triton as pltriton
 
     b, m = parents.shape
-    mp, wp = _pow2(m), _pow2(-(-m // 32))
+    mp, wp = pow2(m), pow2(-(-m // 32))
     out = pl.pallas_call(
         functools.partial(_kernel, m=m, mp=mp, wp=wp, max_depth=max_depth),
         grid=(b,),

@@ -24,14 +24,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.blocks import pow2
 from pallas_kernels.lengths import lengths
 
 _BLOCK = 64  # keys per step
 _MIN_ROWS = 16  # the smallest M of a Triton dot
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 # batch x cache slots up to which it takes the one-row steps, a limit set between measured points (H200, Qwen3-8B
@@ -120,7 +117,7 @@ def decode_attention(q, k, v, prefix_len, tree_bits, layer, *, scale: float | No
         raise ValueError(f"decode_attention takes q [B, 1, H, hd] and stacked caches [L, B, S, K, hd] of its 16-bit "
                          f"dtype, got q {q.shape} {q.dtype}, k {k.shape} {k.dtype}")
     g = h // kv
-    gp = max(_MIN_ROWS, _pow2(g))
+    gp = max(_MIN_ROWS, pow2(g))
     splits = splits or default_splits(s, b * kv)
     scale = hd**-0.5 if scale is None else scale
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)] if splits == 1 else [

@@ -32,13 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.blocks import pow2
+
 _MIN = np.int32(-(2**31))  # below every key: padding
 _PROGRAM_ENTRIES = 4096  # entries per program of the chunk-maxima kernel
 _SORT_TILE = 32  # columns of the sort kernel's rank count at a time
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def chunk_size(k: int) -> int:
@@ -147,9 +145,9 @@ def top_k(x: jax.Array, k: int, *, interpret: bool = False, warps: int = 8) -> t
     x2 = x.reshape(-1, vocab)
     rows = x2.shape[0]
     c = chunk_size(k)
-    n1p = _pow2(-(-vocab // c))  # chunks, padded (padding chunks have key _MIN)
+    n1p = pow2(-(-vocab // c))  # chunks, padded (padding chunks have key _MIN)
     cp = min(n1p, _PROGRAM_ENTRIES // c)
-    kp = _pow2(k)
+    kp = pow2(k)
 
     def call(kernel, grid, out, name, w, **static):
         return pl.pallas_call(functools.partial(kernel, **static), grid=grid, out_shape=out, interpret=interpret,
