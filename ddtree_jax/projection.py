@@ -23,8 +23,8 @@ PAPER_TAU = REPO / "benchmarks" / "paper_tau.json"
 RESULTS = REPO / "benchmarks" / "results" / "h200.json"
 LAYOUT = "stacked-out-major-fused"  # the records of the current GPU layout (decode.GPU_LAYOUT)
 # ... and the drafter's layouts of the records the README's tables read, preferred first: decode.DRAFT_GPU_LAYOUT
-# since the sixteenth run (a batch-1 grid in it: the seventeenth run), then "stacked" (input-major, the default before;
-# records without the field), for the groups (model, prompt, batch) not yet measured again (batch 8).
+# since the sixteenth run (every group of h200.json measured in it by the eighteenth run), then "stacked" (input-major,
+# the default before; records without the field), for records files whose groups were not measured again.
 DRAFT_LAYOUTS = ("stacked-out-major-fused", "stacked")
 
 
