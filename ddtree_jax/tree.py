@@ -14,8 +14,9 @@ answer extend frontier paths of depth d. Frontier and per-depth top-k lists are 
 Each depth then selects the best ``budget`` of those candidates, and a last selection takes the best ``budget``
 over all depths. ``select="sort"`` does it with ``lax.top_k`` (a sort on GPU: 15 dependent sorts per tree);
 ``select="count"`` ranks every candidate by counting the candidates before it (one compare-and-sum fusion, no
-sort), the same result bit for bit; the default is "count" on GPU at batch 1 up to budget 512, "sort" otherwise
-(benchmarks/PERF.md).
+sort), the same result bit for bit; ``select="kernel"`` runs the whole scan and the last selection as one Pallas
+program per sequence (``pallas_kernels.best_first``), the same result again. Defaults (:func:`default_select`): on GPU
+at batch 1 the kernel up to budget 128, "count" up to 512; "sort" otherwise (benchmarks/PERF.md).
 
 Before the depths, the per-depth top-k over the vocabulary; after them, the packed ancestor mask. Both have Pallas
 kernels (``pallas_kernels.vocab_top_k``, ``pallas_kernels.ancestor_bits``) beside their XLA forms here, the GPU
@@ -30,10 +31,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ddtree_jax import sharding
-from pallas_kernels import ancestor_bits as bits_kernel, vocab_top_k
+from pallas_kernels import ancestor_bits as bits_kernel, best_first as best_first_kernel, selection, vocab_top_k
 from pallas_kernels.bitmask import pack_bits
 
 Array = jax.Array
@@ -50,17 +50,6 @@ class Tree:
     @property
     def size(self) -> int:
         return self.tokens.shape[1]
-
-
-@functools.lru_cache(maxsize=None)
-def _candidate_pairs(budget: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Static (frontier slot, token rank) pairs that can reach the top ``budget``."""
-    ii, jj = [], []
-    for i in range(budget):
-        for j in range(min(k, budget // (i + 1))):
-            ii.append(i)
-            jj.append(j)
-    return np.asarray(ii, np.int32), np.asarray(jj, np.int32)
 
 
 def _on_gpu() -> bool:
@@ -105,7 +94,7 @@ def top_k_by_count(x: Array, k: int) -> tuple[Array, Array]:
         raise ValueError(f"top_k_by_count takes float32, got {x.dtype}")
     n = x.shape[-1]
     idx = jnp.arange(n, dtype=jnp.int32)
-    key = vocab_top_k.order_key(x)  # int32 order = float total order
+    key = selection.order_key(x)  # int32 order = float total order
     xi, xj = key[..., :, None], key[..., None, :]
     before = (xj > xi) | ((xj == xi) & (idx[None, :] < idx[:, None]))  # [..., n, n]: j comes before i
     rank = jnp.sum(before, axis=-1, dtype=jnp.int32)  # [..., n]
@@ -114,7 +103,7 @@ def top_k_by_count(x: Array, k: int) -> tuple[Array, Array]:
     return jnp.take_along_axis(x, ids, axis=-1), ids
 
 
-SELECTS = ("sort", "count")
+SELECTS = ("sort", "count", "kernel")
 
 
 def _selector(select: str):
@@ -131,7 +120,7 @@ def _best_first_one(
     depth_count, k = log_probs.shape
     width = budget
     top = _selector(select)
-    ii, jj = (jnp.asarray(a) for a in _candidate_pairs(budget, k))
+    ii, jj = (jnp.asarray(a) for a in best_first_kernel.candidate_pairs(budget, k))
 
     first = jnp.full((width,), -jnp.inf).at[: min(k, width)].set(log_probs[0, :width])
     first_tok = jnp.full((width,), -1, jnp.int32).at[: min(k, width)].set(token_ids[0, :width])
@@ -209,36 +198,44 @@ def top_log_probs(draft_logits: Array, k: int, chunk: int | tuple[int, ...] | st
     return vals - jax.nn.logsumexp(logits, axis=-1, keepdims=True), ids.astype(jnp.int32)
 
 
-KERNEL_MAX_K = 512  # the largest vocabulary top-k at which the kernels were measured faster (H200)
+KERNEL_MAX_K = 256  # the largest vocabulary top-k at which the kernels were measured faster (H200, nineteenth run)
 
 
 def default_topk_chunk(k: int, kernels: bool = False) -> int | tuple[int, ...] | str:
     """:func:`top_log_probs`' vocabulary chunks unless told: with ``kernels`` (on GPU: :func:`default_kernels`) and
     k <= ``KERNEL_MAX_K``, "kernel"; else two levels, (64, 8), up to k = 256, one of 32 above (H200, Qwen3
     vocabulary, 15 depths: k = 64 / 256 / 512 in 85 / 102 / 144 us against 103 / 151 / 150 with the other; an
-    unchunked top-k took 630 at 256; benchmarks/PERF.md, eighth run). Every choice gives the same result."""
+    unchunked top-k took 630 at 256; benchmarks/PERF.md, eighth run; the kernels at k = 64 / 256 / 512: 60 / 84 / 197 us
+    against XLA's 86 / 114 / 147 in the same processes, nineteenth run). Every choice gives the same result."""
     if kernels and k <= KERNEL_MAX_K:
         return "kernel"
     return (64, 8) if k <= 256 else 32
 
 
 def default_kernels(batch: int = 1) -> bool:
-    """Whether the tree build uses its Pallas kernels (the vocabulary top-k up to ``KERNEL_MAX_K``, the ancestor
-    bits up to ``pallas_kernels.ancestor_bits.MAX_NODES``) unless told: on GPU for one sequence without a mesh
-    (measured faster there on an H200, at Qwen3's vocabulary and the default pair's, benchmarks/PERF.md, thirteenth and
-    fourteenth runs; beyond those sizes slower). Not for batches: at batch 8 no Qwen3-8B round was faster with them
-    (fourteenth run). Meshes not timed, though the top-k kernels run per vocabulary shard: tests/test_sharding.py."""
+    """Whether the tree build uses its Pallas kernels (the vocabulary top-k up to ``KERNEL_MAX_K``, the depth scan up
+    to ``KERNEL_MAX_BUDGET``, the ancestor bits up to ``pallas_kernels.ancestor_bits.MAX_NODES``) unless told: on GPU
+    for one sequence without a mesh (measured faster there on an H200, at Qwen3's vocabulary and the default pair's,
+    benchmarks/PERF.md, thirteenth, fourteenth and nineteenth runs; beyond those sizes slower). Not for batches: at
+    batch 8 no Qwen3-8B round was faster with them (fourteenth run). Meshes not timed, though the top-k kernels run
+    per vocabulary shard: tests/test_sharding.py."""
     return _on_gpu() and batch == 1 and sharding.active() is None
 
 
 COUNT_MAX_BUDGET = 512  # the largest budget at which rank counting was measured faster (H200, batch 1)
+KERNEL_MAX_BUDGET = 128  # the largest budget at which the best_first kernel was measured faster (H200, batch 1)
 
 
 def default_select(budget: int, batch: int = 1) -> str:
-    """The selection :func:`best_first` uses unless told: rank counting on GPU for one sequence up to
-    ``COUNT_MAX_BUDGET``, ``lax.top_k`` otherwise. Its O(n^2) compares grow with the budget squared and with the
-    batch: on an H200 it built a tree faster at batch 1 and budgets 64-512 (229 / 287 / 354 against 314 / 440 /
-    679 us) and slower at batch 8, budget 256 (715 against 648 us; benchmarks/PERF.md, seventh run)."""
+    """The selection :func:`best_first` uses unless told: on GPU for one sequence, the ``best_first`` kernel up to
+    ``KERNEL_MAX_BUDGET`` where :func:`default_kernels` (the depth scan from the sorted lists, H200: 47 / 87 / 105
+    against 96 / 110 / 139 us at budgets 16 / 64 / 128, slower above: 177 against 132 at 256), then rank counting up
+    to ``COUNT_MAX_BUDGET``, ``lax.top_k`` otherwise. Rank counting's O(n^2) compares grow with the budget squared and
+    with the batch: on an H200 it built a tree faster at batch 1 and budgets 64-512 (229 / 287 / 354 against 314 /
+    440 / 679 us) and slower at batch 8, budget 256 (715 against 648 us; benchmarks/PERF.md, seventh and nineteenth
+    runs)."""
+    if default_kernels(batch) and budget <= KERNEL_MAX_BUDGET:
+        return "kernel"
     return "count" if _on_gpu() and batch == 1 and budget <= COUNT_MAX_BUDGET else "sort"
 
 
@@ -261,9 +258,10 @@ def best_first(
     """DDTree's tree of ``budget`` nodes from draft logits [B, Dp, V] (untempered, as the reference).
     ``chunk``, ``unroll``, ``select`` and ``bits`` change how, never what: see :func:`top_log_probs`, the depth
     scan, the module doc and :func:`ancestor_bits`. Defaults: on GPU the Pallas kernels (:func:`default_kernels`:
-    the vocabulary top-k and the ancestor bits), elsewhere the chunked top-k (:func:`default_topk_chunk`; on each
-    vocabulary shard under a mesh, see ``sharding.top_k``) and XLA's ancestor bits; a fully unrolled depth loop and
-    :func:`default_select`; each measured faster on an H200 (benchmarks/PERF.md)."""
+    the vocabulary top-k, the depth scan through :func:`default_select`, the ancestor bits), elsewhere the chunked
+    top-k (:func:`default_topk_chunk`; on each vocabulary shard under a mesh, see ``sharding.top_k``) and XLA's
+    ancestor bits; a fully unrolled depth loop and :func:`default_select`; each measured faster on an H200
+    (benchmarks/PERF.md)."""
     b, _, vocab = draft_logits.shape
     k = min(budget, vocab)
     if chunk is None:
@@ -280,8 +278,11 @@ def tree_from_lists(lp: Array, ids: Array, budget: int, *, select: str, unroll: 
     [B, Dp, K] int32 (:func:`top_log_probs`): the tree build proper, after the vocabulary top-k. ``bits``: how the
     ancestor bits are made (:func:`ancestor_bits`; default :func:`default_bits`)."""
     b, depth_count, _ = lp.shape
-    one = functools.partial(_best_first_one, budget=budget, unroll=unroll, select=select)
-    tokens, depths, parents = jax.vmap(one)(lp, ids)
+    if select == "kernel":
+        tokens, depths, parents = best_first_kernel.best_first(lp, ids, budget, interpret=not _on_gpu())
+    else:
+        one = functools.partial(_best_first_one, budget=budget, unroll=unroll, select=select)
+        tokens, depths, parents = jax.vmap(one)(lp, ids)
     parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parents], axis=1)
     bits = bits or default_bits(budget + 1, b)
     return Tree(tokens, depths, parents, ancestor_bits(parents, depth_count, bits))

@@ -12,13 +12,11 @@ of 151936 for Qwen3), sorted as ``lax.top_k`` sorts (larger first, ties: lower i
    first) selected the same way, and written, values and ids, in index order.
 4. ``sort`` (grid R): each of the k is written to its rank (the number of the k before it in lax.top_k's order).
 
-Selection without a sort: keys are the float32 bits mapped to int32 in the float total order (-0.0 below +0.0;
-``order_key``, which ``tree.top_k_by_count`` uses too). The largest key t with count(key >= t) >= k is built bit by
-bit from the top (32 steps, one count over the row each); then every key > t is taken, and the first
-k - count(key > t) keys equal to t in index order (a cumsum): exactly k entries, the set ``lax.top_k`` returns. Positions in the output come from a cumsum too.
+Selection without a sort (``pallas_kernels.selection``: counts and cumsums, the result ``lax.top_k``'s exactly).
 The stages are separate kernels because each reads what the one before stored from other threads: within one
 program that needs a block barrier (``pallas.triton.debug_barrier``), which the Pallas interpreter the CPU tests
-run cannot execute (no CPU rule for it in jax 0.11), so a fused program would go untested off the GPU.
+run cannot execute (no CPU rule for it in jax 0.11), so the barriers of a fused program would go untested off the
+GPU (``best_first`` does that for the depth scan, its barriers checked on the GPU only; untried here).
 
 Shapes (R rows; every tensor a power of two, as the Triton lowering needs):
     x [R, V] float32 or bfloat16  ->  vals [R, k] float32, ids [R, k] int32   (requires ceil(V / C) >= k)
@@ -30,11 +28,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels.blocks import pow2
+from pallas_kernels.selection import MIN as _MIN, order_key, ranks, select as _select
 
-_MIN = np.int32(-(2**31))  # below every key: padding
 _PROGRAM_ENTRIES = 4096  # entries per program of the chunk-maxima kernel
 _SORT_TILE = 32  # columns of the sort kernel's rank count at a time
 
@@ -47,30 +44,6 @@ def chunk_size(k: int) -> int:
 def supports(vocab: int, k: int) -> bool:
     """Whether the kernels apply: at least k chunks (otherwise a plain top-k is cheap anyway)."""
     return 0 < k and -(-vocab // chunk_size(k)) >= k
-
-
-def order_key(x):
-    """float32 (or bfloat16, converted exactly) -> int32 keys in the float total order (-0.0 below +0.0)."""
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
-
-
-def _select(key, k: int):
-    """key [n] int32, in index order -> (sel [n] bool: lax.top_k's k entries; slot [n] int32: each selected entry's
-    position among them in index order, k for the others). Stores go to ``slot`` with mask ``sel``: an output has a
-    spare column k, so that in the interpreter (which writes a masked store's old values back) no unselected entry
-    shares a selected one's slot. One-dimensional: the Triton lowering reduces a 2-D tensor axis by axis."""
-    t = jnp.int32(0)  # the threshold's bits in unsigned order (x ^ _MIN maps it to the signed order)
-    for bit in range(31, -1, -1):
-        cand = t | jnp.int32(np.int32(np.uint32(1 << bit).view(np.int32)))
-        count = jnp.sum((key >= (cand ^ _MIN)).astype(jnp.int32))
-        t = jnp.where(count >= k, cand, t)
-    t = t ^ _MIN
-    gt = key > t
-    eq = key == t
-    need = k - jnp.sum(gt.astype(jnp.int32))
-    sel = gt | (eq & (jnp.cumsum(eq.astype(jnp.int32)) <= need))
-    return sel, jnp.where(sel, jnp.cumsum(sel.astype(jnp.int32)) - 1, k)
 
 
 def _chunk_max_kernel(x_ref, m_ref, *, vocab: int, c: int, cp: int):
@@ -118,14 +91,11 @@ def _sort_kernel(val_ref, id_ref, out_val_ref, out_id_ref, *, k: int, kp: int, t
     i = jnp.arange(kp, dtype=jnp.int32)
     ok = i < k
     x = pltriton.load(val_ref.at[r, i], mask=ok, other=0)
-    key = jnp.where(ok, order_key(x), _MIN)[:, None]
-    rank = jnp.zeros((kp,), jnp.int32)
-    for t in range(0, kp, tile):  # [kp, tile] compares at a time: a [kp, kp] tensor would not fit in registers
-        j = t + jnp.arange(tile, dtype=jnp.int32)
-        kj = jnp.where(j < k, order_key(pltriton.load(val_ref.at[r, j], mask=j < k, other=0)), _MIN)[None, :]
-        before = (kj > key) | ((kj == key) & (j[None, :] < i[:, None]))
-        rank = rank + jnp.sum((before & (j < k)[None, :]).astype(jnp.int32), axis=1)
-    rank = jnp.where(ok, rank, k)  # a permutation of 0..k-1 (padding to the spare column)
+
+    def load_key(j):
+        return jnp.where(j < k, order_key(pltriton.load(val_ref.at[r, j], mask=j < k, other=0)), _MIN)
+
+    rank = ranks(jnp.where(ok, order_key(x), _MIN), load_key, k, kp, tile)  # padding to the spare column
     pltriton.store(out_val_ref.at[r, rank], x, mask=ok)
     pltriton.store(out_id_ref.at[r, rank], pltriton.load(id_ref.at[r, i], mask=ok, other=0), mask=ok)
 

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax import tree as trees
-from pallas_kernels import ancestor_bits, stacked_matmul as sm, tree_accept as ta, vocab_top_k
+from pallas_kernels import ancestor_bits, best_first as bf, selection, stacked_matmul as sm, tree_accept as ta
+from pallas_kernels import vocab_top_k
 from pallas_kernels import tree_attention as tat
 from pallas_kernels.inputs import accept_inputs, ancestor_mask, attention_inputs, qkv_write_inputs, random_parents
 from pallas_kernels.bitmask import pack_bits, unpack_bits
@@ -556,6 +557,60 @@ def test_vocab_top_k_refuses_rows_too_short_for_its_chunks():
         vocab_top_k.top_k(jnp.zeros((2, 960)), 16, interpret=True)
     with pytest.raises(ValueError, match="int32"):
         vocab_top_k.top_k(jnp.zeros((2, 4096), jnp.int32), 16, interpret=True)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_selection_takes_lax_top_k_s_entries_with_and_without_bounds(seed):
+    """selection.select (plain jnp, as the kernels trace it): lax.top_k's k entries and their places in index order,
+    from the full key range and from bounds (the k-th key itself, the extremes, an upper bound only); heavy ties,
+    -inf, both zeros and values over seven decades."""
+    rng = np.random.default_rng(seed)
+    n = (37, 300)[seed % 2]
+    select = jax.jit(selection.select)  # k traced: one program per n and bounds pattern
+    for _ in range(8):
+        k = int(rng.integers(1, n + 1))
+        x = (rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4)).astype(np.float32)
+        if seed < 2:
+            x = np.round(x)
+        x[rng.integers(0, n, 3)] = -np.inf
+        x[rng.integers(0, n, 3)] = -0.0
+        key = selection.order_key(jnp.asarray(x))
+        vals, ids = jax.lax.top_k(jnp.asarray(x), k)
+        kth = selection.order_key(vals[-1])
+        want = np.zeros(n, bool)
+        want[np.asarray(ids)] = True
+        for lo, hi in [(None, None), (kth, kth), (jnp.min(key), jnp.max(key)), (None, kth)]:
+            sel, slot = (np.asarray(a) for a in select(key, k, lo, hi))
+            np.testing.assert_array_equal(sel, want)
+            np.testing.assert_array_equal(slot[np.sort(np.asarray(ids))], np.arange(k))
+            assert np.all(slot[~want] == k)
+
+
+@pytest.mark.parametrize("b,depths,budget,vocab,case", [
+    (2, 15, 16, 300, "continuous"),  # DFlash's 15 depths
+    (2, 6, 64, 300, "ties"),  # heavy ties, a depth of -inf past its second token
+    (1, 5, 24, 10, "ties"),  # K < budget, a budget not a power of two
+    (1, 4, 7, 7, "zeros"),  # every log-prob 0: all paths tie
+    (1, 1, 8, 20, "continuous"),  # one depth: no scan
+])
+def test_best_first_kernel_builds_the_xla_scan_s_tree(b, depths, budget, vocab, case):
+    """The best_first kernel (Pallas interpreter) gives tree._best_first_one's tokens, depths and parents."""
+    rng = np.random.default_rng(budget + depths)
+    x = rng.standard_normal((b, depths, vocab)).astype(np.float32) * 2
+    x = {"ties": np.round(x), "zeros": np.zeros_like(x)}.get(case, x)
+    lp, ids = trees.top_log_probs(jnp.asarray(x), min(budget, vocab))
+    if case == "ties" and depths > 3:
+        lp = lp.at[:, 3, 2:].set(-jnp.inf)
+    want = jax.vmap(lambda lp_, ids_: trees._best_first_one(lp_, ids_, budget, select="sort"))(lp, ids)
+    got = bf.best_first(lp, ids, budget, interpret=True)
+    for w, g in zip(want, got):
+        assert g.shape == w.shape == (b, budget)
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_best_first_kernel_refuses_lists_longer_than_the_budget():
+    with pytest.raises(ValueError, match="0 < K <= budget"):
+        bf.best_first(jnp.zeros((1, 3, 9)), jnp.zeros((1, 3, 9), jnp.int32), 8, interpret=True)
 
 
 @pytest.mark.parametrize("n1,kind,max_depth", [(17, "random", 15), (65, "random", 15), (257, "random", 15),

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from ddtree_jax import tree as trees
+from pallas_kernels import best_first as best_first_kernel
 from pallas_kernels.bitmask import unpack_bits
 from tests.conftest import fixture_path
 
@@ -156,7 +157,7 @@ def test_random_trees_equal_heap_algorithm_and_keep_invariants(batch, depth, voc
 def test_candidate_pairs_prune_nothing_that_can_be_selected():
     """Pair (i, j) is dropped only if (i+1)(j+1) > budget: it then has >= budget candidates above it."""
     for budget, k in [(1, 1), (4, 4), (16, 16), (64, 64), (30, 7), (300, 200)]:
-        ii, jj = trees._candidate_pairs(budget, k)
+        ii, jj = best_first_kernel.candidate_pairs(budget, k)
         kept = set(zip(ii.tolist(), jj.tolist()))
         full = {(i, j) for i in range(budget) for j in range(k)}
         assert kept <= full
@@ -205,19 +206,24 @@ def test_top_k_by_count_is_lax_top_k_exactly(shape, k):
 @pytest.mark.parametrize("budget,vocab,scale", [(16, 256, 3.0), (64, 1000, 1.0), (130, 100, 5.0), (40, 3, 1.0),
                                                 (32, 64, 0.0)])
 def test_selections_build_the_same_tree(budget, vocab, scale):
-    """select='count' (the GPU default) and select='sort' give the same tree, field for field (scale 0: all ties)."""
+    """select='count', 'kernel' (the GPU defaults; the kernel in the Pallas interpreter) and select='sort' give the
+    same tree, field for field (scale 0: all ties)."""
     logits = jnp.asarray((scale * np.random.default_rng(budget).standard_normal((2, 7, vocab))).astype(np.float32))
     by = {s: jax.jit(lambda x, s=s: trees.best_first(x, budget, select=s))(logits) for s in trees.SELECTS}
     for name in ("tokens", "depths", "parents", "bits"):
-        np.testing.assert_array_equal(np.asarray(getattr(by["count"], name)), np.asarray(getattr(by["sort"], name)))
+        for select in ("count", "kernel"):
+            np.testing.assert_array_equal(np.asarray(getattr(by[select], name)), np.asarray(getattr(by["sort"], name)))
     with pytest.raises(ValueError, match="select"):
         trees.best_first(logits, budget, select="heap")
 
 
 def test_default_selection_counts_on_gpu_where_timed_faster(monkeypatch):
-    """Rank counting at batch 1 up to budget 512 (timed faster there), a sort beyond, at batch 8, and on CPU."""
+    """On GPU at batch 1 the best_first kernel up to budget 128, rank counting up to 512 (each timed faster there),
+    a sort beyond, at batch 8, and on CPU."""
     monkeypatch.setattr(trees.jax, "default_backend", lambda: "gpu")
-    assert [trees.default_select(b) for b in (16, 256, 512, 513)] == ["count", "count", "count", "sort"]
+    assert [trees.default_select(b) for b in (16, 128, 129, 256, 512, 513)] == [
+        "kernel", "kernel", "count", "count", "count", "sort"]
+    assert [trees.default_select(64, b) for b in (1, 2, 8)] == ["kernel", "sort", "sort"]
     assert [trees.default_select(256, b) for b in (1, 2, 8)] == ["count", "sort", "sort"]
     monkeypatch.setattr(trees.jax, "default_backend", lambda: "cpu")
     assert trees.default_select(16) == "sort"
@@ -325,13 +331,13 @@ def test_the_tree_kernels_build_the_same_tree(budget, vocab, scale):
 
 
 def test_tree_kernels_are_the_gpu_default_where_timed_faster(monkeypatch):
-    """On GPU, for one sequence, the vocabulary top-k kernels up to k = 512 and the ancestor-bits kernel up to 512
+    """On GPU, for one sequence, the vocabulary top-k kernels up to k = 256 and the ancestor-bits kernel up to 512
     tree indices (both timed faster there); XLA's forms beyond, for batches (not timed) and on CPU."""
     monkeypatch.setattr(trees.jax, "default_backend", lambda: "gpu")
     assert trees.default_kernels() and not trees.default_kernels(8) and trees.default_bits(65, 8) == "xla"
     with trees.sharding.use_mesh(jax.make_mesh((1,), ("model",))):
         assert not trees.default_kernels()
-    assert [trees.default_topk_chunk(k, True) for k in (64, 512, 1024)] == ["kernel", "kernel", 32]
+    assert [trees.default_topk_chunk(k, True) for k in (64, 256, 512)] == ["kernel", "kernel", 32]
     assert [trees.default_bits(n) for n in (65, 257, 512, 513)] == ["kernel", "kernel", "kernel", "xla"]
     monkeypatch.setattr(trees.jax, "default_backend", lambda: "cpu")
     assert not trees.default_kernels() and trees.default_topk_chunk(64) == (64, 8)
