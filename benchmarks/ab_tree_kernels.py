@@ -2,7 +2,7 @@
 ancestor bits) against XLA's forms: ``python -m ddtree_jax.bench`` ARGS run once per variant in ORDER (default
 kernels,xla,kernels,xla), each with its own --out directory under $OUT (default bench_ab) for ``models``. "kernels"
 turns them on at every batch (without a mesh), "xla" off, "default" leaves ``tree.default_kernels`` as it is,
-"xla-scan" is "default" with the depth scan in XLA (``tree.KERNEL_MAX_BUDGET`` = 0: the eighteenth run's defaults).
+"xla-scan" is "default" with the depth scan in XLA (``tree.KERNEL_MAX_BUDGET`` = 0).
 
     PYTHONPATH=. python benchmarks/ab_tree_kernels.py models --models qwen3-8b --methods ddtree --budgets 64,256 \\
         --prompts 512 --batches 1 --no-breakdown --no-profile --no-hlo --no-tree-micro --repeats 5

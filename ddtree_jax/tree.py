@@ -276,12 +276,15 @@ def tree_from_lists(lp: Array, ids: Array, budget: int, *, select: str, unroll: 
                     bits: str | None = None) -> Tree:
     """The best-first tree of ``budget`` nodes from per-depth lists sorted descending, lp [B, Dp, K] f32 and ids
     [B, Dp, K] int32 (:func:`top_log_probs`): the tree build proper, after the vocabulary top-k. ``bits``: how the
-    ancestor bits are made (:func:`ancestor_bits`; default :func:`default_bits`)."""
-    b, depth_count, _ = lp.shape
-    if select == "kernel":
+    ancestor bits are made (:func:`ancestor_bits`; default :func:`default_bits`). ``select="kernel"`` beyond the
+    kernel's sizes (``pallas_kernels.best_first.supports``: budgets above 1024 at 15 depths) takes "count": the same
+    tree."""
+    b, depth_count, k = lp.shape
+    if select == "kernel" and best_first_kernel.supports(budget, k, depth_count):
         tokens, depths, parents = best_first_kernel.best_first(lp, ids, budget, interpret=not _on_gpu())
     else:
-        one = functools.partial(_best_first_one, budget=budget, unroll=unroll, select=select)
+        one = functools.partial(_best_first_one, budget=budget, unroll=unroll,
+                                select="count" if select == "kernel" else select)
         tokens, depths, parents = jax.vmap(one)(lp, ids)
     parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parents], axis=1)
     bits = bits or default_bits(budget + 1, b)

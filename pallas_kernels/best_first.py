@@ -12,10 +12,11 @@ One SM runs it all: faster than XLA's forms up to budget 128 on an H200, slower 
 nineteenth run).
 
 Each depth reads what other threads of the program stored (the frontier before it, the compacted selection), so
-a block barrier (``pallas.triton.debug_barrier``) separates the stores from the loads: two per depth, two at the
-end. The Pallas interpreter, which runs these kernels on CPU (the tests), runs a program as one sequence of whole-
-array operations and has no rule for the barrier, so there it is left out: the interpreter checks the arithmetic,
-the GPU (``benchmarks/tree_kernels.py``, trees equal to XLA's) the barriers.
+a block barrier (``pallas.triton.debug_barrier``) separates the stores from the loads: one after depth 0, two per
+later depth, two at the end. The Pallas interpreter, which runs these kernels on CPU (the tests), runs a program as
+one sequence of whole-array operations and has no rule for the barrier, so there it is left out: the interpreter
+checks the arithmetic, the GPU (``benchmarks/tree_kernels.py``, trees equal to XLA's) the barriers. Sizes: see
+``supports`` (each selection at most ``selection.MAX_KEYS`` keys: budgets up to 1024 at 15 depths).
 
 Shapes (B sequences, Dp depths, K <= W list entries, W = budget; P padded to a power of two):
     lp [B, Dp, K] float32, ids [B, Dp, K] int32 (each row sorted descending, as tree.top_log_probs gives them)
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.blocks import pow2
-from pallas_kernels.selection import MIN, order_key, ranks, select
+from pallas_kernels.selection import MAX_KEYS, MIN, order_key, ranks, select
 
 _RANK_TILE = 32  # columns of the rank count at a time
 
@@ -137,6 +138,16 @@ def _kernel(lp_ref, ids_ref, ii_ref, jj_ref,  # inputs
     store(par_ref.at[b, rank], jnp.where(has_parent, parent, 0), mask=oks)
 
 
+def supports(budget: int, k: int, depths: int) -> bool:
+    """Whether the kernel takes lists of ``depths`` x k for a tree of ``budget``: 0 < k <= budget, at least budget
+    candidate pairs, and both selections (a depth's pairs, every depth's paths, each padded to a power of two) within
+    ``selection.MAX_KEYS`` (at 15 depths: budgets up to 1024)."""
+    if not 0 < k <= budget or depths < 1:
+        return False
+    n = len(candidate_pairs(budget, k)[0])
+    return n >= budget and max(pow2(n), pow2(depths * pow2(budget))) <= MAX_KEYS
+
+
 @functools.partial(jax.jit, static_argnames=("budget", "interpret", "warps"))
 def best_first(lp: jax.Array, ids: jax.Array, budget: int, *, interpret: bool = False,
                warps: int = 8) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -147,10 +158,11 @@ def best_first(lp: jax.Array, ids: jax.Array, budget: int, *, interpret: bool = 
     import jax.experimental.pallas.triton as pltriton
 
     b, dp, k = lp.shape
+    if lp.dtype != jnp.float32 or ids.shape != lp.shape or not supports(budget, k, dp):
+        raise ValueError(f"best_first takes float32 lists [B, Dp, K] with 0 < K <= budget, at least budget candidate "
+                         f"pairs and at most {MAX_KEYS} keys per selection (supports()), got {lp.dtype} {lp.shape}, "
+                         f"ids {ids.shape}, budget {budget}")
     ii, jj = candidate_pairs(budget, k)
-    if lp.dtype != jnp.float32 or ids.shape != lp.shape or not 0 < k <= budget or len(ii) < budget:
-        raise ValueError(f"best_first takes float32 lists [B, Dp, K] with 0 < K <= budget and at least budget "
-                         f"candidate pairs, got {lp.dtype} {lp.shape}, ids {ids.shape}, budget {budget}")
     w, wp = budget, pow2(budget)
     np_, fp = pow2(len(ii)), pow2(dp * wp)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731

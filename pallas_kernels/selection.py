@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 MIN = np.int32(-(2**31))  # below every key: padding
+MAX_KEYS = 2**15 - 1  # keys one select takes at most (its counts share an int32, 16 bits each)
 _LOADS_IN_FLIGHT = 8  # tiles of ``ranks`` loaded before their compares (more spilled registers at k = 512)
 
 
@@ -38,8 +39,8 @@ def select(key, k: int, lo=None, hi=None):
     spare column k, so that in the interpreter (which writes a masked store's old values back) no unselected entry
     shares a selected one's slot. ``lo``, ``hi``: int32 keys (scalars) with at least k keys >= lo and the k-th
     largest key <= hi, when known (the search is shorter). n < 2^15 (two counts share an int32)."""
-    if key.shape[0] >= 2**15:
-        raise ValueError(f"select takes fewer than 2^15 keys, got {key.shape[0]}")
+    if key.shape[0] > MAX_KEYS:
+        raise ValueError(f"select takes at most {MAX_KEYS} keys, got {key.shape[0]}")
     u = _unsigned(key)
 
     def third(bounds):  # two thresholds per count: [lo, hi] shrinks to about a third

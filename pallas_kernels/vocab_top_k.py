@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.blocks import pow2
-from pallas_kernels.selection import MIN as _MIN, order_key, ranks, select as _select
+from pallas_kernels.selection import MAX_KEYS, MIN as _MIN, order_key, ranks, select as _select
 
 _PROGRAM_ENTRIES = 4096  # entries per program of the chunk-maxima kernel
 _SORT_TILE = 32  # columns of the sort kernel's rank count at a time
@@ -42,8 +42,10 @@ def chunk_size(k: int) -> int:
 
 
 def supports(vocab: int, k: int) -> bool:
-    """Whether the kernels apply: at least k chunks (otherwise a plain top-k is cheap anyway)."""
-    return 0 < k and -(-vocab // chunk_size(k)) >= k
+    """Whether the kernels apply: at least k chunks (otherwise a plain top-k is cheap anyway), and both selections
+    within ``selection.MAX_KEYS`` (the chunk maxima padded to a power of two; the k * C entries: k <= 512)."""
+    c = chunk_size(k)
+    return 0 < k and -(-vocab // c) >= k and max(pow2(-(-vocab // c)), pow2(k) * c) <= MAX_KEYS
 
 
 def _chunk_max_kernel(x_ref, m_ref, *, vocab: int, c: int, cp: int):
@@ -110,8 +112,8 @@ def top_k(x: jax.Array, k: int, *, interpret: bool = False, warps: int = 8) -> t
 
     *lead, vocab = x.shape
     if x.dtype not in (jnp.float32, jnp.bfloat16) or not supports(vocab, k):
-        raise ValueError(f"vocab_top_k takes float32 or bfloat16 rows of at least {k} chunks of {chunk_size(k)}, "
-                         f"got {x.dtype} rows of {vocab}, k={k}")
+        raise ValueError(f"vocab_top_k takes float32 or bfloat16 rows of at least {k} chunks of {chunk_size(k)} "
+                         f"(k <= 512, at most {MAX_KEYS} chunks), got {x.dtype} rows of {vocab}, k={k}")
     x2 = x.reshape(-1, vocab)
     rows = x2.shape[0]
     c = chunk_size(k)

@@ -608,9 +608,37 @@ def test_best_first_kernel_builds_the_xla_scan_s_tree(b, depths, budget, vocab, 
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
-def test_best_first_kernel_refuses_lists_longer_than_the_budget():
+def test_best_first_kernel_refuses_lists_longer_than_the_budget_and_selections_too_long():
     with pytest.raises(ValueError, match="0 < K <= budget"):
         bf.best_first(jnp.zeros((1, 3, 9)), jnp.zeros((1, 3, 9), jnp.int32), 8, interpret=True)
+    assert bf.supports(1024, 1024, 15) and not bf.supports(2048, 2048, 15)  # 15 x 2048 paths > selection.MAX_KEYS
+    with pytest.raises(ValueError, match="at most 32767 keys"):
+        bf.best_first(jnp.zeros((1, 15, 2048)), jnp.zeros((1, 15, 2048), jnp.int32), 2048, interpret=True)
+    with pytest.raises(ValueError, match="at most 32767 keys"):
+        selection.select(jnp.zeros((2**15,), jnp.int32), 4)
+
+
+def test_kernel_sizes_beyond_the_selection_s_limit_fall_back_to_xla_s_forms():
+    """The vocabulary top-k kernels stop at k = 512 (k x 32 entries per selection), beyond which top_k_by_kernel takes
+    its fallback, the same result; tree_from_lists takes rank counting where select='kernel' is beyond the kernel."""
+    assert vocab_top_k.supports(151936, 512) and not vocab_top_k.supports(151936, 1024)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 40000)).astype(np.float32))
+    for g, w in zip(trees.top_k_by_kernel(x, 1024), jax.lax.top_k(x, 1024)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    with pytest.raises(ValueError, match="k <= 512"):
+        vocab_top_k.top_k(x, 1024, interpret=True)
+    calls = []
+    real = bf.supports
+    bf.supports = lambda *a: calls.append(a) or False  # as if beyond the kernel's sizes
+    try:
+        lp, ids = trees.top_log_probs(x.reshape(1, 4, 10000), 16)
+        got = trees.tree_from_lists(lp, ids, 16, select="kernel")
+    finally:
+        bf.supports = real
+    want = trees.tree_from_lists(lp, ids, 16, select="count")
+    assert calls == [(16, 16, 4)]
+    for name in ("tokens", "depths", "parents", "bits"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)))
 
 
 @pytest.mark.parametrize("n1,kind,max_depth", [(17, "random", 15), (65, "random", 15), (257, "random", 15),
