@@ -19,7 +19,7 @@ import numpy as np
 
 MIN = np.int32(-(2**31))  # below every key: padding
 MAX_KEYS = 2**15 - 1  # keys one select takes at most (its counts share an int32, 16 bits each)
-_LOADS_IN_FLIGHT = 8  # tiles of ``ranks`` loaded before their compares (more spilled registers at k = 512)
+_LOADS_IN_FLIGHT = 8  # tiles of ``ranks`` whose loads are issued together, before their compares (bounds the registers)
 
 
 def order_key(x):
