@@ -618,7 +618,7 @@ def test_best_first_kernel_refuses_lists_longer_than_the_budget_and_selections_t
         selection.select(jnp.zeros((2**15,), jnp.int32), 4)
 
 
-def test_kernel_sizes_beyond_the_selection_s_limit_fall_back_to_xla_s_forms():
+def test_kernel_sizes_beyond_the_selection_s_limit_fall_back_to_xla_s_forms(monkeypatch):
     """The vocabulary top-k kernels stop at k = 512 (k x 32 entries per selection), beyond which top_k_by_kernel takes
     its fallback, the same result; tree_from_lists takes rank counting where select='kernel' is beyond the kernel."""
     assert vocab_top_k.supports(151936, 512) and not vocab_top_k.supports(151936, 1024)
@@ -628,14 +628,10 @@ def test_kernel_sizes_beyond_the_selection_s_limit_fall_back_to_xla_s_forms():
     with pytest.raises(ValueError, match="k <= 512"):
         vocab_top_k.top_k(x, 1024, interpret=True)
     calls = []
-    real = bf.supports
-    bf.supports = lambda *a: calls.append(a) or False  # as if beyond the kernel's sizes
-    try:
-        lp, ids = trees.top_log_probs(x.reshape(1, 4, 10000), 16)
-        got = trees.tree_from_lists(lp, ids, 16, select="kernel")
-    finally:
-        bf.supports = real
+    lp, ids = trees.top_log_probs(x.reshape(1, 4, 10000), 16)
     want = trees.tree_from_lists(lp, ids, 16, select="count")
+    monkeypatch.setattr(bf, "supports", lambda *a: calls.append(a) or False)  # as if beyond the kernel's sizes
+    got = trees.tree_from_lists(lp, ids, 16, select="kernel")
     assert calls == [(16, 16, 4)]
     for name in ("tokens", "depths", "parents", "bits"):
         np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)))
