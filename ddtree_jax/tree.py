@@ -109,7 +109,7 @@ SELECTS = ("sort", "count", "kernel")
 def _selector(select: str):
     if select not in SELECTS:
         raise ValueError(f"select must be one of {SELECTS}, got {select!r}")
-    return jax.lax.top_k if select == "sort" else top_k_by_count
+    return jax.lax.top_k if select == "sort" else top_k_by_count  # "kernel" here: past its sizes, the same tree
 
 
 def _best_first_one(
@@ -283,8 +283,7 @@ def tree_from_lists(lp: Array, ids: Array, budget: int, *, select: str, unroll: 
     if select == "kernel" and best_first_kernel.supports(budget, k, depth_count):
         tokens, depths, parents = best_first_kernel.best_first(lp, ids, budget, interpret=not _on_gpu())
     else:
-        one = functools.partial(_best_first_one, budget=budget, unroll=unroll,
-                                select="count" if select == "kernel" else select)
+        one = functools.partial(_best_first_one, budget=budget, unroll=unroll, select=select)
         tokens, depths, parents = jax.vmap(one)(lp, ids)
     parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parents], axis=1)
     bits = bits or default_bits(budget + 1, b)
