@@ -229,7 +229,7 @@ def forward(
     cos, sin = rope_tables(cfg, positions)
     start = cache.length
     n_taps = len(taps)
-    slot_of_layer = [n_taps] * cfg.num_layers  # n_taps = "not tapped" (dropped by the scatter)
+    slot_of_layer = [n_taps] * cfg.num_layers  # n_taps = "not tapped": a spare slot, written and never read
     for j, layer in enumerate(taps):
         slot_of_layer[layer] = j
     slot_of_layer = jnp.asarray(slot_of_layer, jnp.int32)
@@ -251,11 +251,12 @@ def forward(
         x, h = residual_norm(x, linear(o, w.wo, "bthk,hkd->btd", w.output_major, jnp.float32), w.mlp_norm, eps,
                              attention, at("mlp_norm"))
         x, delta = (constrain(a, ("batch", "seq", "embed")) for a in (x, mlp(h, w)))
-        if n_taps:
-            tapped = tapped.at[slot_of_layer[i]].set(x + delta, mode="drop")
+        if n_taps:  # every layer writes (an in-place update, no predicate); the untapped ones into the spare slot
+            tapped = jax.lax.dynamic_update_index_in_dim(tapped, (x + delta).astype(tapped.dtype), slot_of_layer[i], 0)
         return (x, delta, k_all, v_all, tapped), None
 
-    tapped = jnp.zeros((n_taps, b, t, cfg.hidden_size), jnp.float32) if n_taps else None
+    # [taps + 1, B, T, D] in the final norm's dtype (the features' dtype: one rounding, as when cast at the end)
+    tapped = jnp.zeros((n_taps + 1, b, t, cfg.hidden_size), params.final_norm.dtype) if n_taps else None
     carry = (x, jnp.zeros(x.shape, x.dtype), cache.k, cache.v, tapped)  # zeros_like would copy x's sharding
     if isinstance(params.layers, (tuple, list)):  # unstacked (params.unstack_layers): an unrolled loop
         for i, w in enumerate(params.layers):
@@ -264,9 +265,9 @@ def forward(
         carry, _ = jax.lax.scan(layer, carry, (params.layers, jnp.arange(cfg.num_layers)), unroll=unroll)
     x, delta, k_all, v_all, tapped = carry
     _, x = residual_norm(x, delta, params.final_norm, eps, attention)
-    tapped = tapped.astype(x.dtype) if n_taps else None
     features = None
     if n_taps:
+        tapped = tapped[:n_taps].astype(x.dtype)
         if cfg.num_layers - 1 in taps:  # hidden_states[L] is reported after the final norm
             tapped = tapped.at[taps.index(cfg.num_layers - 1)].set(x)
         features = jnp.concatenate(list(tapped), axis=-1)
