@@ -4,7 +4,8 @@ tenth and thirteenth runs) falls on every variant alike. Reports each variant's 
 the paired differences against the first variant, and how many pairs the variant won.
 
 A variant is NAME:FIELD=VALUE,... with fields ``draft`` (the drafter's layout, decode.LAYOUTS; default
-decode.DRAFT_GPU_LAYOUT), ``layout`` (the target's; default decode.GPU_LAYOUT), ``DDTREE_JAX_*`` environment
+decode.DRAFT_GPU_LAYOUT), ``layout`` (the target's; default decode.GPU_LAYOUT), ``sampling`` (0 or 1: the
+Spec's sampling flag; default that of greedy options, 0; the sequences stay greedy), ``DDTREE_JAX_*`` environment
 variables (set while the variant is traced and compiled, e.g. DDTREE_JAX_QKV_WRITE=xla) and any XLA option (added
 to decode.XLA_OPTIONS, as ``bench models --ab``).
 
@@ -15,6 +16,7 @@ to decode.XLA_OPTIONS, as ``bench models --ab``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import gzip
 import json
@@ -24,6 +26,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ddtree_jax import bench, cli, decode
 from ddtree_jax.shapes import SHAPES, build_params, model_configs
@@ -33,15 +36,18 @@ def variant(text: str) -> tuple[str, dict]:
     """NAME:FIELD=VALUE,... -> (NAME, {"layout"?, "draft"?, "options": XLA options})."""
     name, colon, rest = text.partition(":")
     pieces = [x for x in rest.split(",") if x]
-    fields = dict(x.split("=", 1) for x in pieces if x.startswith(("draft=", "layout=")))
+    own = ("draft=", "layout=", "sampling=")
+    fields = dict(x.split("=", 1) for x in pieces if x.startswith(own))
     fields["env"] = dict(x.split("=", 1) for x in pieces if x.startswith("DDTREE_JAX_") and "=" in x)
-    others = ",".join(x for x in pieces if not x.startswith(("draft=", "layout=", "DDTREE_JAX_")))
+    others = ",".join(x for x in pieces if not x.startswith((*own, "DDTREE_JAX_")))
     fields["options"] = bench.xla_options(others) if others else {}
     if not (name and colon) or fields["options"] is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not NAME:FIELD=VALUE,...")
     for key in ("draft", "layout"):
         if fields.get(key, "auto") not in decode.LAYOUTS:
             raise argparse.ArgumentTypeError(f"{key}={fields[key]!r}: expected one of {', '.join(decode.LAYOUTS)}")
+    if fields.get("sampling", "0") not in ("0", "1"):
+        raise argparse.ArgumentTypeError(f"sampling={fields['sampling']!r}: expected 0 or 1")
     return name, fields
 
 
@@ -79,6 +85,7 @@ def main() -> None:
     for name, fields in args.variant:
         tl, dl = fields.get("layout", decode.GPU_LAYOUT), fields.get("draft", decode.DRAFT_GPU_LAYOUT)
         opts = fields["options"]
+        vspec = dataclasses.replace(spec, sampling=fields.get("sampling", "0") == "1")
         tp = lay(tp0, tl)
         dp = lay(dp0, dl) if args.method != "ar" else None
         t0 = time.perf_counter()
@@ -86,7 +93,7 @@ def main() -> None:
         os.environ.update(fields["env"])
         jax.clear_caches()  # else run_rounds' trace is reused: an environment variable is read when tracing
         try:
-            compiled = decode.run_rounds.lower(spec, tp, dp, state, n).compile({**decode.XLA_OPTIONS, **opts})
+            compiled = decode.run_rounds.lower(vspec, tp, dp, state, n).compile({**decode.XLA_OPTIONS, **opts})
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -100,6 +107,7 @@ def main() -> None:
                 f.write(compiled.as_text())
         state = jax.block_until_ready(compiled(tp, dp, bench.reset(state, args.prompt), jnp.int32(2)))  # warm
         runs[name] = dict(compiled=compiled, tp=tp, dp=dp, layout=tl, draft_layout=dl, options=opts,
+                          sampling=vspec.sampling,
                           env=fields["env"], compile_s=cs, ms=[])
         print(f"{name}: layout {tl}, draft {dl}, options {opts}, env {fields['env']}, compiled in {cs:.1f}s",
               flush=True)
@@ -113,6 +121,15 @@ def main() -> None:
             state = jax.block_until_ready(r["compiled"](r["tp"], r["dp"], state, n))
             r["ms"].append(1e3 * (time.perf_counter() - t0) / args.rounds)
 
+    # every variant once more from one saved state: the tokens and acceptance lengths it gives (a variant that
+    # should not change the math must give the first's exactly)
+    start = jax.tree.map(jnp.copy, jax.block_until_ready(bench.reset(state, args.prompt)))
+    tokens = {}
+    for name in names:
+        r = runs[name]
+        end = r["compiled"](r["tp"], r["dp"], jax.tree.map(jnp.copy, start), n)
+        tokens[name] = (np.asarray(end.out), np.asarray(end.accept_hist))
+
     base = runs[names[0]]["ms"]
     out = {"model": args.model, "method": args.method, "budget": args.budget if args.method == "ddtree" else None,
            "prompt_len": args.prompt, "batch": args.batch, "rounds_per_call": args.rounds, "pairs": args.pairs,
@@ -122,12 +139,15 @@ def main() -> None:
         diffs = [m - b for m, b in zip(r["ms"], base)]
         out["variants"][name] = {
             "layout": r["layout"], "draft_layout": r["draft_layout"], "xla_options": r["options"], "env": r["env"],
+            "sampling": r["sampling"],
             "compile_s": r["compile_s"], "median_ms": statistics.median(r["ms"]), "ms": r["ms"],
             "median_diff_ms_vs_first": statistics.median(diffs), "pairs_faster_than_first": sum(d < 0 for d in diffs),
+            "same_tokens_as_first": all(np.array_equal(a, b) for a, b in zip(tokens[name], tokens[names[0]])),
         }
         print(f"{name:>12}: median {statistics.median(r['ms']):.3f} ms/round, paired diff vs {names[0]} "
               f"{statistics.median(diffs):+.3f} ms (faster in {sum(d < 0 for d in diffs)} of {len(diffs)}), "
-              f"range {min(r['ms']):.3f}-{max(r['ms']):.3f}", flush=True)
+              f"range {min(r['ms']):.3f}-{max(r['ms']):.3f}, same tokens: "
+              f"{out['variants'][name]['same_tokens_as_first']}", flush=True)
     if args.profile:
         out["profiles"] = {}
         for name in names:

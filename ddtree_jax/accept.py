@@ -51,12 +51,18 @@ def filter_logits(logits: Array, temperature: Array, top_p: Array, top_k: Array)
     return jax.lax.cond(needed, filtered, lambda x: x, scaled)
 
 
-def choose(logits: Array, keys: Array, temperature: Array, top_p: Array, top_k: Array) -> Array:
+def choose(logits: Array, keys: Array, temperature: Array, top_p: Array, top_k: Array,
+           sampling: bool = True) -> Array:
     """The target's token at every node [B, T]: argmax where temperature == 0, else a sample.
 
     logits [B, T, V] f32; keys [B, T] (one independent key per node); temperature/top_p/top_k [B].
+    sampling (static): False when every temperature is 0, so the program is the argmax alone. With True the
+    sample is computed only when some temperature is > 0, under ``lax.cond``, whose data-dependent predicate
+    XLA's GPU runtime reads on the host: a device-to-host copy and a wait inside every round.
     """
     greedy = sharding.argmax(logits)
+    if not sampling:
+        return greedy
 
     def sampled(_):
         filt = filter_logits(logits, temperature, top_p, top_k)

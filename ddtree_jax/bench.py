@@ -341,8 +341,9 @@ _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
 
 
 def hlo_summary(text: str, weight_shapes: set[str] | None = None, top: int = 20) -> dict:
-    """What a compiled module does that a round should not: host transfers, and big buffers made by
-    copies / slices (for example a weight or a whole cache copied every step)."""
+    """What a compiled module does that a round should not: host transfers, conditionals (XLA's GPU runtime
+    copies a data-dependent predicate to the host and waits for it), and big buffers made by copies / slices
+    (for example a weight or a whole cache copied every step)."""
     host = {pat: len(re.findall(pat, text)) for pat in
             (r"\binfeed\(", r"\boutfeed\(", r"\bsend\(", r"\brecv\(", r"\bsend-done\(", r"\brecv-done\(")}
     targets: dict[str, int] = {}
@@ -378,6 +379,7 @@ def hlo_summary(text: str, weight_shapes: set[str] | None = None, top: int = 20)
     return {
         "host_transfer_ops": host, "host_callbacks": callbacks, "custom_call_targets": targets,
         "while_loops": len(re.findall(r"\swhile\(", text)), "fusions": len(re.findall(r"\sfusion\(", text)),
+        "conditionals": len(re.findall(r"\sconditional\(", text)),  # on GPU the host reads each one's predicate
         "copies_over_1MiB": copies[:top], "n_copies_over_1MiB": len(copies),
         "largest_buffers": big[:top], "weight_shaped_outputs": weight_like[:top],
         "n_weight_shaped_outputs": len(weight_like), "async_dynamic_slice_copies": async_slices,

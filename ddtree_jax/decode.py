@@ -82,6 +82,8 @@ class Spec:
     mesh: jax.sharding.Mesh | None = None  # data x model mesh: traced under sharding.use_mesh (None: one device)
     verify_align: int = 1  # the verify block's rows rounded up to a multiple of this (see verify_len)
     layer_unroll: int | None = None  # target layers per verify layer-loop iteration (None: default_layer_unroll)
+    sampling: bool = True  # some sequence may sample (temperature > 0); False compiles the greedy choice alone
+    # (accept.choose: no data-dependent branch, whose predicate the GPU runtime would read on the host every round)
 
     @property
     def verify_len(self) -> int:
@@ -124,6 +126,7 @@ def make_spec(target_cfg: ModelConfig, draft_cfg: DraftConfig | None, options: G
         raise ValueError(f"tree budget must be at least 1, got {options.tree_budget}")
     budget = {"ar": 0, "dflash": (draft_cfg.block_size - 1) if draft_cfg else 0, "ddtree": options.tree_budget}
     kw.setdefault("verify_align", default_verify_align(options.method))
+    kw.setdefault("sampling", options.temperature > 0)
     unroll = kw.get("layer_unroll")
     if unroll is not None and not (isinstance(unroll, int) and unroll >= 1):
         raise ValueError(f"layer_unroll must be a positive integer, got {unroll!r}")
@@ -322,7 +325,7 @@ def accept_commit(spec: Spec, state: State, tree: trees.Tree, dcache, logits, ca
     b = state.bonus.shape[0]
 
     keys = accept.node_keys(state.keys, state.cache.length, 1 + spec.budget)
-    choice = accept.choose(logits, keys, state.temperature, state.top_p, state.top_k)
+    choice = accept.choose(logits, keys, state.temperature, state.top_p, state.top_k, spec.sampling)
     path, length, bonus = accept.walk(tree, choice, spec.max_depth, impl=spec.attention)
 
     count = jnp.where(active, length, 0)
@@ -453,7 +456,7 @@ def prefill(spec: Spec, target: TargetParams, drafter: DraftParams | None, state
 
     logits = model.logits(target, last)[:, None]
     keys = accept.node_keys(state.keys, lengths - 1, 1)
-    first = accept.choose(logits, keys, state.temperature, state.top_p, state.top_k)[:, 0]
+    first = accept.choose(logits, keys, state.temperature, state.top_p, state.top_k, spec.sampling)[:, 0]
     out = state.out.at[:, :p_pad].set(tokens).at[jnp.arange(b), lengths].set(first)
     return dataclasses.replace(state, cache=cache, dcache=dcache, bonus=first, out=out, n_out=lengths + 1)
 
@@ -470,6 +473,9 @@ def init_state(spec: Spec, prompt_lens, options_per_seq, capacity: int, out_len:
         context = jnp.zeros((b, spec.path_len, spec.draft.num_taps * tc.hidden_size), dtype)
     stop = np.full((b, MAX_STOP_IDS), -1, np.int32)
     for i, o in enumerate(options_per_seq):
+        if o.temperature > 0 and not spec.sampling:
+            raise ValueError(f"temperature {o.temperature} needs a sampling program (Spec.sampling; make_spec sets "
+                             f"it from the options' temperature), this one is greedy-only")
         if len(o.stop_token_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop token ids are supported, got {len(o.stop_token_ids)}")
         stop[i, : len(o.stop_token_ids)] = o.stop_token_ids

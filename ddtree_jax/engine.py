@@ -353,7 +353,7 @@ class Engine:
         self.sizes = sorted(set(config.batch_buckets) | {config.max_batch})  # slot batches a step may run
         options = decode.GenerateOptions(method=config.method, max_new_tokens=config.max_len,
                                          tree_budget=config.tree_budget, attention=config.attention)
-        self.spec = decode.make_spec(self.tcfg, dcfg, options, mesh=mesh)
+        self.spec = decode.make_spec(self.tcfg, dcfg, options, mesh=mesh, sampling=True)  # requests choose
         self.dparams = decode.device_layout(dparams) if config.method != "ar" else None
         self.tparams = decode.device_layout(self.tparams)
         block = self.spec.round_positions

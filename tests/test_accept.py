@@ -224,3 +224,19 @@ def test_mixed_greedy_and_sampled_rows():
                 assert pval > 1e-3, (r, node, counts, expected)
         # the two nodes of a row use independent keys
         assert (s[:, 0] != s[:, 1]).any()
+
+
+def test_a_greedy_only_choice_is_the_argmax_without_a_branch():
+    """``sampling=False`` (Spec.sampling for greedy runs) gives the same tokens as the general choice at
+    temperature 0, and its program has no ``cond`` (whose predicate a GPU reads on the host every round)."""
+    rng = np.random.default_rng(2)
+    logits = jnp.asarray(rng.standard_normal((2, 5, 64)).astype(np.float32))
+    keys = accept.node_keys(jax.vmap(jax.random.key)(jnp.arange(2, dtype=jnp.uint32)), jnp.asarray([3, 4]), 5)
+    args = (logits, keys, jnp.zeros(2), jnp.ones(2), jnp.zeros(2, jnp.int32))
+    np.testing.assert_array_equal(accept.choose(*args, sampling=False), accept.choose(*args))
+
+    def primitives(sampling):
+        jaxpr = jax.make_jaxpr(lambda *a: accept.choose(*a, sampling=sampling))(*args)
+        return {e.primitive.name for e in jaxpr.jaxpr.eqns}
+
+    assert "cond" in primitives(True) and "cond" not in primitives(False)

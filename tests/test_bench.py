@@ -1,7 +1,10 @@
 """Smoke test of ``python -m ddtree_jax.bench fixtures`` (CPU, the tiny reference pair): records come out,
 with per-round times, acceptance lengths and parity with the reference output. Kept well under a minute."""
 
+import argparse
+import dataclasses
 import gzip
+import importlib.util
 import json
 import os
 import subprocess
@@ -105,7 +108,7 @@ def test_interleaved_ab_script(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(root)}
     args = [sys.executable, str(script), "--model", "tiny", "--method", "ddtree", "--budget", "4", "--prompt", "16",
             "--rounds", "2", "--pairs", "3", "--variant", "base:", "--variant", "dom:draft=stacked-out-major",
-            "--variant", "env:DDTREE_JAX_QKV_WRITE=xla", "--json", str(out), "--hlo", str(tmp_path / "hlo")]
+            "--variant", "env:DDTREE_JAX_QKV_WRITE=xla,sampling=1", "--json", str(out), "--hlo", str(tmp_path / "hlo")]
     done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(out.read_text())
@@ -114,12 +117,20 @@ def test_interleaved_ab_script(tmp_path):
     assert base["draft_layout"] == "stacked-out-major-fused" and dom["draft_layout"] == "stacked-out-major"
     assert len(base["ms"]) == len(dom["ms"]) == 3 and min(base["ms"] + dom["ms"]) > 0
     assert base["median_diff_ms_vs_first"] == 0 and base["pairs_faster_than_first"] == 0
+    assert all(v["same_tokens_as_first"] for v in got["variants"].values())  # none of these changes the math
     assert got["variants"]["env"]["env"] == {"DDTREE_JAX_QKV_WRITE": "xla"} and base["env"] == {}
-    for name in ("base", "dom"):  # --hlo: each variant's optimized HLO module
-        assert gzip.open(tmp_path / "hlo" / f"{name}.hlo.txt.gz", "rt").read().startswith("HloModule")
+    assert got["variants"]["env"]["sampling"] and not base["sampling"]
+    hlo = {name: gzip.open(tmp_path / "hlo" / f"{name}.hlo.txt.gz", "rt").read() for name in ("base", "dom", "env")}
+    assert all(text.startswith("HloModule") for text in hlo.values())  # --hlo: each variant's optimized HLO module
+    assert bench.hlo_summary(hlo["env"])["conditionals"] and not bench.hlo_summary(hlo["base"])["conditionals"]
     for variant, msg in (("nocolon", "is not NAME:FIELD=VALUE"), ("x:draft=rolled", "draft='rolled': expected one of")):
         bad = subprocess.run(args[:-8] + ["--variant", variant], capture_output=True, text=True, env=env, timeout=120)
         assert bad.returncode == 2 and msg in bad.stderr.strip().splitlines()[-1], bad.stderr
+    loaded = importlib.util.spec_from_file_location("ab_interleaved", script)  # the same parser, in this process
+    module = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(module)
+    with pytest.raises(argparse.ArgumentTypeError, match="sampling='yes': expected 0 or 1"):
+        module.variant("x:sampling=yes")
 
 
 def test_the_recorded_h200_results_hold_issue_5s_fields_and_grid():
@@ -170,7 +181,10 @@ def test_bad_flag_is_one_line_error(argv, capsys):
 
 def test_the_round_loop_has_no_host_round_trip(target, drafter):
     """Issue 5's profile must-show, the part a CPU can check: ``hlo_summary`` (the bench's HLO check) finds a host
-    callback where there is one, and finds no host transfer or callback in the compiled ddtree round loop."""
+    callback where there is one, and finds no host transfer or callback in the compiled ddtree round loop, nor,
+    for greedy decoding, a conditional (on GPU the runtime reads a conditional's predicate on the host: a copy
+    and a wait inside every round). A sampling program has one (the sample is drawn only when some temperature
+    is > 0)."""
     import jax
     import jax.numpy as jnp
 
@@ -189,3 +203,7 @@ def test_the_round_loop_has_no_host_round_trip(target, drafter):
     hlo = bench.hlo_summary(text)
     assert not any(hlo["host_transfer_ops"].values()) and not hlo["host_callbacks"], hlo
     assert hlo["while_loops"] >= 1  # the rounds run as one device loop
+    assert not spec.sampling and hlo["conditionals"] == 0, hlo["conditionals"]
+    sampled = dataclasses.replace(spec, sampling=True)  # its HLO before optimisation is enough to show the branch
+    text = decode.run_rounds.lower(sampled, target[1], drafter[1], state, jnp.int32(4)).as_text(dialect="hlo")
+    assert bench.hlo_summary(text)["conditionals"] >= 1

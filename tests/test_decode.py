@@ -284,6 +284,18 @@ def test_round_positions_are_the_blocks_a_round_writes_before_padding(target, dr
     assert spec["ddtree"].scratch_slots == 24 + bs > spec["ddtree"].round_positions
 
 
+def test_greedy_runs_compile_the_greedy_choice_alone(target):
+    """make_spec specialises on the options' temperature (Spec.sampling), and a state asking for a sample from a
+    greedy-only program is a clear error, not a silent argmax."""
+    greedy = decode.make_spec(target[0], None, decode.GenerateOptions())
+    sampled = decode.make_spec(target[0], None, decode.GenerateOptions(temperature=0.7))
+    assert not greedy.sampling and sampled.sampling
+    hot = decode.GenerateOptions(temperature=0.7)
+    with pytest.raises(ValueError, match="needs a sampling program"):
+        decode.init_state(greedy, [3], [hot], 16, 8, np.float32)
+    decode.init_state(sampled, [3, 3], [hot, decode.GenerateOptions()], 16, 8, np.float32)  # mixed rows: fine
+
+
 def test_a_bad_layer_unroll_is_a_clear_error(target):
     with pytest.raises(ValueError, match="layer_unroll must be a positive integer"):
         decode.make_spec(target[0], None, decode.GenerateOptions(), layer_unroll=0)

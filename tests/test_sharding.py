@@ -83,7 +83,7 @@ def _script(out_path: str) -> None:
             drf = sharding.shard_model(drafter, mesh) if method != "ar" else drafter
         new = [runs[r[0]]["max_new_tokens"] for r in ROWS]  # each row: its fixture prompt's 40, 64 or 48
         base = decode.GenerateOptions(method=method, max_new_tokens=max(new), tree_budget=BUDGET)
-        spec = decode.make_spec(tgt[0], drf[0], base, mesh=mesh)
+        spec = decode.make_spec(tgt[0], drf[0], base, mesh=mesh, sampling=True)  # the rows' own temperatures
         rows = [prompts[r[0]] for r in ROWS]
         lens = [len(p) for p in rows]
         p_pad, capacity, out_len = decode.layout(spec, lens, max(new))
