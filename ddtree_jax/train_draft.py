@@ -68,7 +68,13 @@ def corpus_passages(min_chars: int = 200, max_chars: int = 700) -> list[tuple[st
 def stdlib_passages(min_chars: int = 200, max_chars: int = 700) -> list[tuple[str, str]]:
     """(topic, passage) pairs from the Python standard library's own source (PSF licence, offline): every
     function and class of 200-700 characters, and docstrings of that size, parsed with ``ast``; the topic is
-    ``stdlib:<module>`` (tests, ``idlelib``, ``lib2to3`` and ``site-packages`` are skipped)."""
+    ``stdlib:<module>`` (tests, ``idlelib``, ``lib2to3`` and ``site-packages`` are skipped). Parsed once per
+    process (about 16 s) and reused."""
+    return list(_stdlib_passages(min_chars, max_chars))
+
+
+@functools.lru_cache(maxsize=4)
+def _stdlib_passages(min_chars: int, max_chars: int) -> tuple[tuple[str, str], ...]:
     import ast
     import sysconfig
 
@@ -95,7 +101,7 @@ def stdlib_passages(min_chars: int = 200, max_chars: int = 700) -> list[tuple[st
                     doc = ast.get_docstring(node) or ""
                     if len(doc) >= min_chars:
                         out.append((f"stdlib:{module}", doc[:max_chars]))
-    return sorted(set(out))
+    return tuple(sorted(set(out)))
 
 
 CORPORA = {"pydoc": corpus_passages, "stdlib": stdlib_passages}
