@@ -354,6 +354,8 @@ class Engine:
         options = decode.GenerateOptions(method=config.method, max_new_tokens=config.max_len,
                                          tree_budget=config.tree_budget, attention=config.attention)
         self.spec = decode.make_spec(self.tcfg, dcfg, options, mesh=mesh, sampling=True)  # requests choose
+        # a step where no live request samples runs the greedy-only program (no per-round branch: decode.Spec)
+        self.greedy_spec = dataclasses.replace(self.spec, sampling=False)
         self.dparams = decode.device_layout(dparams) if config.method != "ar" else None
         self.tparams = decode.device_layout(self.tparams)
         block = self.spec.round_positions
@@ -376,6 +378,7 @@ class Engine:
         self.state = jax.tree.map(jnp.copy, sharding.create(empty, mesh))
         self.slots: list[Job | None] = [None] * b
         self.step_sizes: collections.Counter[int] = collections.Counter()  # steps run per slot-batch size
+        self.step_programs: collections.Counter[str] = collections.Counter()  # steps run per program: greedy, sampling
         self._ended: list[int] = []  # slots of jobs that ended since the last device update
         self.waiting: collections.deque[Job] = collections.deque()
         self._cancels: set[str] = set()
@@ -510,8 +513,8 @@ class Engine:
         self.ready = False
 
     def warmup(self, buckets: Sequence[int] | None = None) -> None:
-        """Compile the step, the slot insertion and the prefill of the given buckets (default: the shortest)
-        by running a one-token request through slot 0. Call before :meth:`start`."""
+        """Compile the step (its greedy-only and sampling programs), the slot insertion and the prefill of the given
+        buckets (default: the shortest) by running a one-token request through slot 0. Call before :meth:`start`."""
         t0 = time.perf_counter()
         for bucket in buckets or [self.layout.bucket(1)]:
             n = min(bucket, self.layout.max_prompt)
@@ -519,7 +522,8 @@ class Engine:
                       stop_ids=(), seed=0)
             self._prefill_into(job, 0)
             for size in self.sizes:
-                self._step(record=False, size=size)
+                for sampling in (False, True):
+                    self._step(record=False, size=size, sampling=sampling)
             self.slots[0] = None
         log.info("engine warm in %.1fs", time.perf_counter() - t0)
 
@@ -614,26 +618,31 @@ class Engine:
             job.decoder = self.tokenizer.incremental_decoder()
         self.slots[slot] = job
 
-    def _step(self, record: bool = True, size: int | None = None):
+    def _step(self, record: bool = True, size: int | None = None, sampling: bool | None = None):
         """Run ``rounds_per_step`` rounds on the smallest slot batch in ``self.sizes`` that holds the live slots
-        (or on ``size``); return (starts [B], Snapshot [B]) for every slot."""
+        (or on ``size``), with the sampling program if a live request samples (or if ``sampling``), else the
+        greedy-only one; return (starts [B], Snapshot [B]) for every slot."""
         starts = np.array([j.emitted if j is not None else 0 for j in self.slots], np.int32)
         live = [s for s, j in enumerate(self.slots) if j is not None]
         size = size or next(n for n in self.sizes if n >= len(live))
+        if sampling is None:
+            sampling = any(self.slots[s].params.temperature > 0 for s in live)
+        spec = self.spec if sampling else self.greedy_spec
         t0 = time.perf_counter()
         if size == len(self.slots):
-            self.state, snap = step(self.spec, self.tparams, self.dparams, self.state, jnp.asarray(starts),
+            self.state, snap = step(spec, self.tparams, self.dparams, self.state, jnp.asarray(starts),
                                     self.config.rounds_per_step)
             snap = jax.device_get(snap)
         else:  # the live slots, padded with free ones (distinct rows: the scatter back stays exact)
             rows = np.array((live + [s for s, j in enumerate(self.slots) if j is None])[:size], np.int32)
-            self.state, part = step_rows(self.spec, self.tparams, self.dparams, self.state, jnp.asarray(rows),
+            self.state, part = step_rows(spec, self.tparams, self.dparams, self.state, jnp.asarray(rows),
                                          jnp.asarray(starts[rows]), self.config.rounds_per_step)
             part = jax.device_get(part)
             snap = jax.tree.map(lambda x: np.zeros((len(self.slots),) + x.shape[1:], x.dtype), part)
             for full, x in zip(jax.tree.leaves(snap), jax.tree.leaves(part)):
                 full[rows] = x
         self.step_sizes[size] += 1
+        self.step_programs["sampling" if sampling else "greedy"] += 1
         elapsed = time.perf_counter() - t0
         if not record:
             return starts, snap
