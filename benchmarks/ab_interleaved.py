@@ -4,10 +4,10 @@ tenth and thirteenth runs) falls on every variant alike. Reports each variant's 
 the paired differences against the first variant, and how many pairs the variant won.
 
 A variant is NAME:FIELD=VALUE,... with fields ``draft`` (the drafter's layout, decode.LAYOUTS; default
-decode.DRAFT_GPU_LAYOUT), ``layout`` (the target's; default decode.GPU_LAYOUT), ``sampling`` (0 or 1: the
-Spec's sampling flag; default that of greedy options, 0; the sequences stay greedy), ``DDTREE_JAX_*`` environment
-variables (set while the variant is traced and compiled, e.g. DDTREE_JAX_QKV_WRITE=xla) and any XLA option (added
-to decode.XLA_OPTIONS, as ``bench models --ab``).
+decode.DRAFT_GPU_LAYOUT), ``layout`` (the target's; default decode.GPU_LAYOUT), ``sampling`` and ``filtering`` (0
+or 1: the Spec's flags; default what the sequences' --temperature / --top-p / --top-k need, as decode.make_spec
+sets them), ``DDTREE_JAX_*`` environment variables (set while the variant is traced and compiled, e.g.
+DDTREE_JAX_QKV_WRITE=xla) and any XLA option (added to decode.XLA_OPTIONS, as ``bench models --ab``).
 
     PYTHONPATH=. python benchmarks/ab_interleaved.py --model qwen3-8b --method ddtree --budget 64 --pairs 12 \\
         --variant base: --variant dfused:draft=stacked-out-major-fused --json $OUT/ab.json [--profile $OUT/prof] \\
@@ -36,7 +36,7 @@ def variant(text: str) -> tuple[str, dict]:
     """NAME:FIELD=VALUE,... -> (NAME, {"layout"?, "draft"?, "options": XLA options})."""
     name, colon, rest = text.partition(":")
     pieces = [x for x in rest.split(",") if x]
-    own = ("draft=", "layout=", "sampling=")
+    own = ("draft=", "layout=", "sampling=", "filtering=")
     fields = dict(x.split("=", 1) for x in pieces if x.startswith(own))
     fields["env"] = dict(x.split("=", 1) for x in pieces if x.startswith("DDTREE_JAX_") and "=" in x)
     others = ",".join(x for x in pieces if not x.startswith((*own, "DDTREE_JAX_")))
@@ -46,8 +46,9 @@ def variant(text: str) -> tuple[str, dict]:
     for key in ("draft", "layout"):
         if fields.get(key, "auto") not in decode.LAYOUTS:
             raise argparse.ArgumentTypeError(f"{key}={fields[key]!r}: expected one of {', '.join(decode.LAYOUTS)}")
-    if fields.get("sampling", "0") not in ("0", "1"):
-        raise argparse.ArgumentTypeError(f"sampling={fields['sampling']!r}: expected 0 or 1")
+    for key in ("sampling", "filtering"):
+        if fields.get(key, "0") not in ("0", "1"):
+            raise argparse.ArgumentTypeError(f"{key}={fields[key]!r}: expected 0 or 1")
     return name, fields
 
 
@@ -59,6 +60,10 @@ def main() -> None:
     p.add_argument("--prompt", type=cli.positive_int, default=512)
     p.add_argument("--batch", type=cli.positive_int, default=1)
     p.add_argument("--rounds", type=cli.positive_int, default=10, help="rounds per timed call")
+    p.add_argument("--temperature", type=cli.nonneg_float, default=0.0,
+                   help="every sequence's sampling temperature (default: 0, greedy)")
+    p.add_argument("--top-p", type=cli.probability, default=1.0, help="every sequence's top-p (default: 1, off)")
+    p.add_argument("--top-k", type=cli.nonneg_int, default=0, help="every sequence's top-k (default: 0, off)")
     p.add_argument("--pairs", type=cli.positive_int, default=12, help="alternating passes over the variants")
     p.add_argument("--variant", type=variant, action="append", required=True, help="NAME:FIELD=VALUE,...")
     p.add_argument("--json", help="write the results here")
@@ -69,9 +74,10 @@ def main() -> None:
     shape = SHAPES[args.model]
     tcfg, dcfg = model_configs(shape)
     tp0, dp0 = build_params(tcfg, dcfg, jnp.bfloat16)
-    spec = bench.make_spec(tcfg, dcfg, args.method, args.budget, "auto")
+    sample = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    spec = bench.make_spec(tcfg, dcfg, args.method, args.budget, "auto", **sample)
     _, capacity, out_len = decode.layout(spec, [args.prompt] * args.batch, 256)
-    state = bench.make_state(spec, shape.vocab, args.batch, args.prompt, capacity, out_len, jnp.bfloat16)
+    state = bench.make_state(spec, shape.vocab, args.batch, args.prompt, capacity, out_len, jnp.bfloat16, **sample)
     n = jnp.int32(args.rounds)
     laid: dict[tuple, object] = {}
 
@@ -85,7 +91,8 @@ def main() -> None:
     for name, fields in args.variant:
         tl, dl = fields.get("layout", decode.GPU_LAYOUT), fields.get("draft", decode.DRAFT_GPU_LAYOUT)
         opts = fields["options"]
-        vspec = dataclasses.replace(spec, sampling=fields.get("sampling", "0") == "1")
+        flags = {k: fields[k] == "1" for k in ("sampling", "filtering") if k in fields}
+        vspec = dataclasses.replace(spec, **flags)
         tp = lay(tp0, tl)
         dp = lay(dp0, dl) if args.method != "ar" else None
         t0 = time.perf_counter()
@@ -107,7 +114,7 @@ def main() -> None:
                 f.write(compiled.as_text())
         state = jax.block_until_ready(compiled(tp, dp, bench.reset(state, args.prompt), jnp.int32(2)))  # warm
         runs[name] = dict(compiled=compiled, tp=tp, dp=dp, layout=tl, draft_layout=dl, options=opts,
-                          sampling=vspec.sampling,
+                          sampling=vspec.sampling, filtering=vspec.filtering,
                           env=fields["env"], compile_s=cs, ms=[])
         print(f"{name}: layout {tl}, draft {dl}, options {opts}, env {fields['env']}, compiled in {cs:.1f}s",
               flush=True)
@@ -133,13 +140,13 @@ def main() -> None:
     base = runs[names[0]]["ms"]
     out = {"model": args.model, "method": args.method, "budget": args.budget if args.method == "ddtree" else None,
            "prompt_len": args.prompt, "batch": args.batch, "rounds_per_call": args.rounds, "pairs": args.pairs,
-           "device": jax.devices()[0].device_kind, "date": bench._now(), "variants": {}}
+           **sample, "device": jax.devices()[0].device_kind, "date": bench._now(), "variants": {}}
     for name in names:
         r = runs[name]
         diffs = [m - b for m, b in zip(r["ms"], base)]
         out["variants"][name] = {
             "layout": r["layout"], "draft_layout": r["draft_layout"], "xla_options": r["options"], "env": r["env"],
-            "sampling": r["sampling"],
+            "sampling": r["sampling"], "filtering": r["filtering"],
             "compile_s": r["compile_s"], "median_ms": statistics.median(r["ms"]), "ms": r["ms"],
             "median_diff_ms_vs_first": statistics.median(diffs), "pairs_faster_than_first": sum(d < 0 for d in diffs),
             "same_tokens_as_first": all(np.array_equal(a, b) for a, b in zip(tokens[name], tokens[names[0]])),

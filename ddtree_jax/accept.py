@@ -29,48 +29,43 @@ def node_keys(seq_keys: Array, position: Array, nodes: int) -> Array:
     return jax.vmap(one)(seq_keys, position)
 
 
-def filter_logits(logits: Array, temperature: Array, top_p: Array, top_k: Array) -> Array:
-    """Tempered logits [B, T, V] with top-k (0 = off) and top-p (1 = off) applied per sequence [B]."""
+def filter_logits(logits: Array, temperature: Array, top_p: Array, top_k: Array, filtering: bool = True) -> Array:
+    """Tempered logits [B, T, V] with top-k (0 = off) and top-p (1 = off) applied per sequence [B]
+    (``sharding.filter_logits``: by a search for the cutoff or by a sort, as the logits' size says; over a split
+    vocabulary under a mesh).
+
+    filtering (static): False when no sequence filters, so the program only divides by the temperature. With True
+    every row goes through the filter (a row with neither top-k nor top-p keeps every token): no data-dependent
+    branch, whose predicate XLA's GPU runtime would read on the host.
+    """
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None, None]
+    if not filtering:
+        return scaled
+    return sharding.filter_logits(scaled, top_p, top_k)
 
-    def filtered(x):
-        split = sharding.filter_logits(x, top_p, top_k)  # vocabulary-parallel under a mesh
-        if split is not None:
-            return split
-        vocab = x.shape[-1]
-        srt = jnp.sort(x, axis=-1)[..., ::-1]
-        k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-        kth = jnp.take_along_axis(srt, (k - 1)[:, None, None].astype(jnp.int32), axis=-1)
-        probs = jax.nn.softmax(srt, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
-        keep_sorted = ((before < top_p[:, None, None]) | (top_p[:, None, None] >= 1.0)) & (jnp.arange(vocab) < k[:, None, None])
-        cutoff = jnp.min(jnp.where(keep_sorted, srt, jnp.inf), axis=-1, keepdims=True)
-        return jnp.where((x >= cutoff) & (x >= kth), x, -jnp.inf)
 
-    needed = jnp.any((top_k > 0) | (top_p < 1.0))
-    return jax.lax.cond(needed, filtered, lambda x: x, scaled)
+def filters(top_p, top_k) -> bool:
+    """Whether a sequence's settings ask for a top-p / top-k filter (what ``Spec.filtering`` must allow)."""
+    return top_k > 0 or top_p < 1.0
 
 
 def choose(logits: Array, keys: Array, temperature: Array, top_p: Array, top_k: Array,
-           sampling: bool = True) -> Array:
+           sampling: bool = True, filtering: bool = True) -> Array:
     """The target's token at every node [B, T]: argmax where temperature == 0, else a sample.
 
     logits [B, T, V] f32; keys [B, T] (one independent key per node); temperature/top_p/top_k [B].
-    sampling (static): False when every temperature is 0, so the program is the argmax alone. With True the
-    sample is computed only when some temperature is > 0, under ``lax.cond``, whose data-dependent predicate
-    XLA's GPU runtime reads on the host: a device-to-host copy and a wait inside every round.
+    sampling, filtering (static; ``decode.Spec``): False when no sequence samples (the program is the argmax
+    alone) / when no sampled sequence filters (no top-k / top-p pass). Nothing here branches on data: a
+    ``lax.cond`` on "some temperature > 0" would have XLA's GPU runtime read its predicate on the host, a
+    device-to-host copy and a wait inside every round, so a sampling program draws for every row and keeps the
+    draw where the temperature is > 0.
     """
     greedy = sharding.argmax(logits)
     if not sampling:
         return greedy
-
-    def sampled(_):
-        filt = filter_logits(logits, temperature, top_p, top_k)
-        gumbel = jax.vmap(jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],))))(keys)
-        return sharding.argmax(filt + gumbel)
-
-    draw = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
-    return jnp.where(temperature[:, None] > 0, draw, greedy)
+    filt = filter_logits(logits, temperature, top_p, top_k, filtering)
+    gumbel = jax.vmap(jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],))))(keys)
+    return jnp.where(temperature[:, None] > 0, sharding.argmax(filt + gumbel), greedy)
 
 
 def walk(tree: Tree, choice: Array, max_depth: int, impl: str = "xla") -> tuple[Array, Array, Array]:

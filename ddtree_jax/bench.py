@@ -212,12 +212,14 @@ def reset(state, prompt_len: int):
                                done=jnp.zeros((b,), bool), n_out=jnp.full((b,), prompt_len + 1, jnp.int32))
 
 
-def make_spec(tcfg, dcfg, method: str, budget: int, attention: str, mesh=None, **overrides):
-    """decode.make_spec for one grid point; ``overrides``: Spec fields (verify_align, layer_unroll), None meaning
-    decode's default."""
+def make_spec(tcfg, dcfg, method: str, budget: int, attention: str, mesh=None, *, temperature: float = 0.0,
+              top_p: float = 1.0, top_k: int = 0, **overrides):
+    """decode.make_spec for one grid point (greedy unless a temperature is given); ``overrides``: Spec fields
+    (verify_align, layer_unroll), None meaning decode's default."""
     from ddtree_jax import decode
 
-    opts = decode.GenerateOptions(method=method, max_new_tokens=256, tree_budget=max(budget, 1), attention=attention)
+    opts = decode.GenerateOptions(method=method, max_new_tokens=256, tree_budget=max(budget, 1), attention=attention,
+                                  temperature=temperature, top_p=top_p, top_k=top_k)
     kw = {k: v for k, v in overrides.items() if v is not None}
     return decode.make_spec(tcfg, dcfg if method != "ar" else None, opts, mesh=mesh, **kw)
 
@@ -227,12 +229,16 @@ def spec_overrides(args) -> dict:
     return {"verify_align": args.verify_align, "layer_unroll": args.layer_unroll}
 
 
-def make_state(spec, vocab: int, batch: int, prompt_len: int, capacity: int, out_len: int, dtype, seed: int = 1):
+def make_state(spec, vocab: int, batch: int, prompt_len: int, capacity: int, out_len: int, dtype, seed: int = 1, *,
+               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0):
+    """A batch of random prompts' caches for ``spec`` (the sequences greedy unless a temperature is given; sequence
+    i samples with seed i)."""
     import jax
 
     from ddtree_jax import decode
 
-    opts = [decode.GenerateOptions(method=spec.method, max_new_tokens=256)] * batch
+    opts = [decode.GenerateOptions(method=spec.method, max_new_tokens=256, temperature=temperature, top_p=top_p,
+                                   top_k=top_k, seed=i) for i in range(batch)]
     state = decode.init_state(spec, [prompt_len] * batch, opts, capacity, out_len, dtype)
     return J("randomize")(state, jax.random.key(seed), prompt_len, vocab)
 

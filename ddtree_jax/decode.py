@@ -83,7 +83,8 @@ class Spec:
     verify_align: int = 1  # the verify block's rows rounded up to a multiple of this (see verify_len)
     layer_unroll: int | None = None  # target layers per verify layer-loop iteration (None: default_layer_unroll)
     sampling: bool = True  # some sequence may sample (temperature > 0); False compiles the greedy choice alone
-    # (accept.choose: no data-dependent branch, whose predicate the GPU runtime would read on the host every round)
+    filtering: bool = True  # some sampled sequence may use top-k / top-p; False compiles no filter pass
+    # (accept.choose: both static, so no data-dependent branch, whose predicate the GPU runtime would read on the host)
 
     @property
     def verify_len(self) -> int:
@@ -127,6 +128,7 @@ def make_spec(target_cfg: ModelConfig, draft_cfg: DraftConfig | None, options: G
     budget = {"ar": 0, "dflash": (draft_cfg.block_size - 1) if draft_cfg else 0, "ddtree": options.tree_budget}
     kw.setdefault("verify_align", default_verify_align(options.method))
     kw.setdefault("sampling", options.temperature > 0)
+    kw.setdefault("filtering", kw["sampling"] and accept.filters(options.top_p, options.top_k))
     unroll = kw.get("layer_unroll")
     if unroll is not None and not (isinstance(unroll, int) and unroll >= 1):
         raise ValueError(f"layer_unroll must be a positive integer, got {unroll!r}")
@@ -325,7 +327,7 @@ def accept_commit(spec: Spec, state: State, tree: trees.Tree, dcache, logits, ca
     b = state.bonus.shape[0]
 
     keys = accept.node_keys(state.keys, state.cache.length, 1 + spec.budget)
-    choice = accept.choose(logits, keys, state.temperature, state.top_p, state.top_k, spec.sampling)
+    choice = accept.choose(logits, keys, state.temperature, state.top_p, state.top_k, spec.sampling, spec.filtering)
     path, length, bonus = accept.walk(tree, choice, spec.max_depth, impl=spec.attention)
 
     count = jnp.where(active, length, 0)
@@ -456,7 +458,8 @@ def prefill(spec: Spec, target: TargetParams, drafter: DraftParams | None, state
 
     logits = model.logits(target, last)[:, None]
     keys = accept.node_keys(state.keys, lengths - 1, 1)
-    first = accept.choose(logits, keys, state.temperature, state.top_p, state.top_k, spec.sampling)[:, 0]
+    first = accept.choose(logits, keys, state.temperature, state.top_p, state.top_k, spec.sampling,
+                          spec.filtering)[:, 0]
     out = state.out.at[:, :p_pad].set(tokens).at[jnp.arange(b), lengths].set(first)
     return dataclasses.replace(state, cache=cache, dcache=dcache, bonus=first, out=out, n_out=lengths + 1)
 
@@ -476,6 +479,9 @@ def init_state(spec: Spec, prompt_lens, options_per_seq, capacity: int, out_len:
         if o.temperature > 0 and not spec.sampling:
             raise ValueError(f"temperature {o.temperature} needs a sampling program (Spec.sampling; make_spec sets "
                              f"it from the options' temperature), this one is greedy-only")
+        if o.temperature > 0 and accept.filters(o.top_p, o.top_k) and not spec.filtering:
+            raise ValueError(f"top_p {o.top_p} / top_k {o.top_k} need a filtering program (Spec.filtering; make_spec "
+                             f"sets it from the options), this one samples without a filter")
         if len(o.stop_token_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop token ids are supported, got {len(o.stop_token_ids)}")
         stop[i, : len(o.stop_token_ids)] = o.stop_token_ids

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import decode, sharding
+from ddtree_jax import accept, decode, sharding
 
 Array = jax.Array
 log = logging.getLogger("ddtree_jax.engine")
@@ -353,9 +353,11 @@ class Engine:
         self.sizes = sorted(set(config.batch_buckets) | {config.max_batch})  # slot batches a step may run
         options = decode.GenerateOptions(method=config.method, max_new_tokens=config.max_len,
                                          tree_budget=config.tree_budget, attention=config.attention)
-        self.spec = decode.make_spec(self.tcfg, dcfg, options, mesh=mesh, sampling=True)  # requests choose
-        # a step where no live request samples runs the greedy-only program (no per-round branch: decode.Spec)
-        self.greedy_spec = dataclasses.replace(self.spec, sampling=False)
+        # requests choose: the prefill and the slots take any request
+        self.spec = decode.make_spec(self.tcfg, dcfg, options, mesh=mesh, sampling=True, filtering=True)
+        # a step runs the least general program its live requests allow (no per-round branch: decode.Spec)
+        self.programs = {"greedy": dataclasses.replace(self.spec, sampling=False, filtering=False),
+                         "sampling": dataclasses.replace(self.spec, filtering=False), "filtering": self.spec}
         self.dparams = decode.device_layout(dparams) if config.method != "ar" else None
         self.tparams = decode.device_layout(self.tparams)
         block = self.spec.round_positions
@@ -378,7 +380,7 @@ class Engine:
         self.state = jax.tree.map(jnp.copy, sharding.create(empty, mesh))
         self.slots: list[Job | None] = [None] * b
         self.step_sizes: collections.Counter[int] = collections.Counter()  # steps run per slot-batch size
-        self.step_programs: collections.Counter[str] = collections.Counter()  # steps run per program: greedy, sampling
+        self.step_programs: collections.Counter[str] = collections.Counter()  # steps run per program (self.programs)
         self._ended: list[int] = []  # slots of jobs that ended since the last device update
         self.waiting: collections.deque[Job] = collections.deque()
         self._cancels: set[str] = set()
@@ -513,8 +515,9 @@ class Engine:
         self.ready = False
 
     def warmup(self, buckets: Sequence[int] | None = None) -> None:
-        """Compile the step (its greedy-only and sampling programs), the slot insertion and the prefill of the given
-        buckets (default: the shortest) by running a one-token request through slot 0. Call before :meth:`start`."""
+        """Compile the step (its three programs: greedy-only, sampling, sampling with top-k / top-p), the slot insertion
+        and the prefill of the given buckets (default: the shortest) by running a one-token request through slot 0.
+        Call before :meth:`start`."""
         t0 = time.perf_counter()
         for bucket in buckets or [self.layout.bucket(1)]:
             n = min(bucket, self.layout.max_prompt)
@@ -522,8 +525,8 @@ class Engine:
                       stop_ids=(), seed=0)
             self._prefill_into(job, 0)
             for size in self.sizes:
-                for sampling in (False, True):
-                    self._step(record=False, size=size, sampling=sampling)
+                for program in self.programs:
+                    self._step(record=False, size=size, program=program)
             self.slots[0] = None
         log.info("engine warm in %.1fs", time.perf_counter() - t0)
 
@@ -618,16 +621,18 @@ class Engine:
             job.decoder = self.tokenizer.incremental_decoder()
         self.slots[slot] = job
 
-    def _step(self, record: bool = True, size: int | None = None, sampling: bool | None = None):
+    def _step(self, record: bool = True, size: int | None = None, program: str | None = None):
         """Run ``rounds_per_step`` rounds on the smallest slot batch in ``self.sizes`` that holds the live slots
-        (or on ``size``), with the sampling program if a live request samples (or if ``sampling``), else the
-        greedy-only one; return (starts [B], Snapshot [B]) for every slot."""
+        (or on ``size``), with the least general of ``self.programs`` that the live requests allow (or
+        ``program``); return (starts [B], Snapshot [B]) for every slot."""
         starts = np.array([j.emitted if j is not None else 0 for j in self.slots], np.int32)
         live = [s for s, j in enumerate(self.slots) if j is not None]
         size = size or next(n for n in self.sizes if n >= len(live))
-        if sampling is None:
-            sampling = any(self.slots[s].params.temperature > 0 for s in live)
-        spec = self.spec if sampling else self.greedy_spec
+        if program is None:
+            hot = [self.slots[s].params for s in live if self.slots[s].params.temperature > 0]
+            program = ("filtering" if any(accept.filters(p.top_p, p.top_k) for p in hot) else
+                       "sampling" if hot else "greedy")
+        spec = self.programs[program]
         t0 = time.perf_counter()
         if size == len(self.slots):
             self.state, snap = step(spec, self.tparams, self.dparams, self.state, jnp.asarray(starts),
@@ -642,7 +647,7 @@ class Engine:
             for full, x in zip(jax.tree.leaves(snap), jax.tree.leaves(part)):
                 full[rows] = x
         self.step_sizes[size] += 1
-        self.step_programs["sampling" if sampling else "greedy"] += 1
+        self.step_programs[program] += 1
         elapsed = time.perf_counter() - t0
         if not record:
             return starts, snap

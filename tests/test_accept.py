@@ -168,6 +168,39 @@ def test_filter_keeps_exactly_the_right_set(temperature, top_p, top_k, n):
     assert kept(temperature, top_p, top_k) == top(n)
 
 
+def sorted_filter(x, top_p, top_k):
+    """The oracle: sort, cumulative mass, cut (numpy, float64 sums): what a top-k / top-p filter keeps. x [V]."""
+    srt = np.sort(x)[::-1]
+    k = min(top_k, len(x)) if top_k > 0 else len(x)
+    probs = np.exp(srt - srt[0]) / np.exp(srt - srt[0]).sum()
+    before = np.cumsum(probs) - probs
+    keep = ((before < top_p) | (top_p >= 1.0)) & (np.arange(len(x)) < k)
+    return x >= srt[keep].min()
+
+
+@pytest.mark.parametrize("seed,form", [(0, "search"), (1, "search"), (0, "sort")])
+def test_filter_matches_a_sorted_cumulative_sum_on_random_logits(seed, form, monkeypatch):
+    """Both forms of the filter (the search for the cutoff, the sort of larger logits) keep what sorting and summing
+    in float64 keeps, row by row, over random logits (sharp and flat, with ties), every top-p / top-k mix."""
+    from ddtree_jax import sharding
+
+    monkeypatch.setattr(sharding, "FILTER_SEARCH_MAX_BYTES", 1 << 30 if form == "search" else 0)
+    monkeypatch.setattr(sharding, "_filtered_by_" + ("sort" if form == "search" else "search"), None)  # not taken
+    rng = np.random.default_rng(seed)
+    b, t, v = 6, 5, 3000
+    x = rng.standard_normal((b, t, v)) * rng.choice([0.3, 1.0, 4.0], size=(b, t, 1))
+    x[:, 0, : v // 2] = np.round(x[:, 0, : v // 2], 1)  # many ties
+    x = x.astype(np.float32)
+    top_p = np.asarray([1.0, 0.9, 0.5, 0.99, 1.0, 0.7], np.float32)
+    top_k = np.asarray([0, 0, 0, 40, 7, 300], np.int32)
+    out = np.asarray(accept.filter_logits(jnp.asarray(x), jnp.ones(b), jnp.asarray(top_p), jnp.asarray(top_k)))
+    for i in range(b):
+        for j in range(t):
+            want = sorted_filter(x[i, j].astype(np.float64), float(top_p[i]), int(top_k[i]))
+            np.testing.assert_array_equal(np.isfinite(out[i, j]), want, err_msg=f"row {i}, node {j}")
+            np.testing.assert_array_equal(out[i, j][want], x[i, j][want])
+
+
 def test_filter_is_per_sequence():
     lg = jnp.asarray(np.tile(hand_logits(), (4, 2, 1)))
     out = accept.filter_logits(
@@ -226,17 +259,27 @@ def test_mixed_greedy_and_sampled_rows():
         assert (s[:, 0] != s[:, 1]).any()
 
 
-def test_a_greedy_only_choice_is_the_argmax_without_a_branch():
-    """``sampling=False`` (Spec.sampling for greedy runs) gives the same tokens as the general choice at
-    temperature 0, and its program has no ``cond`` (whose predicate a GPU reads on the host every round)."""
+def test_the_choice_has_no_branch_and_each_program_agrees_where_it_applies():
+    """Spec.sampling / Spec.filtering (static) compile the greedy argmax alone, a sample without a top-k / top-p pass,
+    or both; none has a ``cond`` (whose predicate a GPU reads on the host every round). Where a program applies it
+    gives the general one's tokens: greedy rows the argmax, unfiltered sampled rows the same sample (same keys)."""
     rng = np.random.default_rng(2)
-    logits = jnp.asarray(rng.standard_normal((2, 5, 64)).astype(np.float32))
-    keys = accept.node_keys(jax.vmap(jax.random.key)(jnp.arange(2, dtype=jnp.uint32)), jnp.asarray([3, 4]), 5)
-    args = (logits, keys, jnp.zeros(2), jnp.ones(2), jnp.zeros(2, jnp.int32))
-    np.testing.assert_array_equal(accept.choose(*args, sampling=False), accept.choose(*args))
+    logits = jnp.asarray(rng.standard_normal((3, 5, 64)).astype(np.float32))
+    keys = accept.node_keys(jax.vmap(jax.random.key)(jnp.arange(3, dtype=jnp.uint32)), jnp.asarray([3, 4, 5]), 5)
+    greedy = (logits, keys, jnp.zeros(3), jnp.ones(3), jnp.zeros(3, jnp.int32))
+    np.testing.assert_array_equal(accept.choose(*greedy, sampling=False), np.asarray(logits).argmax(-1))
+    np.testing.assert_array_equal(accept.choose(*greedy, sampling=False), accept.choose(*greedy))
+    hot = (logits, keys, jnp.asarray([0.0, 1.0, 0.7]), jnp.ones(3), jnp.zeros(3, jnp.int32))
+    plain, general = accept.choose(*hot, filtering=False), accept.choose(*hot)
+    np.testing.assert_array_equal(plain, general)
+    assert (np.asarray(plain)[1:] != np.asarray(logits).argmax(-1)[1:]).any()  # the hot rows sampled
+    np.testing.assert_array_equal(plain[0], np.asarray(logits)[0].argmax(-1))
 
-    def primitives(sampling):
-        jaxpr = jax.make_jaxpr(lambda *a: accept.choose(*a, sampling=sampling))(*args)
-        return {e.primitive.name for e in jaxpr.jaxpr.eqns}
+    def program(**flags):  # the jaxpr's text, nested jaxprs (jitted helpers) included
+        return str(jax.make_jaxpr(lambda *a: accept.choose(*a, **flags))(*hot))
 
-    assert "cond" in primitives(True) and "cond" not in primitives(False)
+    for flags in ({"sampling": False}, {"filtering": False}, {}):
+        assert " cond[" not in program(**flags), flags
+    assert " cond[" in str(jax.make_jaxpr(lambda x: jax.lax.cond(x > 0, jnp.sin, jnp.cos, x))(1.0))  # as it shows
+    assert " sort[" not in program()  # the filter searches for its cutoff: no sort of the vocabulary
+    assert program().count("reduce_sum") > program(filtering=False).count("reduce_sum")  # its passes, only with it

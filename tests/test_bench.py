@@ -119,10 +119,10 @@ def test_interleaved_ab_script(tmp_path):
     assert base["median_diff_ms_vs_first"] == 0 and base["pairs_faster_than_first"] == 0
     assert all(v["same_tokens_as_first"] for v in got["variants"].values())  # none of these changes the math
     assert got["variants"]["env"]["env"] == {"DDTREE_JAX_QKV_WRITE": "xla"} and base["env"] == {}
-    assert got["variants"]["env"]["sampling"] and not base["sampling"]
+    assert got["variants"]["env"]["sampling"] and not base["sampling"] and not base["filtering"]
     hlo = {name: gzip.open(tmp_path / "hlo" / f"{name}.hlo.txt.gz", "rt").read() for name in ("base", "dom", "env")}
     assert all(text.startswith("HloModule") for text in hlo.values())  # --hlo: each variant's optimized HLO module
-    assert bench.hlo_summary(hlo["env"])["conditionals"] and not bench.hlo_summary(hlo["base"])["conditionals"]
+    assert hlo["env"].count(" xor(") > hlo["base"].count(" xor(")  # the sampling program draws (threefry's xors)
     for variant, msg in (("nocolon", "is not NAME:FIELD=VALUE"), ("x:draft=rolled", "draft='rolled': expected one of")):
         bad = subprocess.run(args[:-8] + ["--variant", variant], capture_output=True, text=True, env=env, timeout=120)
         assert bad.returncode == 2 and msg in bad.stderr.strip().splitlines()[-1], bad.stderr
@@ -131,6 +131,8 @@ def test_interleaved_ab_script(tmp_path):
     loaded.loader.exec_module(module)
     with pytest.raises(argparse.ArgumentTypeError, match="sampling='yes': expected 0 or 1"):
         module.variant("x:sampling=yes")
+    with pytest.raises(argparse.ArgumentTypeError, match="filtering='2': expected 0 or 1"):
+        module.variant("x:filtering=2")
 
 
 def test_the_recorded_h200_results_hold_issue_5s_fields_and_grid():
@@ -182,9 +184,8 @@ def test_bad_flag_is_one_line_error(argv, capsys):
 def test_the_round_loop_has_no_host_round_trip(target, drafter):
     """Issue 5's profile must-show, the part a CPU can check: ``hlo_summary`` (the bench's HLO check) finds a host
     callback where there is one, and finds no host transfer or callback in the compiled ddtree round loop, nor,
-    for greedy decoding, a conditional (on GPU the runtime reads a conditional's predicate on the host: a copy
-    and a wait inside every round). A sampling program has one (the sample is drawn only when some temperature
-    is > 0)."""
+    nor a conditional (on GPU the runtime reads a conditional's predicate on the host: a copy and a wait inside
+    every round), for greedy decoding, sampling, and sampling with a top-k / top-p filter."""
     import jax
     import jax.numpy as jnp
 
@@ -195,6 +196,8 @@ def test_the_round_loop_has_no_host_round_trip(target, drafter):
 
     probe = jax.jit(with_callback).lower(jnp.ones(3, jnp.float32)).compile().as_text()
     assert bench.hlo_summary(probe)["host_callbacks"]
+    branch = jax.jit(lambda x: jax.lax.cond(x.sum() > 0, jnp.sin, jnp.cos, x)).lower(jnp.ones(3, jnp.float32))
+    assert bench.hlo_summary(branch.compile().as_text())["conditionals"] == 1
     options = decode.GenerateOptions(method="ddtree", tree_budget=8, max_new_tokens=8)
     spec = decode.make_spec(target[0], drafter[0], options)
     _, capacity, out_len = decode.layout(spec, [5], 8)
@@ -204,6 +207,11 @@ def test_the_round_loop_has_no_host_round_trip(target, drafter):
     assert not any(hlo["host_transfer_ops"].values()) and not hlo["host_callbacks"], hlo
     assert hlo["while_loops"] >= 1  # the rounds run as one device loop
     assert not spec.sampling and hlo["conditionals"] == 0, hlo["conditionals"]
-    sampled = dataclasses.replace(spec, sampling=True)  # its HLO before optimisation is enough to show the branch
-    text = decode.run_rounds.lower(sampled, target[1], drafter[1], state, jnp.int32(4)).as_text(dialect="hlo")
-    assert bench.hlo_summary(text)["conditionals"] >= 1
+    hot = dataclasses.replace(options, temperature=0.8, top_p=0.9)
+    state = decode.init_state(dataclasses.replace(spec, sampling=True, filtering=True), [5], [hot], capacity, out_len,
+                              jnp.float32)
+    for flags in ({"sampling": True, "filtering": False}, {"sampling": True, "filtering": True}):
+        program = decode.run_rounds.lower(dataclasses.replace(spec, **flags), target[1], drafter[1], state,
+                                          jnp.int32(4)).compile().as_text()
+        assert bench.hlo_summary(program)["conditionals"] == 0, flags
+        assert program.count(" xor(") > text.count(" xor("), flags  # it samples (threefry's xors)

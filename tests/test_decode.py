@@ -285,8 +285,9 @@ def test_round_positions_are_the_blocks_a_round_writes_before_padding(target, dr
 
 
 def test_greedy_runs_compile_the_greedy_choice_alone(target):
-    """make_spec specialises on the options' temperature (Spec.sampling), and a state asking for a sample from a
-    greedy-only program is a clear error, not a silent argmax."""
+    """make_spec specialises on the options' temperature and filters (Spec.sampling, Spec.filtering), and a state
+    asking for a sample from a greedy-only program, or for a filter from one without, is a clear error, not a silent
+    argmax or an unfiltered sample."""
     greedy = decode.make_spec(target[0], None, decode.GenerateOptions())
     sampled = decode.make_spec(target[0], None, decode.GenerateOptions(temperature=0.7))
     assert not greedy.sampling and sampled.sampling
@@ -294,6 +295,14 @@ def test_greedy_runs_compile_the_greedy_choice_alone(target):
     with pytest.raises(ValueError, match="needs a sampling program"):
         decode.init_state(greedy, [3], [hot], 16, 8, np.float32)
     decode.init_state(sampled, [3, 3], [hot, decode.GenerateOptions()], 16, 8, np.float32)  # mixed rows: fine
+    assert not sampled.filtering  # top-k / top-p: a filtering program, and a clear error without one
+    nucleus = decode.GenerateOptions(temperature=0.7, top_p=0.9)
+    assert decode.make_spec(target[0], None, nucleus).filtering
+    assert decode.make_spec(target[0], None, decode.GenerateOptions(temperature=0.7, top_k=5)).filtering
+    assert not decode.make_spec(target[0], None, decode.GenerateOptions(top_p=0.9)).filtering  # greedy: moot
+    with pytest.raises(ValueError, match="need a filtering program"):
+        decode.init_state(sampled, [3], [nucleus], 16, 8, np.float32)
+    decode.init_state(sampled, [3], [decode.GenerateOptions(top_k=5)], 16, 8, np.float32)  # greedy rows: fine
 
 
 def test_a_bad_layer_unroll_is_a_clear_error(target):

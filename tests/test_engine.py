@@ -251,22 +251,25 @@ def test_batch_buckets_run_only_the_live_slots(target, drafter, tokenizer, refer
     """With batch buckets a step runs the smallest slot batch holding the live requests (gathered out of the
     slot batch and scattered back): greedy outputs still equal the reference, alone and batched, a seeded
     sample is the same in a bucket of 1 and in the full batch, and every size ran. Steps without a sampling
-    request run the greedy-only program, the others the sampling one (warm-up compiled both)."""
+    request run the greedy-only program, those with one the sampling one, with top-k / top-p the filtering one
+    (warm-up compiled the three)."""
     cfg = engines.EngineConfig(method="ddtree", tree_budget=4, max_batch=4, max_len=MAX_LEN, rounds_per_step=2,
                                batch_buckets=(1, 2))
     eng = engines.Engine(target, drafter, cfg, tokenizer=tokenizer).start()
     try:
         assert eng.sizes == [1, 2, 4]
         warm = dict(eng.step_sizes)
-        assert eng.step_programs == {"greedy": 3, "sampling": 3}  # warm-up: both programs at each size
+        assert eng.step_programs == {"greedy": 3, "sampling": 3, "filtering": 3}  # warm-up: each at each size
         run = reference_runs[0]
         n = len(run["prompt"])
         res = eng.generate(run["prompt"], greedy(run["max_new_tokens"]), timeout=120)
         assert res.token_ids == run["ar"][n:]
-        assert eng.step_programs["sampling"] == 3 and eng.step_programs["greedy"] > 3
+        assert eng.step_programs["sampling"] == eng.step_programs["filtering"] == 3 and eng.step_programs["greedy"] > 3
+        eng.generate(reference_runs[1]["prompt"], engines.SamplingParams(max_tokens=4, temperature=0.9), timeout=120)
+        assert eng.step_programs["sampling"] > 3 and eng.step_programs["filtering"] == 3
         params = engines.SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=7)
         alone = eng.generate(reference_runs[1]["prompt"], params, timeout=120)
-        assert eng.step_programs["sampling"] > 3
+        assert eng.step_programs["filtering"] > 3
         reqs = [(r["prompt"], greedy(min(4 + 5 * i, r["max_new_tokens"]))) for i, r in enumerate(reference_runs * 2)]
         results = run_concurrently(eng, reqs + [(reference_runs[1]["prompt"], params)])
         for (prompt, p), got in zip(reqs, results):

@@ -129,7 +129,7 @@ def sample_first_tokens(target, drafter, prompt, proposer, settings, n=SAMPLES):
     tcfg, tparams = target
     dcfg, dparams = drafter
     opts = decode.GenerateOptions(method="ddtree", max_new_tokens=3, tree_budget=BUDGET)
-    spec = decode.make_spec(tcfg, dcfg, opts, proposer=proposer, sampling=True)  # the rows' own temperatures
+    spec = decode.make_spec(tcfg, dcfg, opts, proposer=proposer, sampling=True, filtering=True)  # rows' own settings
     rows = n * len(settings)
     lens = [len(prompt)] * rows
     p_pad, capacity, out_len = decode.layout(spec, lens, opts.max_new_tokens)
@@ -173,8 +173,8 @@ def key_reused_across_nodes(original):
 
 
 def sampled_only_at_root(original):
-    def choose(logits, keys, temperature, top_p, top_k, sampling=True):
-        drawn = original(logits, keys, temperature, top_p, top_k, sampling)
+    def choose(logits, keys, temperature, top_p, top_k, sampling=True, filtering=True):
+        drawn = original(logits, keys, temperature, top_p, top_k, sampling, filtering)
         return drawn.at[:, 1:].set(jnp.argmax(logits[:, 1:], axis=-1).astype(jnp.int32))
 
     return choose

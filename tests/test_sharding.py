@@ -83,7 +83,7 @@ def _script(out_path: str) -> None:
             drf = sharding.shard_model(drafter, mesh) if method != "ar" else drafter
         new = [runs[r[0]]["max_new_tokens"] for r in ROWS]  # each row: its fixture prompt's 40, 64 or 48
         base = decode.GenerateOptions(method=method, max_new_tokens=max(new), tree_budget=BUDGET)
-        spec = decode.make_spec(tgt[0], drf[0], base, mesh=mesh, sampling=True)  # the rows' own temperatures
+        spec = decode.make_spec(tgt[0], drf[0], base, mesh=mesh, sampling=True, filtering=True)  # rows choose
         rows = [prompts[r[0]] for r in ROWS]
         lens = [len(p) for p in rows]
         p_pad, capacity, out_len = decode.layout(spec, lens, max(new))
@@ -604,7 +604,7 @@ def test_no_mesh_is_the_identity():
     assert sharding.active() is None and sharding.constrain(x, ("batch", "seq", "vocab")) is x
     with sharding.use_mesh(None):
         assert sharding.active() is None
-    assert sharding.filter_logits(x, jnp.ones(2), jnp.zeros(2, jnp.int32)) is None
+    assert (sharding.filter_logits(x, jnp.ones(2), jnp.zeros(2, jnp.int32)) == x).all()  # no filter: all kept
     assert sharding.padded_batch(3, None) == 3
 
 
