@@ -443,7 +443,7 @@ def _ordered(x: Array) -> Array:
     return jnp.where(b >> 31 == 1, ~b, b | jnp.uint32(1 << 31))
 
 
-FILTER_BITS = 2  # bits of the cutoff found per pass of the search: 2^2 - 1 thresholds counted at once, 16 passes
+FILTER_BITS = 2  # bits of the cutoff found per step of the search: 2^2 - 1 thresholds, 16 steps
 FILTER_SEARCH_MAX_BYTES = 48 << 20  # one device searches logits up to this size (about an H200's L2), sorts larger
 
 
@@ -454,11 +454,12 @@ def filter_logits(x: Array, top_p: Array, top_k_: Array) -> Array:
     x is kept iff fewer than k tokens score strictly higher and their probability mass is below top_p (or top_p >= 1):
     the kept set of a sort and a cumulative sum. Both counts fall as x grows, so the kept set is {x >= cutoff}.
     Logits of up to ``FILTER_SEARCH_MAX_BYTES`` on one device, and every shard of a split vocabulary, find the cutoff
-    without a sort: a search over x's order-preserving uint32 bit pattern, ``FILTER_BITS`` bits per pass (2^bits - 1
-    thresholds, each one's count and mass summed over the vocabulary in the same pass, all-reduced under a mesh).
-    Larger logits on one device are sorted: the search's passes re-read them (from L2 while they fit), the sort reads
-    them a few times. On an H200 (Qwen3-8B, ddtree 64, top-p 0.95; benchmarks/PERF.md, twenty-first run) the search
-    filters 72 rows in half the sort's time, the sort 136 or 576 rows faster. Probability sums run in a different
+    without a sort: a search over x's order-preserving uint32 bit pattern, ``FILTER_BITS`` bits per step (2^bits - 1
+    thresholds, each one's count and mass summed over the vocabulary, all-reduced under a mesh; XLA reduces each
+    threshold as its own row, reading the logits again). Larger logits on one device are sorted. On an H200 (Qwen3-8B,
+    ddtree 64, top-p 0.95; benchmarks/PERF.md, twenty-first run) the search's rounds were 0.64 ms shorter than the
+    sort's at 72 rows (43.8 MB of logits), the sort's 0.56 ms shorter at 136 rows (82.7 MB) and 2.4 ms at 576; presumably
+    the search's re-reads come from the 50 MB L2 while the logits fit it. Probability sums run in a different
     order in the two forms, so a token whose mass boundary lies within float rounding of top_p may fall on either side.
     """
     act = _vocab_split()
