@@ -490,8 +490,9 @@ def _filtered_by_search(x: Array, top_p: Array, top_k_: Array, vocab: int, total
         width = jnp.uint32(1 << (32 - FILTER_BITS * (step + 1)))  # the search interval's parts
         trial = cut + jnp.arange(1, parts, dtype=jnp.uint32) * width - jnp.uint32(1)  # [B, T, parts - 1]
         above = _ordered(x)[..., None, :] > trial[..., None]  # [B, T, parts - 1, V], fused into the sums
-        count = total(jnp.sum(above, axis=-1, dtype=jnp.int32))
-        mass = total(jnp.sum(jnp.where(above, jnp.exp(x - top)[..., None, :], 0.0), axis=-1)) / denom
+        count, mass = total((jnp.sum(above, axis=-1, dtype=jnp.int32),  # one all-reduce of both under a mesh
+                             jnp.sum(jnp.where(above, jnp.exp(x - top)[..., None, :], 0.0), axis=-1)))
+        mass = mass / denom
         below = ~((count < k) & ((mass < p) | (p >= 1.0)))  # the trial is below the cutoff (monotone in j)
         cut = cut + jnp.sum(below, axis=-1, keepdims=True, dtype=jnp.uint32) * width
     return jnp.where(_ordered(x) >= cut, x, -jnp.inf)
