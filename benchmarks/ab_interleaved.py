@@ -4,13 +4,13 @@ tenth and thirteenth runs) falls on every variant alike. Reports each variant's 
 the paired differences against the first variant, and how many pairs the variant won.
 
 A variant is NAME:FIELD=VALUE,... with fields ``draft`` (the drafter's layout, decode.LAYOUTS; default
-decode.DRAFT_GPU_LAYOUT), ``layout`` (the target's; default decode.GPU_LAYOUT), ``sampling`` and ``filtering`` (0
-or 1: the Spec's flags; default what the sequences' --temperature / --top-p / --top-k need, as decode.make_spec
-sets them), ``DDTREE_JAX_*`` environment variables (set while the variant is traced and compiled, e.g.
+decode.DRAFT_GPU_LAYOUT), ``layout`` (the target's; default decode.GPU_LAYOUT, decode.GPU_AR_LAYOUT for ar),
+``sampling`` and ``filtering`` (0 or 1: the Spec's flags; default what the sequences' --temperature / --top-p /
+--top-k need, as decode.make_spec sets them), ``DDTREE_JAX_*`` environment variables (set while the variant is traced and compiled, e.g.
 DDTREE_JAX_QKV_WRITE=xla) and any XLA option (added to decode.XLA_OPTIONS, as ``bench models --ab``).
 
     PYTHONPATH=. python benchmarks/ab_interleaved.py --model qwen3-8b --method ddtree --budget 64 --pairs 12 \\
-        --variant base: --variant dfused:draft=stacked-out-major-fused --json $OUT/ab.json [--profile $OUT/prof] \\
+        --variant base: --variant tom:layout=stacked-out-major-fused --json $OUT/ab.json [--profile $OUT/prof] \\
         [--hlo $OUT/hlo]
 """
 from __future__ import annotations
@@ -89,7 +89,8 @@ def main() -> None:
 
     runs = {}
     for name, fields in args.variant:
-        tl, dl = fields.get("layout", decode.GPU_LAYOUT), fields.get("draft", decode.DRAFT_GPU_LAYOUT)
+        own = decode.GPU_AR_LAYOUT if args.method == "ar" else decode.GPU_LAYOUT
+        tl, dl = fields.get("layout", own), fields.get("draft", decode.DRAFT_GPU_LAYOUT)
         opts = fields["options"]
         flags = {k: fields[k] == "1" for k in ("sampling", "filtering") if k in fields}
         vspec = dataclasses.replace(spec, **flags)

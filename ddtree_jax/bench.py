@@ -530,11 +530,17 @@ class Bench:
             (tcfg, tp), (dcfg, dp) = (sharding.shard_model(m, self.mesh) for m in ((tcfg, tp), (dcfg, dp)))
         from ddtree_jax import decode
 
-        # (the random weights are built stacked and input-major)
+        # (the random weights are built stacked and input-major); without --layout, the target as decode lays it
+        # out for each method: the rounds' layout, and AR's (a second copy, made only if AR is timed)
         args.draft_layout = args.draft_layout or decode.DRAFT_GPU_LAYOUT
-        tp, dp = _sync((decode.device_layout(tp, layout=args.layout),
+        self.layouts = {m: args.layout or (decode.GPU_AR_LAYOUT if m == "ar" else decode.GPU_LAYOUT)
+                        for m in ("ar", "dflash", "ddtree")}
+        tp_ar = (decode.device_layout(tp, layout=self.layouts["ar"])
+                 if "ar" in args.methods and self.layouts["ar"] != self.layouts["ddtree"] else None)
+        tp, dp = _sync((decode.device_layout(tp, layout=self.layouts["ddtree"]),
                         decode.device_layout(dp, layout=args.draft_layout)))
-        info = {"layout": args.layout, "draft_layout": args.draft_layout,
+        tp_ar = _sync(tp_ar) if tp_ar is not None else tp
+        info = {"layout": self.layouts["ddtree"], "ar_layout": self.layouts["ar"], "draft_layout": args.draft_layout,
             "build_s": time.time() - t0, "target_bytes": _nbytes(tp), "draft_bytes": _nbytes(dp),
             "target_layer_bytes": _nbytes(tp.layers), "lm_head_bytes": _nbytes(tp.lm_head),
             "embed_bytes": _nbytes(tp.embed),
@@ -542,7 +548,8 @@ class Bench:
         self.details.setdefault("models", {})[shape.name] = info
         _log(f"{shape.name}: built in {info['build_s']:.1f}s, target {info['target_bytes'] / 1e9:.2f} GB, "
              f"drafter {info['draft_bytes'] / 1e9:.2f} GB")
-        self.ctx = dict(shape=shape, tcfg=tcfg, dcfg=dcfg, tp=tp, dp=dp, wshapes=weight_shape_strings(tp, dp))
+        self.ctx = dict(shape=shape, tcfg=tcfg, dcfg=dcfg, tp=tp, tp_ar=tp_ar, dp=dp,
+                        wshapes=weight_shape_strings(tp, dp))
         self.ar_ms: dict = {}
         pb = [(p, b) for p in args.prompts for b in args.batches]
         primary = pb[0]
@@ -584,7 +591,7 @@ class Bench:
         from ddtree_jax import decode
 
         args, c = self.args, self.ctx
-        tcfg, dcfg, tp, dp, shape = c["tcfg"], c["dcfg"], c["tp"], c["dp"], c["shape"]
+        tcfg, dcfg, tp, dp, shape = c["tcfg"], c["dcfg"], c["tp_ar" if method == "ar" else "tp"], c["dp"], c["shape"]
         spec = make_spec(tcfg, dcfg, method, budget, args.attention, self.mesh, **spec_overrides(args))
         dpp = dp if method != "ar" else None
         capacity, out_len = self.capacity(spec, batch, prompt_len)
@@ -595,7 +602,7 @@ class Bench:
             state = jax.device_put(state, sharding.state_shardings(state, self.mesh))
         rec: dict[str, Any] = {"model": shape.name, "method": method, "budget": budget if method == "ddtree" else None,
                                "batch": batch, "prompt_len": prompt_len}
-        info: dict[str, Any] = {"capacity": capacity, "attention": spec.attention, "layout": args.layout,
+        info: dict[str, Any] = {"capacity": capacity, "attention": spec.attention, "layout": self.layouts[method],
                                 "draft_layout": args.draft_layout, "compile_s": {}}
 
         # ---- whole rounds: N in one while_loop call
@@ -675,7 +682,7 @@ class Bench:
                 info["one_call_vs_separate"] = heavy["one_call_vs_separate"]
         rec.update({"roofline_ms": rec.get("roofline_ms"), "breakdown_ms": rec.get("breakdown_ms"),
                     "date": _now(), "command": _command(), "device": self.device, "attention": spec.attention,
-                    "layout": args.layout, "draft_layout": args.draft_layout,  # what projection.round_costs filters on
+                    "layout": self.layouts[method], "draft_layout": args.draft_layout,  # what projection filters on
                     "mean_acceptance_length": info["mean_acceptance_length"], "details": info})
         _log(f"  -> {ms:.3f} ms/round" + (f", breakdown {_fmt(rec.get('breakdown_ms'))}" if args.breakdown else "")
              + (f", ratio to AR {rec['ratio_to_ar']:.3f}" if rec.get("ratio_to_ar") else "")
@@ -1036,7 +1043,8 @@ def _names(text: str) -> list[str]:
 
 
 # decode.LAYOUTS but "auto" (not imported here: --help without jax)
-LAYOUT_CHOICES = ("unstacked", "stacked", "unstacked-out-major", "stacked-out-major", "stacked-out-major-fused")
+LAYOUT_CHOICES = ("unstacked", "stacked", "unstacked-out-major", "stacked-out-major", "stacked-out-major-fused",
+                  "stacked-fused")
 
 
 def build_parser() -> cli.ArgumentParser:
@@ -1090,17 +1098,18 @@ def build_parser() -> cli.ArgumentParser:
     m.add_argument("--breakdown-first-only", action="store_true",
                    help="break down only the first prompt/batch configuration (saves compiles)")
     m.add_argument("--layout", choices=LAYOUT_CHOICES,
-                   default="stacked-out-major-fused",
-                   help="layer weights as separate per-layer arrays (an unrolled layer loop) or stacked [L, ...] "
-                        "arrays under lax.scan (XLA copies each layer's slice on GPU unless fused); -out-major: "
-                        "the target's matrices stored [out, in], so a one-row step is a row reduction; -fused: "
-                        "also q/k/v and gate/up as one matrix each (decode.device_layout; default: %(default)s, "
-                        "the GPU default)")
+                   default=None,
+                   help="the target's layer weights for every method: separate per-layer arrays (an unrolled layer "
+                        "loop) or stacked [L, ...] arrays under lax.scan; -out-major: the matrices stored [out, in], "
+                        "so a one-row step is a row reduction (else [in, out], which cuBLAS reads faster at 2 rows "
+                        "and more); -fused: also q/k/v and gate/up as one matrix each (default: as "
+                        "decode.device_layout lays it out on GPU for each method, decode.GPU_LAYOUT stacked-fused "
+                        "for dflash and ddtree, decode.GPU_AR_LAYOUT stacked-out-major-fused for ar)")
     m.add_argument("--draft-layout", choices=LAYOUT_CHOICES,
                    default=None,
                    help="the drafter's layer weights, in the same forms as --layout (its fc stays input-major; a "
                         "fused drafter keeps its k and v matrices for the context projection) (default: "
-                        "decode.DRAFT_GPU_LAYOUT, stacked-out-major-fused)")
+                        "decode.DRAFT_GPU_LAYOUT, stacked-fused)")
     m.add_argument("--verify-align", type=cli.positive_int, default=None, metavar="N",
                    help="pad each verify block's rows to a multiple of N (default: decode.default_verify_align: "
                         "8 on GPU for dflash/ddtree, else 1)")

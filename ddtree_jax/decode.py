@@ -28,7 +28,8 @@ import numpy as np
 from ddtree_jax import accept, cli, draft as dflash, model, tree as trees
 from ddtree_jax import cache as kvcache, sharding
 from ddtree_jax.config import DraftConfig, ModelConfig, check_pair
-from ddtree_jax.params import DraftParams, TargetParams, fuse_projections, output_major, unstack_layers
+from ddtree_jax.params import (DraftParams, TargetParams, fuse_projections, input_major, output_major,
+                               unstack_layers)
 from pallas_kernels.bitmask import causal_bits, pad_rows
 
 Array = jax.Array
@@ -523,20 +524,27 @@ def init_state(spec: Spec, prompt_lens, options_per_seq, capacity: int, out_len:
 # ----------------------------------------------------------------------------------------- host API
 
 
-LAYOUTS = ("auto", "stacked", "unstacked", "stacked-out-major", "unstacked-out-major", "stacked-out-major-fused")
+LAYOUTS = ("auto", "stacked", "unstacked", "stacked-out-major", "unstacked-out-major", "stacked-out-major-fused",
+           "stacked-fused")
 
 
-def device_layout(params, backend: str | None = None, layout: str | None = None):
-    """The weights laid out for the backend: on GPU (``GPU_LAYOUT``) the target's matrices output-major
-    (``params.output_major``: a one-row AR step reads them by a row reduction at GEMV bandwidth) with q/k/v and
-    gate/up fused into one matrix each (``params.fuse_projections``: fewer, larger products), layers stacked
-    under ``lax.scan`` (with ``XLA_OPTIONS`` the GEMMs read each layer's slice in place; the per-layer layout,
-    ``params.unstack_layers``, avoids slicing altogether but its unrolled loop compiles for minutes); stacked
-    and input-major elsewhere. Same math. ``layout`` (default: the ``DDTREE_JAX_LAYOUT`` environment variable,
-    else "auto") forces one of ``LAYOUTS``; "-fused" also concatenates each layer's q/k/v and gate/up matrices
-    (``params.fuse_projections``; skipped for weights split across devices). A drafter takes the same forms (its
-    ``fc`` stays input-major) with its own GPU default, ``DRAFT_GPU_LAYOUT``.
-    Idempotent: callers that decode many times lay out once at load (``generate`` then has nothing to do).
+def device_layout(params, backend: str | None = None, layout: str | None = None, method: str | None = None):
+    """The weights laid out for the backend and the method. On GPU: layers stacked under ``lax.scan`` (with
+    ``XLA_OPTIONS`` the GEMMs read each layer's slice in place; the per-layer layout, ``params.unstack_layers``,
+    avoids slicing altogether but its unrolled loop compiles for minutes) with q/k/v and gate/up fused into one
+    matrix each (``params.fuse_projections``: fewer, larger products); the matrices input-major for the rounds
+    (``GPU_LAYOUT``: the verify's products have 16 rows or more, GEMMs that cuBLAS reads faster so), output-major for
+    ``method`` "ar" (``GPU_AR_LAYOUT``: a one-row step is then a row reduction at GEMV bandwidth,
+    ``params.output_major``); a drafter output-major (``DRAFT_GPU_LAYOUT``). Elsewhere as given (stacked and
+    input-major as loaded). Same math.
+
+    ``layout`` (default: the ``DDTREE_JAX_LAYOUT`` environment variable, else "auto") forces one of ``LAYOUTS``:
+    "-out-major" matrices output-major, else input-major (either turned into the other); "-fused" q/k/v and gate/up
+    concatenated (skipped for weights split across devices; never undone); "unstacked" per-layer buffers. A drafter
+    takes the same forms (its ``fc`` stays input-major), but on GPU only output-major ones: input-major drafters gave
+    wrong rounds there (the fixture pair, float32; not understood), so they raise ValueError. Idempotent: callers that decode many times lay out once at
+    load for their method (``generate`` then has nothing to do; weights laid out for the rounds and then decoded by
+    AR are turned output-major in that call, a copy of every matrix).
 
     On CPU a tied output projection is also materialised once, in float32 ([D, V]): otherwise XLA:CPU
     converts and transposes the embedding outside the round loop of every call (82 ms per call for
@@ -548,12 +556,18 @@ def device_layout(params, backend: str | None = None, layout: str | None = None)
         return params
     backend = backend or jax.default_backend()
     target = isinstance(params, TargetParams)
-    if layout == "auto":
-        layout = (GPU_LAYOUT if target else DRAFT_GPU_LAYOUT) if backend == "gpu" else "stacked"
-    if backend == "cpu" and target and params.lm_head is None and "out-major" not in layout:
+    if layout == "auto" and backend != "gpu":
+        layout = None  # as given
+    elif layout == "auto":
+        layout = (GPU_AR_LAYOUT if method == "ar" else GPU_LAYOUT) if target else DRAFT_GPU_LAYOUT
+    if backend == "cpu" and target and params.lm_head is None and "out-major" not in (layout or ""):
         params = dataclasses.replace(params, lm_head=params.embed.T.astype(jnp.float32))
-    if "out-major" in layout:
-        params = output_major(params)
+    if layout is None:
+        return params
+    if backend == "gpu" and not target and "out-major" not in layout:
+        raise ValueError(f"layout {layout!r}: an input-major drafter gave wrong rounds on the GPU (benchmarks/PERF.md, "
+                         f"twenty-second run); lay the drafter out with an -out-major layout")
+    params = output_major(params) if "out-major" in layout else input_major(params)
     if layout.endswith("-fused") and _replicated(params.layers):
         params = fuse_projections(params)
     return unstack_layers(params) if layout.startswith("unstacked") else params
@@ -564,14 +578,20 @@ def _replicated(tree) -> bool:
     return all(getattr(getattr(x, "sharding", None), "is_fully_replicated", True) for x in jax.tree.leaves(tree))
 
 
-# device_layout's choice on GPU: fastest AR and rounds measured, short compiles (benchmarks/PERF.md, seventh run:
-# fusing q/k/v and gate/up took a Qwen3-8B ddtree-64 round from 8.73 to 7.87 ms, AR 5.08 to 4.98 ms)
-GPU_LAYOUT = "stacked-out-major-fused"
-# ... and a drafter's (its products have 16 rows per sequence): output-major with q/k/v and gate/up fused, against
-# input-major and separate, was faster in every interleaved same-process A/B on an H200 (benchmarks/PERF.md, sixteenth
-# run; rounds 0.4-1.3% shorter: Qwen3-8B ddtree 64 7.567 -> 7.536 ms, 4B 5.719 -> 5.669, batch 8 and dflash too).
-# Separate products overlap under concurrent command-buffer scheduling, which is why the gain is small.
+# device_layout's choices on GPU. For the rounds, the target's matrices input-major with q/k/v and gate/up fused: cuBLAS
+# reads input-major matrices faster at every row count from 2 to 264 (benchmarks/gemm_layouts.py; Qwen3-8B at 72 rows
+# 107.5 against 112.4 us a layer), and in interleaved A/Bs against the output-major fused layout the rounds were faster
+# (benchmarks/PERF.md, twenty-second run: ddtree 64, Qwen3-8B -0.106 ms, 4B -0.040). Fusing took a Qwen3-8B ddtree-64
+# round from 8.73 to 7.87 ms (seventh run).
+GPU_LAYOUT = "stacked-fused"
+# ... a drafter's (its products have 16 rows per sequence): output-major and fused. Input-major drafters were 0.2% faster
+# (Qwen3-8B ddtree 64, -0.014 ms) but give wrong rounds on the GPU with the fixture pair (float32; the target's
+# input-major layout gives the reference's rounds: PERF.md, twenty-second run), so they are not a default.
 DRAFT_GPU_LAYOUT = "stacked-out-major-fused"
+# ... and AR's: output-major, so that a one-row step (batch 1) is a row reduction (input-major, XLA's one-row product
+# is 4x slower: 18.3 against 4.5 ms a Qwen3-8B step); batches of AR steps would be faster input-major (batch 8: -0.297
+# ms), but one engine serves every batch size with one layout.
+GPU_AR_LAYOUT = "stacked-out-major-fused"
 
 
 def round_up(x: int, m: int) -> int:
@@ -679,7 +699,7 @@ def generate(
         draft = sharding.shard_model(draft, mesh) if draft is not None and options.method != "ar" else draft
     tcfg, tparams = target
     dcfg, dparams = draft if draft is not None else (None, None)
-    tparams, dparams = device_layout(tparams), device_layout(dparams)
+    tparams, dparams = device_layout(tparams, method=options.method), device_layout(dparams)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if options.max_new_tokens < 1:

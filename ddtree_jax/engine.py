@@ -359,7 +359,7 @@ class Engine:
         self.programs = {"greedy": dataclasses.replace(self.spec, sampling=False, filtering=False),
                          "sampling": dataclasses.replace(self.spec, filtering=False), "filtering": self.spec}
         self.dparams = decode.device_layout(dparams) if config.method != "ar" else None
-        self.tparams = decode.device_layout(self.tparams)
+        self.tparams = decode.device_layout(self.tparams, method=config.method)
         block = self.spec.round_positions
         allowed = self.tcfg.max_position_embeddings
         if config.max_len + block > allowed:

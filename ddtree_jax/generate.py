@@ -317,7 +317,7 @@ def load_models(p: Plan, mesh=None):
         draft = w.load_draft(p.draft_path, dtype)
         cli.info(f"loaded drafter {p.draft_path} ({p.dtype}) in {time.perf_counter() - t0:.1f}s")
     if mesh is None:  # laid out for the backend once here, not in each decode.generate call (it is idempotent)
-        target = (target[0], decode.device_layout(target[1]))
+        target = (target[0], decode.device_layout(target[1], method=p.options.method))
         draft = (draft[0], decode.device_layout(draft[1])) if draft is not None else None
     return target, draft
 

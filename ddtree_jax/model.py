@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from ddtree_jax import cache as kvcache, sharding
 from ddtree_jax.config import ModelConfig
-from ddtree_jax.params import LayerWeights, TargetParams
+from ddtree_jax.params import LayerWeights, TargetParams, num_heads
 from ddtree_jax.sharding import constrain, per_device_attention
 from pallas_kernels import add_norm, decode_attention, qkv_write, tree_attention as tree_attention_lib
 
@@ -148,7 +148,7 @@ def mlp(x: Array, w: LayerWeights) -> Array:
 def qkv(x: Array, w: LayerWeights, eps: float, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
     """Project x [B, T, D] to q [B, T, H, hd], k, v [B, T, K, hd] with optional q/k norm and RoPE."""
     if w.fused:  # one product for the three (params.fuse_projections): [B, T, H + 2K, hd]
-        heads = w.wo.shape[-2]  # wo [D, H, hd]: fused weights are output-major
+        heads = num_heads(w)
         qkv_ = linear(x, w.wq, "btd,dhk->bthk", w.output_major)
         kv = (qkv_.shape[2] - heads) // 2
         q, k, v = jnp.split(qkv_, [heads, heads + kv], axis=2)
@@ -195,7 +195,7 @@ def attention_inputs(x: Array, w: LayerWeights, eps: float, cos: Array, sin: Arr
         qkv_ = linear(x, w.wq, "btd,dhk->bthk", w.output_major)  # [B, T, H + 2K, hd]
         norms = stacked if stacked is not None else w
         return qkv_write.qkv_write(qkv_, norms.q_norm, norms.k_norm, cos, sin, k_all, v_all, layer, start,
-                                   heads=w.wo.shape[-2], eps=eps, interpret=impl.endswith("-interpret"))
+                                   heads=num_heads(w), eps=eps, interpret=impl.endswith("-interpret"))
     q, k, v = qkv(x, w, eps, cos, sin)
     return q, kvcache.write_layer(k_all, layer, k, start), kvcache.write_layer(v_all, layer, v, start)
 

@@ -201,29 +201,41 @@ def output_major(params: TargetParams | DraftParams) -> TargetParams | DraftPara
     multiplies one row by every matrix, and ``model.linear`` then takes a row reduction (f32 products summed
     over the contiguous input axes), which XLA fuses into one pass over the weights: measured on an H200
     (benchmarks/gemv_ab.py) 3.9 TB/s, where XLA's one-row GEMM over [in, out] weights reads at 2.2 TB/s.
-    Products of more rows stay GEMMs, as fast either way (a drafter's 16-row products too; fused, see
-    :func:`fuse_projections`, they are faster: benchmarks/PERF.md, sixteenth run). Idempotent; stacked or not."""
+    Products of two rows or more are GEMMs, which cuBLAS reads faster input-major (benchmarks/PERF.md,
+    twenty-second run): see :func:`input_major`. Idempotent; stacked or not, fused or not."""
+    return _orient(params, True)
+
+
+def input_major(params: TargetParams | DraftParams) -> TargetParams | DraftParams:
+    """The inverse of :func:`output_major`: the matrices as loaded, [*in, *out]. Idempotent."""
+    return _orient(params, False)
+
+
+def _orient(params, out_major: bool):
     first = params.layers[0] if isinstance(params.layers, (tuple, list)) else params.layers
-    if first.output_major:
+    if first.output_major == out_major:
         return params
 
     def move(w: LayerWeights) -> LayerWeights:
         moved = {}
         for name in MATRIX_INPUTS:
             x = getattr(w, name)
-            moved[name] = jnp.transpose(x, _out_major_axes(name, tuple(range(x.ndim))))
-        return dataclasses.replace(w, output_major=True, **moved)
+            if x is None:  # the parts a fused layer no longer holds
+                continue
+            axes = _out_major_axes(name, tuple(range(x.ndim)))  # in-major -> out-major; its inverse the other way
+            moved[name] = jnp.transpose(x, axes if out_major else tuple(sorted(axes, key=axes.__getitem__)))
+        return dataclasses.replace(w, output_major=out_major, **moved)
 
     layers = tuple(map(move, params.layers)) if isinstance(params.layers, (tuple, list)) else move(params.layers)
     if isinstance(params, DraftParams):
         return dataclasses.replace(params, layers=layers)
     lm_head = None if params.lm_head is None else params.lm_head.T
-    return dataclasses.replace(params, layers=layers, lm_head=lm_head, output_major=True)
+    return dataclasses.replace(params, layers=layers, lm_head=lm_head, output_major=out_major)
 
 
 def fuse_projections(params: TargetParams | DraftParams) -> TargetParams | DraftParams:
-    """The output-major target or drafter with each layer's q, k and v matrices as one matrix (``wq``: [L, H + 2K,
-    hd, D]) and its gate and up matrices as one (``w_gate``: [L, 2F, D]).
+    """The target or drafter with each layer's q, k and v matrices as one matrix (``wq``: [L, D, H + 2K, hd], or
+    [L, H + 2K, hd, D] output-major) and its gate and up matrices as one (``w_gate``: [L, D, 2F], or [L, 2F, D]).
 
     Same math; fewer, larger products. At 65 rows (a DDTree verify) cuBLAS reads the 8 MB k and v matrices of
     Qwen3-8B at about 1 TB/s each, against 3.4 TB/s for the 100 MB gate and up (benchmarks/PERF.md, seventh run);
@@ -234,19 +246,23 @@ def fuse_projections(params: TargetParams | DraftParams) -> TargetParams | Draft
     keep_kv = isinstance(params, DraftParams)
 
     def fuse(w: LayerWeights) -> LayerWeights:
-        if not w.output_major:
-            raise ValueError("fuse_projections takes output-major weights (params.output_major first)")
         if w.fused:
             return w
-        out_axis = w.wq.ndim - 3  # [L?, H, hd, D] and [L?, F, D]: the first axis after the layer axis
+        # the heads axis of [L?, H, hd, D] / [L?, D, H, hd], the features axis of [L?, F, D] / [L?, D, F]
+        heads_axis, mlp_axis = (w.wq.ndim - 3, w.w_gate.ndim - 2) if w.output_major else (w.wq.ndim - 2, -1)
         return dataclasses.replace(
             w, fused=True, w_up=None, **({} if keep_kv else dict(wk=None, wv=None)),
-            wq=jnp.concatenate([w.wq, w.wk, w.wv], axis=out_axis),
-            w_gate=jnp.concatenate([w.w_gate, w.w_up], axis=out_axis),
+            wq=jnp.concatenate([w.wq, w.wk, w.wv], axis=heads_axis),
+            w_gate=jnp.concatenate([w.w_gate, w.w_up], axis=mlp_axis),
         )
 
     layers = tuple(map(fuse, params.layers)) if isinstance(params.layers, (tuple, list)) else fuse(params.layers)
     return dataclasses.replace(params, layers=layers)
+
+
+def num_heads(w: LayerWeights) -> int:
+    """The query heads of a layer's weights, read off ``wo`` ([L?, H, hd, D], or [L?, D, H, hd] output-major)."""
+    return w.wo.shape[-2] if w.output_major else w.wo.shape[-3]
 
 
 def cast(params, dtype):

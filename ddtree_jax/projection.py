@@ -21,7 +21,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PAPER_TAU = REPO / "benchmarks" / "paper_tau.json"
 RESULTS = REPO / "benchmarks" / "results" / "h200.json"
-LAYOUT = "stacked-out-major-fused"  # the records of the current GPU layout (decode.GPU_LAYOUT)
+# the target's layout of the records the README's tables read: the twentieth run's grid, output-major for every method
+# (decode.GPU_AR_LAYOUT; the rounds' default since the twenty-second run, decode.GPU_LAYOUT, has no grid yet)
+LAYOUT = "stacked-out-major-fused"
 # ... and the drafter's layouts of the records the README's tables read, preferred first: decode.DRAFT_GPU_LAYOUT
 # since the sixteenth run (every group of h200.json measured in it by the eighteenth run), then "stacked" (input-major,
 # the default before; records without the field), for records files whose groups were not measured again.

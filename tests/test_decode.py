@@ -182,7 +182,8 @@ def test_a_fault_on_the_kernels_path_raises_and_names_the_xla_path(target, draft
         decode.generate(target, [run["prompt"]], options("dflash", run, attention="pallas"), draft=drafter)
 
 
-@pytest.mark.parametrize("layout", ["unstacked", "stacked-out-major", "unstacked-out-major", "stacked-out-major-fused"])
+@pytest.mark.parametrize("layout", ["unstacked", "stacked-out-major", "unstacked-out-major", "stacked-out-major-fused",
+                                    "stacked-fused"])
 def test_gpu_layouts_give_the_same_rounds(target, drafter, reference_runs, layout):
     """The layouts used on GPU (per-layer buffers in an unrolled loop; output-major matrices, whose one-row AR
     steps are row reductions; q/k/v and gate/up fused into one matrix each), for the target and the drafter,
@@ -190,7 +191,13 @@ def test_gpu_layouts_give_the_same_rounds(target, drafter, reference_runs, layou
     projections too). The drafter also keeps its own k and v matrices when fused."""
     run = reference_runs[0]
     (cfg, tp), (dcfg, dp) = target, drafter
-    tl, dl = (decode.device_layout(p, backend="gpu", layout=layout) for p in (tp, dp))
+    tl = decode.device_layout(tp, backend="gpu", layout=layout)
+    if "out-major" in layout:
+        dl = decode.device_layout(dp, backend="gpu", layout=layout)
+    else:  # refused on GPU, where input-major drafters gave wrong rounds; their math is checked here all the same
+        with pytest.raises(ValueError, match="input-major drafter"):
+            decode.device_layout(dp, backend="gpu", layout=layout)
+        dl = decode.device_layout(dp, backend="cpu", layout=layout)
     fused = layout.endswith("-fused")
     for laid, is_target in ((tl, True), (dl, False)):
         layers = laid.layers if isinstance(laid.layers, LayerWeights) else laid.layers[0]
@@ -204,31 +211,44 @@ def test_gpu_layouts_give_the_same_rounds(target, drafter, reference_runs, layou
         assert res.output_ids[0] == ref["output"] and res.acceptance_lengths[0] == ref["acceptance_lengths"]
     res = decode.generate((cfg, tl), [run["prompt"]], options("ar", run))
     assert res.output_ids[0] == run["ar"]
+    # on GPU by default: the target input-major and fused for the rounds, output-major and fused for AR;
+    # weights laid out for one method are turned into the other's layout, and back, losslessly
     auto = decode.device_layout(tp, backend="gpu")
-    assert auto.layers.__class__ is LayerWeights and auto.output_major and auto.layers.fused
-    assert decode.GPU_LAYOUT == projection.LAYOUT == "stacked-out-major-fused"
-    dauto = decode.device_layout(dp, backend="gpu")
+    assert auto.layers.__class__ is LayerWeights and not auto.output_major and auto.layers.fused
+    assert decode.GPU_LAYOUT == "stacked-fused" and decode.GPU_AR_LAYOUT == "stacked-out-major-fused"
+    ar = decode.device_layout(auto, backend="gpu", method="ar")
+    assert ar.output_major and ar.layers.output_major and ar.layers.fused
+    back = decode.device_layout(ar, backend="gpu", method="ddtree")
+    assert not back.layers.output_major and all(
+        np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(auto), jax.tree.leaves(back)))
+    dauto = decode.device_layout(dp, backend="gpu")  # a drafter output-major (input-major ones fault on the GPU)
     assert dauto.layers.output_major and dauto.layers.fused and dauto.layers.wk is not None
-    assert decode.DRAFT_GPU_LAYOUT == "stacked-out-major-fused" == projection.DRAFT_LAYOUTS[0]
+    assert decode.DRAFT_GPU_LAYOUT == "stacked-out-major-fused"
+    # the README's tables read the twentieth run's records, measured output-major
+    assert projection.LAYOUT == projection.DRAFT_LAYOUTS[0] == decode.GPU_AR_LAYOUT
     assert decode.device_layout(tp, backend="cpu") is tp and decode.device_layout(dp, backend="cpu") is dp
 
 
-def test_fused_projections_are_the_separate_ones(target):
-    """fuse_projections: wq = [q | k | v] along the heads, w_gate = [gate | up]; output-major only; idempotent."""
+@pytest.mark.parametrize("out_major", [True, False])
+def test_fused_projections_are_the_separate_ones(target, out_major):
+    """fuse_projections: wq = [q | k | v] along the heads, w_gate = [gate | up] along the features, in either
+    orientation of the matrices; num_heads reads the heads off wo either way; idempotent."""
     from ddtree_jax import params as params_lib
 
     cfg, tp = target
-    om = params_lib.output_major(tp)
-    fused = params_lib.fuse_projections(om)
-    w, f = om.layers, fused.layers
-    h, k = cfg.num_heads, cfg.num_kv_heads
-    for part, got in ((w.wq, f.wq[:, :h]), (w.wk, f.wq[:, h:h + k]), (w.wv, f.wq[:, h + k:])):
+    plain = params_lib.output_major(tp) if out_major else tp
+    fused = params_lib.fuse_projections(plain)
+    w, f = plain.layers, fused.layers
+    h, k, i = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    heads = (slice(None),) if out_major else (slice(None), slice(None))  # [L, H, hd, D] / [L, D, H, hd]
+    feats = heads  # [L, F, D] / [L, D, F]
+    for part, got in ((w.wq, f.wq[(*heads, slice(0, h))]), (w.wk, f.wq[(*heads, slice(h, h + k))]),
+                      (w.wv, f.wq[(*heads, slice(h + k, None))])):
         np.testing.assert_array_equal(np.asarray(part), np.asarray(got))
-    i = cfg.intermediate_size
-    np.testing.assert_array_equal(np.asarray(w.w_up), np.asarray(f.w_gate[:, i:]))
+    np.testing.assert_array_equal(np.asarray(w.w_gate), np.asarray(f.w_gate[(*feats, slice(0, i))]))
+    np.testing.assert_array_equal(np.asarray(w.w_up), np.asarray(f.w_gate[(*feats, slice(i, None))]))
+    assert params_lib.num_heads(w) == params_lib.num_heads(f) == h and f.output_major == out_major
     assert params_lib.fuse_projections(fused) is fused or params_lib.fuse_projections(fused).layers is f
-    with pytest.raises(ValueError, match="output-major"):
-        params_lib.fuse_projections(tp)
 
 
 @pytest.mark.parametrize("align", [8, 16])
