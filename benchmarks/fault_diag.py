@@ -54,7 +54,7 @@ def load(source: str, dtype):
         _, prompts = train_draft.make_prompts_without_tokenizer(SMOLLM2.vocab_size, 64, 90, seed=1)
     else:
         sys.exit(f"error: SOURCE must be default or random, not {source!r}")
-    laid = [(cfg, decode.device_layout(p)) for cfg, p in (target, draft)]
+    laid = [(cfg, decode.device_layout(p)) for cfg, p in (target, draft)]  # for the rounds (ar turns it again)
     return laid[0], laid[1], prompts, stop
 
 

@@ -12,9 +12,9 @@ Subcommands
             configuration: HLO checks (host transfers, big copies), N rounds in one call vs N calls, a
             profiler trace summary, tree-build micro-benchmarks. Writes JSON records (the format of
             benchmarks/results/*.json) and a details file. ``--quick`` runs a tiny shape (CPU-friendly).
-            Weights are laid out as decode.device_layout does on GPU by default (``--layout
-            stacked-out-major-fused``: stacked layers under lax.scan, the target's matrices output-major, its
-            q/k/v and gate/up fused); the round loop and the stages compile with decode.XLA_OPTIONS, and the
+            Weights are laid out as decode.device_layout does on GPU for each method (without ``--layout``:
+            stacked layers under lax.scan, q/k/v and gate/up fused, the target's matrices input-major for dflash
+            and ddtree and output-major for ar, the drafter's output-major); the round loop and the stages compile with decode.XLA_OPTIONS, and the
             verify rows are padded as decode.default_verify_align says (benchmarks/PERF.md).
   pair      a trained pair (default: the default pair) on train_draft's held-out prompts, one at a time or as
             one batch: mean acceptance length and decode tokens/s of ar, dflash and ddtree at budgets.
@@ -1109,7 +1109,7 @@ def build_parser() -> cli.ArgumentParser:
                    default=None,
                    help="the drafter's layer weights, in the same forms as --layout (its fc stays input-major; a "
                         "fused drafter keeps its k and v matrices for the context projection) (default: "
-                        "decode.DRAFT_GPU_LAYOUT, stacked-fused)")
+                        "decode.DRAFT_GPU_LAYOUT, stacked-out-major-fused; input-major ones are refused on GPU)")
     m.add_argument("--verify-align", type=cli.positive_int, default=None, metavar="N",
                    help="pad each verify block's rows to a multiple of N (default: decode.default_verify_align: "
                         "8 on GPU for dflash/ddtree, else 1)")
@@ -1208,8 +1208,9 @@ def _pair(args) -> int:
     target_path = defaults.target_path() if args.target == "default" else cli.existing_dir("--target", args.target)
     draft_path = cli.existing_dir("--draft", args.draft or defaults.draft_path())
     dtype = jnp.dtype(args.dtype)
-    # laid out once for the backend here (device_layout is idempotent: each benchmark call below then has nothing
-    # to do), not once per prompt
+    # laid out once for the backend here, for the rounds (device_layout is idempotent: each dflash / ddtree call below
+    # then has nothing to do; on GPU each ar call turns the target output-major again, before its timed decode), not
+    # once per prompt
     target, draft = ((cfg, decode.device_layout(p)) for cfg, p in (weights.load_target(target_path, dtype),
                                                                   weights.load_draft(draft_path, dtype)))
     tok = load_tokenizer(target_path)

@@ -579,8 +579,8 @@ def _replicated(tree) -> bool:
 
 
 # device_layout's choices on GPU. For the rounds, the target's matrices input-major with q/k/v and gate/up fused: cuBLAS
-# reads input-major matrices faster at every row count from 2 to 264 (benchmarks/gemm_layouts.py; Qwen3-8B at 72 rows
-# 107.5 against 112.4 us a layer), and in interleaved A/Bs against the output-major fused layout the rounds were faster
+# reads input-major matrices faster at every row count from 2 to 264, a layer's four products summed
+# (benchmarks/gemm_layouts.py; Qwen3-8B at 72 rows 107.5 against 112.4 us a layer), and in interleaved A/Bs against the output-major fused layout the rounds were faster
 # (benchmarks/PERF.md, twenty-second run: ddtree 64, Qwen3-8B -0.106 ms, 4B -0.040). Fusing took a Qwen3-8B ddtree-64
 # round from 8.73 to 7.87 ms (seventh run).
 GPU_LAYOUT = "stacked-fused"

@@ -503,7 +503,8 @@ def benchmark(target, draft, prompts: list[list[int]], *, budgets: Sequence[int]
     ar where two logits nearly tie (the verify's matrix shapes differ from ar's); a walk mismatch is a fault."""
     from ddtree_jax import decode
 
-    # laid out for the backend once here, not in each decode.generate call below
+    # laid out for the backend once here, for the rounds, not in each decode.generate call below (on GPU each ar call
+    # turns the target output-major again)
     target, draft = ((cfg, decode.device_layout(p)) for cfg, p in (target, draft))
     runs = [("ar", 0), ("dflash", 0)] + [("ddtree", b) for b in budgets]
     out: dict[str, Any] = {}
