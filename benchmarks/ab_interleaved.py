@@ -6,8 +6,9 @@ the paired differences against the first variant, and how many pairs the variant
 A variant is NAME:FIELD=VALUE,... with fields ``draft`` (the drafter's layout, decode.LAYOUTS; default
 decode.DRAFT_GPU_LAYOUT), ``layout`` (the target's; default decode.GPU_LAYOUT, decode.GPU_AR_LAYOUT for ar),
 ``sampling`` and ``filtering`` (0 or 1: the Spec's flags; default what the sequences' --temperature / --top-p /
---top-k need, as decode.make_spec sets them), ``DDTREE_JAX_*`` environment variables (set while the variant is traced and compiled, e.g.
-DDTREE_JAX_QKV_WRITE=xla) and any XLA option (added to decode.XLA_OPTIONS, as ``bench models --ab``).
+--top-k need, as decode.make_spec sets them), ``DDTREE_JAX_*`` environment variables (set while the variant is
+traced and compiled, e.g. DDTREE_JAX_QKV_WRITE=xla) and any XLA option (added to decode.XLA_OPTIONS, as
+``bench models --ab``).
 
     PYTHONPATH=. python benchmarks/ab_interleaved.py --model qwen3-8b --method ddtree --budget 64 --pairs 12 \\
         --variant base: --variant tom:layout=stacked-out-major-fused --json $OUT/ab.json [--profile $OUT/prof] \\

@@ -14,8 +14,9 @@ Subcommands
             benchmarks/results/*.json) and a details file. ``--quick`` runs a tiny shape (CPU-friendly).
             Weights are laid out as decode.device_layout does on GPU for each method (without ``--layout``:
             stacked layers under lax.scan, q/k/v and gate/up fused, the target's matrices input-major for dflash
-            and ddtree and output-major for ar, the drafter's output-major); the round loop and the stages compile with decode.XLA_OPTIONS, and the
-            verify rows are padded as decode.default_verify_align says (benchmarks/PERF.md).
+            and ddtree and output-major for ar, the drafter's output-major); the round loop and the stages compile
+            with decode.XLA_OPTIONS, and the verify rows are padded as decode.default_verify_align says
+            (benchmarks/PERF.md).
   pair      a trained pair (default: the default pair) on train_draft's held-out prompts, one at a time or as
             one batch: mean acceptance length and decode tokens/s of ar, dflash and ddtree at budgets.
   project   the projected speedup over AR of dflash and ddtree: the DDTree paper's mean acceptance lengths

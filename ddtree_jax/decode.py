@@ -542,9 +542,9 @@ def device_layout(params, backend: str | None = None, layout: str | None = None,
     "-out-major" matrices output-major, else input-major (either turned into the other); "-fused" q/k/v and gate/up
     concatenated (skipped for weights split across devices; never undone); "unstacked" per-layer buffers. A drafter
     takes the same forms (its ``fc`` stays input-major), but on GPU only output-major ones: input-major drafters gave
-    wrong rounds there (the fixture pair, float32; not understood), so they raise ValueError. Idempotent: callers that decode many times lay out once at
-    load for their method (``generate`` then has nothing to do; weights laid out for the rounds and then decoded by
-    AR are turned output-major in that call, a copy of every matrix).
+    wrong rounds there (the fixture pair, float32; not understood), so they raise ValueError. Idempotent: callers
+    that decode many times lay out once at load for their method (``generate`` then has nothing to do; weights laid
+    out for the rounds and then decoded by AR are turned output-major in that call, a copy of every matrix).
 
     On CPU a tied output projection is also materialised once, in float32 ([D, V]): otherwise XLA:CPU
     converts and transposes the embedding outside the round loop of every call (82 ms per call for
@@ -580,12 +580,13 @@ def _replicated(tree) -> bool:
 
 # device_layout's choices on GPU. For the rounds, the target's matrices input-major with q/k/v and gate/up fused: cuBLAS
 # reads input-major matrices faster at every row count from 2 to 264, a layer's four products summed
-# (benchmarks/gemm_layouts.py; Qwen3-8B at 72 rows 107.5 against 112.4 us a layer), and in interleaved A/Bs against the output-major fused layout the rounds were faster
-# (benchmarks/PERF.md, twenty-second run: ddtree 64, Qwen3-8B -0.106 ms, 4B -0.040). Fusing took a Qwen3-8B ddtree-64
+# (benchmarks/gemm_layouts.py; Qwen3-8B at 72 rows 107.5 against 112.4 us a layer), and in interleaved A/Bs against
+# the output-major fused layout the rounds were faster (benchmarks/PERF.md, twenty-second run: ddtree 64, Qwen3-8B
+# -0.106 ms, 4B -0.040). Fusing took a Qwen3-8B ddtree-64
 # round from 8.73 to 7.87 ms (seventh run).
 GPU_LAYOUT = "stacked-fused"
-# ... a drafter's (its products have 16 rows per sequence): output-major and fused. Input-major drafters were 0.2% faster
-# (Qwen3-8B ddtree 64, -0.014 ms) but give wrong rounds on the GPU with the fixture pair (float32; the target's
+# ... a drafter's (its products have 16 rows per sequence): output-major and fused. Input-major drafters were 0.2%
+# faster (Qwen3-8B ddtree 64, -0.014 ms) but give wrong rounds on the GPU with the fixture pair (float32; the target's
 # input-major layout gives the reference's rounds: PERF.md, twenty-second run), so they are not a default.
 DRAFT_GPU_LAYOUT = "stacked-out-major-fused"
 # ... and AR's: output-major, so that a one-row step (batch 1) is a row reduction (input-major, XLA's one-row product
