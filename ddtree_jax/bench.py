@@ -150,7 +150,7 @@ def _jitted():
 
     from ddtree_jax import cache as kvcache, decode
 
-    @functools.partial(jax.jit, static_argnums=(2, 3), donate_argnums=(0,))
+    @functools.partial(decode.donating_jit, static_argnums=(2, 3), donate_argnums=(0,))
     def randomize(state, key, prompt_len: int, vocab: int):
         ks = jax.random.split(key, 6)
 
@@ -168,7 +168,7 @@ def _jitted():
                                    context_count=jnp.ones_like(state.context_count), bonus=bonus,
                                    n_out=state.prompt_len + 1)
 
-    @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
+    @functools.partial(decode.donating_jit, static_argnums=(0,), donate_argnums=(3,))
     def stage_draft(spec, tp, dp, state):
         logits, dcache = decode.draft_logits(spec, tp, dp, state)
         return logits, dataclasses.replace(state, dcache=dcache)
@@ -177,12 +177,12 @@ def _jitted():
     def stage_tree(spec, logits):
         return decode.build_tree(spec, logits)
 
-    @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+    @functools.partial(decode.donating_jit, static_argnums=(0,), donate_argnums=(2,))
     def stage_verify(spec, tp, state, tree):
         logits, cache, taps, tokens = decode.verify(spec, tp, state, tree)
         return (logits, taps, tokens), dataclasses.replace(state, cache=cache)
 
-    @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
+    @functools.partial(decode.donating_jit, static_argnums=(0,), donate_argnums=(1,))
     def stage_accept(spec, state, tree, outs):
         logits, taps, tokens = outs
         return decode.accept_commit(spec, state, tree, state.dcache, logits, state.cache, taps, tokens)
@@ -1110,7 +1110,7 @@ def build_parser() -> cli.ArgumentParser:
                    default=None,
                    help="the drafter's layer weights, in the same forms as --layout (its fc stays input-major; a "
                         "fused drafter keeps its k and v matrices for the context projection) (default: "
-                        "decode.DRAFT_GPU_LAYOUT, stacked-out-major-fused; input-major ones are refused on GPU)")
+                        "decode.DRAFT_GPU_LAYOUT, stacked-out-major-fused)")
     m.add_argument("--verify-align", type=cli.positive_int, default=None, metavar="N",
                    help="pad each verify block's rows to a multiple of N (default: decode.default_verify_align: "
                         "8 on GPU for dflash/ddtree, else 1)")

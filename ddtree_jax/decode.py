@@ -404,7 +404,16 @@ XLA_OPTIONS = {
 }
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
+# Every jit that donates a State keeps its unused arguments. jax pairs each donated buffer with the first output of its
+# shape and dtype; when an argument the program never reads is pruned (prefill overwrites the lengths, bonus and n_out),
+# the pairs shift and a pass-through output is given another leaf's buffer (prompt_len's value into n_rounds' buffer).
+# XLA on an H200 miscompiled such a pairing: prefill with an input-major drafter returned n_rounds = prompt_len, the
+# "decode fault" of benchmarks/PERF.md's twenty-second run (traced in the twenty-third). With every argument kept, each
+# output takes its own input's buffer (tests/test_decode.py checks the pairs of the compiled programs).
+donating_jit = functools.partial(jax.jit, keep_unused=True)
+
+
+@functools.partial(donating_jit, static_argnums=(0,), donate_argnums=(3,))
 @sharding.on_spec_mesh(batched=(3,))
 def run_rounds(spec: Spec, target: TargetParams, drafter: DraftParams | None, state: State, max_rounds: Array):
     """Run rounds until every sequence is done or ``max_rounds`` more rounds have run."""
@@ -424,7 +433,7 @@ def run_rounds(spec: Spec, target: TargetParams, drafter: DraftParams | None, st
 # ----------------------------------------------------------------------------------------- prefill
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
+@functools.partial(donating_jit, static_argnums=(0,), donate_argnums=(3,))
 @sharding.on_spec_mesh(batched=(3, 4))
 def prefill(spec: Spec, target: TargetParams, drafter: DraftParams | None, state: State, tokens: Array) -> State:
     """Run the prompts [B, P_pad] (P_pad a multiple of the chunk) through the target chunk by chunk,
@@ -541,8 +550,7 @@ def device_layout(params, backend: str | None = None, layout: str | None = None,
     ``layout`` (default: the ``DDTREE_JAX_LAYOUT`` environment variable, else "auto") forces one of ``LAYOUTS``:
     "-out-major" matrices output-major, else input-major (either turned into the other); "-fused" q/k/v and gate/up
     concatenated (skipped for weights split across devices; never undone); "unstacked" per-layer buffers. A drafter
-    takes the same forms (its ``fc`` stays input-major), but on GPU only output-major ones: input-major drafters gave
-    wrong rounds there (the fixture pair, float32; not understood), so they raise ValueError. Idempotent: callers
+    takes the same forms (its ``fc`` stays input-major). Idempotent: callers
     that decode many times lay out once at load for their method (``generate`` then has nothing to do; weights laid
     out for the rounds and then decoded by AR are turned output-major in that call, a copy of every matrix).
 
@@ -564,9 +572,6 @@ def device_layout(params, backend: str | None = None, layout: str | None = None,
         params = dataclasses.replace(params, lm_head=params.embed.T.astype(jnp.float32))
     if layout is None:
         return params
-    if backend == "gpu" and not target and "out-major" not in layout:
-        raise ValueError(f"layout {layout!r}: an input-major drafter gave wrong rounds on the GPU (benchmarks/PERF.md, "
-                         f"twenty-second run); lay the drafter out with an -out-major layout")
     params = output_major(params) if "out-major" in layout else input_major(params)
     if layout.endswith("-fused") and _replicated(params.layers):
         params = fuse_projections(params)
@@ -586,8 +591,8 @@ def _replicated(tree) -> bool:
 # round from 8.73 to 7.87 ms (seventh run).
 GPU_LAYOUT = "stacked-fused"
 # ... a drafter's (its products have 16 rows per sequence): output-major and fused. Input-major drafters were 0.2%
-# faster (Qwen3-8B ddtree 64, -0.014 ms) but give wrong rounds on the GPU with the fixture pair (float32; the target's
-# input-major layout gives the reference's rounds: PERF.md, twenty-second run), so they are not a default.
+# faster in an A/B (Qwen3-8B ddtree 64, -0.014 ms, 8 of 10 pairs: PERF.md, twenty-second run), not a default; their
+# wrong rounds on the GPU then were XLA's, from a shifted buffer pairing in prefill (see donating_jit), since avoided.
 DRAFT_GPU_LAYOUT = "stacked-out-major-fused"
 # ... and AR's: output-major, so that a one-row step (batch 1) is a row reduction (input-major, XLA's one-row product
 # is 4x slower: 18.3 against 4.5 ms a Qwen3-8B step); batches of AR steps would be faster input-major (batch 8: -0.297
@@ -781,7 +786,7 @@ def _batch_axis(path) -> int:
     return 1 if names[-1] in ("k", "v") else 0
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
+@functools.partial(donating_jit, donate_argnums=(0,))
 def insert(batch: State, slot: Array, one: State) -> State:
     """Put a prefilled single-sequence state (batch 1, same shapes otherwise) into slot ``slot``."""
 

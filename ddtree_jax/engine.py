@@ -183,10 +183,10 @@ def _step(spec: decode.Spec, target, drafter, state: decode.State, starts: Array
 
 
 # jax takes compiler options on top-level jits only: step_rows calls _step, and prefill wraps decode.prefill
-step = jax.jit(_step, static_argnums=(0, 5), donate_argnums=(3,), compiler_options=decode.XLA_OPTIONS)
+step = decode.donating_jit(_step, static_argnums=(0, 5), donate_argnums=(3,), compiler_options=decode.XLA_OPTIONS)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,), compiler_options=decode.XLA_OPTIONS)
+@functools.partial(decode.donating_jit, static_argnums=(0,), donate_argnums=(3,), compiler_options=decode.XLA_OPTIONS)
 def prefill(spec: decode.Spec, target, drafter, state: decode.State, tokens: Array) -> decode.State:
     """decode.prefill compiled with decode.XLA_OPTIONS."""
     return decode.prefill(spec, target, drafter, state, tokens)
@@ -202,20 +202,20 @@ def check_batch_buckets(buckets, max_batch: int, data_parallel: int) -> None:
         raise ValueError("batch buckets need a mesh without a data axis (DxM with D = 1)")
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=(3,), compiler_options=decode.XLA_OPTIONS)
+@functools.partial(decode.donating_jit, static_argnums=(0, 6), donate_argnums=(3,), compiler_options=decode.XLA_OPTIONS)
 def step_rows(spec: decode.Spec, target, drafter, state: decode.State, rows: Array, starts: Array, rounds: int):
     """:func:`step` on the slots ``rows`` [n] (distinct) alone: the Snapshot is theirs, in ``rows``' order."""
     sub, snap = _step(spec, target, drafter, decode.take_rows(state, rows), starts, rounds)
     return decode.put_rows(state, rows, sub), snap
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
+@functools.partial(decode.donating_jit, donate_argnums=(0,))
 def mark_done(state: decode.State, mask: Array) -> decode.State:
     """Finish the slots where ``mask`` [B] is set (cancelled requests): the round loop skips them."""
     return dataclasses.replace(state, done=state.done | mask)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
+@functools.partial(decode.donating_jit, donate_argnums=(0,))
 def insert_first(batch: decode.State, slot: Array, rows: decode.State) -> decode.State:
     """decode.insert of the first sequence of a prefilled batch ``rows`` (the others are padding for a
     data-parallel mesh, whose batch must split evenly over the data axis)."""
