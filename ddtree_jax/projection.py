@@ -21,9 +21,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PAPER_TAU = REPO / "benchmarks" / "paper_tau.json"
 RESULTS = REPO / "benchmarks" / "results" / "h200.json"
-# the target's layout of the records the README's tables read: the twentieth run's grid, output-major for every method
-# (decode.GPU_AR_LAYOUT; the rounds' default since the twenty-second run, decode.GPU_LAYOUT, has no grid yet)
-LAYOUT = "stacked-out-major-fused"
+# the target's layout, per method, of the records the README's tables read: decode's GPU defaults since the
+# twenty-second run (decode.GPU_AR_LAYOUT for ar, decode.GPU_LAYOUT for the rounds; tests/test_decode.py checks that
+# they agree), first measured as a grid in the twenty-third
+LAYOUTS = {"ar": "stacked-out-major-fused", "dflash": "stacked-fused", "ddtree": "stacked-fused"}
 # ... and the drafter's layouts of the records the README's tables read, preferred first: decode.DRAFT_GPU_LAYOUT
 # since the sixteenth run (every group of h200.json measured in it by the eighteenth run), then "stacked" (input-major,
 # the default before; records without the field), for records files whose groups were not measured again.
@@ -59,17 +60,19 @@ def load_tau(path: str | Path = PAPER_TAU) -> dict:
 
 
 def round_costs(records: list[dict], model: str, prompt_len: int, batch: int, budgets: list[int],
-                layout: str | None = LAYOUT, draft_layouts: tuple[str, ...] | None = DRAFT_LAYOUTS) -> dict[str, dict]:
-    """The latest record of AR, dflash and ddtree at each budget for one model, prompt and batch, in ``layout``
-    and one drafter layout, the first of ``draft_layouts`` that has them all (None: any): {"ar" | "dflash" |
-    "ddtree<B>": record}. Raises ValueError naming what is missing (in the last drafter layout tried)."""
+                layouts: dict[str, str] | None = LAYOUTS,
+                draft_layouts: tuple[str, ...] | None = DRAFT_LAYOUTS) -> dict[str, dict]:
+    """The latest record of AR, dflash and ddtree at each budget for one model, prompt and batch, each method's in
+    its target layout of ``layouts`` (None: any) and all in one drafter layout, the first of ``draft_layouts`` that
+    has them all (None: any): {"ar" | "dflash" | "ddtree<B>": record}. Raises ValueError naming what is missing (in
+    the last drafter layout tried)."""
     want = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in budgets]
     for draft_layout in draft_layouts or (None,):
         out, missing = {}, []
         for method, budget in want:
             hits = [r for r in records if (r.get("model"), r.get("method"), r.get("budget"), r.get("batch"),
                                            r.get("prompt_len")) == (model, method, budget, batch, prompt_len)
-                    and (layout is None or r.get("layout") == layout)
+                    and (layouts is None or r.get("layout") == layouts[method])
                     and (draft_layout is None or r.get("draft_layout", "stacked") == draft_layout)
                     and r.get("ms_per_round")]
             if hits:
@@ -78,7 +81,7 @@ def round_costs(records: list[dict], model: str, prompt_len: int, batch: int, bu
                 missing.append(f"{method}{budget or ''}")
         if not missing:
             return out
-    raise ValueError(f"no {layout or 'recorded'} record of {model} at prompt {prompt_len}, batch {batch} for "
+    raise ValueError(f"no record of {model} in its layouts at prompt {prompt_len}, batch {batch} for "
                      f"{', '.join(missing)}")
 
 

@@ -91,11 +91,10 @@ def test_models_mode_writes_the_issue_records(tmp_path):
         assert by[m]["roofline_ms"] is None and by[m]["ratio_to_ar"] > 0 and by[m]["floor_ms"] > 0
     assert "ceilings" in json.loads((tmp_path / "bench_details.json").read_text())
     for r in records:  # --draft-layout's default, at the top level where projection.round_costs reads it; without
-        # --layout, the target laid out as decode does for each method (AR output-major: projection.LAYOUT)
+        # --layout, the target laid out as decode does for each method (AR output-major), what the tables read
         assert r["draft_layout"] == r["details"]["draft_layout"] == decode.DRAFT_GPU_LAYOUT
         assert r["layout"] == r["details"]["layout"] == (decode.GPU_AR_LAYOUT if r["method"] == "ar"
-                                                         else decode.GPU_LAYOUT)
-    assert by["ar"]["layout"] == projection.LAYOUT
+                                                         else decode.GPU_LAYOUT) == projection.LAYOUTS[r["method"]]
 
 
 def test_layout_flags_offer_decodes_layouts():

@@ -7,9 +7,9 @@ import pytest
 from ddtree_jax import bench, projection
 
 
-def _rec(method, budget, ms, date="2026-11-30T00:00:00+00:00", model="m", layout=projection.LAYOUT, batch=1):
+def _rec(method, budget, ms, date="2026-11-30T00:00:00+00:00", model="m", layout=None, batch=1):
     return {"model": model, "method": method, "budget": budget, "batch": batch, "prompt_len": 512,
-            "ms_per_round": ms, "date": date, "layout": layout}
+            "ms_per_round": ms, "date": date, "layout": layout or projection.LAYOUTS[method]}
 
 
 def test_speedup_is_tau_times_ar_over_round():
@@ -26,6 +26,7 @@ def test_speedup_is_tau_times_ar_over_round():
 def test_round_costs_take_the_latest_record_of_the_layout_and_name_what_is_missing():
     records = [_rec("ar", None, 5.0, "2026-11-29T00:00:00+00:00"), _rec("ar", None, 4.0, "2026-11-30T00:00:00+00:00"),
                _rec("ar", None, 1.0, "2026-12-01T00:00:00+00:00", layout="unstacked"),
+               _rec("ddtree", 64, 1.0, "2026-12-01T00:00:00+00:00", layout=projection.LAYOUTS["ar"]),  # not AR's
                _rec("dflash", None, 7.0), _rec("ddtree", 64, 8.0, batch=8)]
     with pytest.raises(ValueError, match="for ddtree64$"):
         projection.round_costs(records, "m", 512, 1, [64])

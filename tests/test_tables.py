@@ -10,7 +10,7 @@ from ddtree_jax import bench, projection, tables
 
 def _rec(method, budget, ms, batch=1, date="2026-11-30T06:21:00+00:00", **extra):
     return {"model": "m", "method": method, "budget": budget, "batch": batch, "prompt_len": 512, "ms_per_round": ms,
-            "date": date, "layout": projection.LAYOUT, **extra}
+            "date": date, "layout": projection.LAYOUTS[method], **extra}
 
 
 RECORDS = [
