@@ -590,9 +590,9 @@ def _replicated(tree) -> bool:
 # -0.106 ms, 4B -0.040). Fusing took a Qwen3-8B ddtree-64
 # round from 8.73 to 7.87 ms (seventh run).
 GPU_LAYOUT = "stacked-fused"
-# ... a drafter's (its products have 16 rows per sequence): output-major and fused. Input-major drafters were 0.2%
-# faster in an A/B (Qwen3-8B ddtree 64, -0.014 ms, 8 of 10 pairs: PERF.md, twenty-second run), not a default; their
-# wrong rounds on the GPU then were XLA's, from a shifted buffer pairing in prefill (see donating_jit), since avoided.
+# ... a drafter's (its products have 16 rows per sequence): output-major and fused. Input-major drafters are no faster
+# in interleaved A/Bs of ddtree 64 (PERF.md, twenty-third run: Qwen3-8B +0.010 ms, 4B -0.020); their wrong rounds on the
+# GPU in the twenty-second run were XLA's, from a shifted buffer pairing in prefill (see donating_jit), since avoided.
 DRAFT_GPU_LAYOUT = "stacked-out-major-fused"
 # ... and AR's: output-major, so that a one-row step (batch 1) is a row reduction (input-major, XLA's one-row product
 # is 4x slower: 18.3 against 4.5 ms a Qwen3-8B step); batches of AR steps would be faster input-major (batch 8: -0.297
