@@ -39,7 +39,7 @@ REFERENCE_LAYOUT = "stacked-out-major-fused"
 
 
 def lay_drafter(params, layout: str):
-    """The drafter in ``layout`` (stacked only) without device_layout's GPU check."""
+    """The drafter in ``layout`` (stacked only), as given: decode.device_layout would lay it out output-major on GPU."""
     params = params_lib.output_major(params) if "out-major" in layout else params_lib.input_major(params)
     return params_lib.fuse_projections(params) if layout.endswith("-fused") else params
 
@@ -117,7 +117,7 @@ def stages(target, dcfg, dparams, layout: str, attention: str, prompt: list[int]
           f"{(logits[REFERENCE_LAYOUT].argmax(-1) == logits[layout].argmax(-1)).astype(int).tolist()}", flush=True)
     for name in drafters:
         seen, final = per_round[name]
-        # each round commits its accepted path (1..path_len nodes) and the draft cache takes the previous round's
+        # each round commits its accepted path (1..path_len nodes); the draft cache appends the previous round's path
         bounds = [(n + 1, n)] + [(r[0], r[4]) for r in seen[:-1]]  # (n_out, target length) before each round
         bad = next((i for i, ((n_out, _, length, dl, tl), (n_out0, tl0)) in enumerate(zip(seen, bounds))
                     if not 1 <= length <= spec.path_len or n_out - n_out0 != length or tl - tl0 != length
