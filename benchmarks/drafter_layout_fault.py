@@ -69,8 +69,7 @@ def stages(target, dcfg, dparams, layout: str, attention: str, prompt: list[int]
     tparams = decode.device_layout(tparams, method="ddtree")
     opts = decode.GenerateOptions(method="ddtree", tree_budget=16, max_new_tokens=rounds, attention=attention)
     spec = decode.make_spec(tcfg, dcfg, opts)
-    p_pad, capacity, out_len = decode.layout(spec, [len(prompt)], opts.max_new_tokens)
-    spec = dataclasses.replace(spec, prefill_chunk=min(spec.prefill_chunk, p_pad))
+    spec, p_pad, capacity, out_len = decode.fitted(spec, [len(prompt)], opts.max_new_tokens)
     tokens = jnp.asarray(np.pad(np.asarray([prompt], np.int32), [(0, 0), (0, p_pad - len(prompt))]))
     print(f"stages: attention {spec.attention}, verify rows {spec.verify_len}, XLA options {decode.XLA_OPTIONS}",
           flush=True)
@@ -89,7 +88,7 @@ def stages(target, dcfg, dparams, layout: str, attention: str, prompt: list[int]
             os.makedirs(hlo, exist_ok=True)
             with open(os.path.join(hlo, f"prefill_{name}.txt"), "w") as f:
                 f.write(prefill.as_text())
-        lg, _ = draft_fn.lower(spec, tparams, dp, state).compile(decode.XLA_OPTIONS)(tparams, dp, state)
+        lg, _ = decode.compiled(draft_fn, spec, tparams, dp, state)(tparams, dp, state)
         logits[name] = np.asarray(lg)
         one = jnp.int32(1)
         step = decode.compiled(decode.run_rounds, spec, tparams, dp, state, one)

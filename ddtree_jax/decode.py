@@ -614,6 +614,13 @@ def layout(spec: Spec, prompt_lens: list[int], max_new_tokens: int) -> tuple[int
     return p_pad, capacity, round_up(max(p_pad, longest + max_new_tokens + spec.path_len + 1), 64)
 
 
+def fitted(spec: Spec, prompt_lens: list[int], max_new_tokens: int) -> tuple[Spec, int, int, int]:
+    """:func:`layout`, and the spec with its prefill chunk cut to the padded prompt length: (spec, padded prompt
+    length, cache capacity, output buffer length), what a batch's prefill and rounds are compiled for."""
+    p_pad, capacity, out_len = layout(spec, prompt_lens, max_new_tokens)
+    return dataclasses.replace(spec, prefill_chunk=min(spec.prefill_chunk, p_pad)), p_pad, capacity, out_len
+
+
 def round_statistics_problem(spec: Spec, n_rounds: np.ndarray, hist: np.ndarray) -> str | None:
     """What is impossible in a finished run's round statistics (n_rounds [B], accept_hist [B, R]), or None.
 
@@ -719,8 +726,7 @@ def generate(
         dparams = None
     rows = prompts + [prompts[0][:1]] * (sharding.padded_batch(len(prompts), mesh) - len(prompts))  # + dummies
     lens = [len(p) for p in rows]
-    p_pad, capacity, out_len = layout(spec, lens, options.max_new_tokens)
-    spec = dataclasses.replace(spec, prefill_chunk=min(spec.prefill_chunk, p_pad))
+    spec, p_pad, capacity, out_len = fitted(spec, lens, options.max_new_tokens)
     tokens = np.zeros((len(rows), p_pad), np.int32)
     for i, p in enumerate(rows):
         tokens[i, : len(p)] = p

@@ -1,6 +1,5 @@
 """End-to-end parity with the official DDTree code on the tiny pair (generate.json), single and batched."""
 
-import dataclasses
 import re
 
 import jax
@@ -370,8 +369,7 @@ def test_donated_state_leaves_keep_their_own_buffers(target, drafter, reference_
     opts = options("ddtree", run, tree_budget=4)
     (tcfg, tparams), (dcfg, dparams) = target, drafter
     spec = decode.make_spec(tcfg, dcfg, opts)
-    p_pad, capacity, out_len = decode.layout(spec, [len(run["prompt"])], opts.max_new_tokens)
-    spec = dataclasses.replace(spec, prefill_chunk=min(spec.prefill_chunk, p_pad))
+    spec, p_pad, capacity, out_len = decode.fitted(spec, [len(run["prompt"])], opts.max_new_tokens)
     state = decode.init_state(spec, [len(run["prompt"])], [opts], capacity, out_len, jnp.float32)
     first, n = len(jax.tree.leaves((tparams, dparams))), len(jax.tree.leaves(state))
     programs = {

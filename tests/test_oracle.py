@@ -8,7 +8,6 @@ one batch accept very different lengths. We check the outputs against AR and the
 a fresh forward over the output tokens.
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -82,8 +81,7 @@ def run(target, drafter, prompts, method, proposer, budget=BUDGET):
     opts = decode.GenerateOptions(method=method, max_new_tokens=NEW, tree_budget=budget, trace=True)
     spec = decode.make_spec(tcfg, dcfg, opts, proposer=proposer)
     lens = [len(p) for p in prompts]
-    p_pad, capacity, out_len = decode.layout(spec, lens, NEW)
-    spec = dataclasses.replace(spec, prefill_chunk=min(spec.prefill_chunk, p_pad))
+    spec, p_pad, capacity, out_len = decode.fitted(spec, lens, NEW)
     tokens = np.zeros((len(prompts), p_pad), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p

@@ -132,8 +132,7 @@ def sample_first_tokens(target, drafter, prompt, proposer, settings, n=SAMPLES):
     spec = decode.make_spec(tcfg, dcfg, opts, proposer=proposer, sampling=True, filtering=True)  # rows' own settings
     rows = n * len(settings)
     lens = [len(prompt)] * rows
-    p_pad, capacity, out_len = decode.layout(spec, lens, opts.max_new_tokens)
-    spec = dataclasses.replace(spec, prefill_chunk=min(spec.prefill_chunk, p_pad))
+    spec, p_pad, capacity, out_len = decode.fitted(spec, lens, opts.max_new_tokens)
     per_seq = [
         dataclasses.replace(opts, seed=SEED0 + r, temperature=settings[r // n][0], top_p=settings[r // n][1])
         for r in range(rows)

@@ -93,8 +93,7 @@ def _script(out_path: str) -> None:
         spec = decode.make_spec(tgt[0], drf[0], base, mesh=mesh, sampling=True, filtering=True)  # rows choose
         rows = [prompts[r[0]] for r in ROWS]
         lens = [len(p) for p in rows]
-        p_pad, capacity, out_len = decode.layout(spec, lens, max(new))
-        spec = dataclasses.replace(spec, prefill_chunk=min(spec.prefill_chunk, p_pad))
+        spec, p_pad, capacity, out_len = decode.fitted(spec, lens, max(new))
         opts = [dataclasses.replace(base, temperature=t, top_k=k, top_p=p, seed=s, max_new_tokens=n)
                 for (_, t, k, p, s), n in zip(ROWS, new)]
         state = sharding.create(
