@@ -33,11 +33,9 @@ def _unsigned(key):
     return jax.lax.bitcast_convert_type(key ^ MIN, jnp.uint32)
 
 
-def select(key, k: int, lo=None, hi=None):
-    """key [n] int32, in index order -> (sel [n] bool: lax.top_k's k entries; slot [n] int32: each selected entry's
-    position among them in index order, k for the others). Stores go to ``slot`` with mask ``sel``: an output has a
-    spare column k, so that in the interpreter (which writes a masked store's old values back) no unselected entry
-    shares a selected one's slot. ``lo``, ``hi``: int32 keys (scalars) with at least k keys >= lo and the k-th
+def threshold(key, k: int, lo=None, hi=None):
+    """key [n] int32 -> the k-th largest key t (the largest t with count(key >= t) >= k), by a search that cuts its
+    interval to a third per count. ``lo``, ``hi``: int32 keys (scalars) with at least k keys >= lo and the k-th
     largest key <= hi, when known (the search is shorter). n < 2^15 (two counts share an int32)."""
     if key.shape[0] > MAX_KEYS:
         raise ValueError(f"select takes at most {MAX_KEYS} keys, got {key.shape[0]}")
@@ -54,8 +52,20 @@ def select(key, k: int, lo=None, hi=None):
                 jnp.where(c2 >= k, hi, jnp.where(c1 >= k, m2 - 1, m1 - 1)))
 
     bounds = (jnp.uint32(0) if lo is None else _unsigned(lo), jnp.uint32(2**32 - 1) if hi is None else _unsigned(hi))
-    t, _ = jax.lax.while_loop(lambda b: b[0] < b[1], third, bounds)  # the largest t with count(key >= t) >= k
-    t = jax.lax.bitcast_convert_type(t, jnp.int32) ^ MIN
+    t, _ = jax.lax.while_loop(lambda b: b[0] < b[1], third, bounds)
+    return jax.lax.bitcast_convert_type(t, jnp.int32) ^ MIN
+
+
+def select(key, k: int, lo=None, hi=None):
+    """key [n] int32, in index order -> (sel [n] bool: lax.top_k's k entries; slot [n] int32: each selected entry's
+    position among them in index order, k for the others). Stores go to ``slot`` with mask ``sel``: an output has a
+    spare column k, so that in the interpreter (which writes a masked store's old values back) no unselected entry
+    shares a selected one's slot. ``lo``, ``hi``: as :func:`threshold`'s. n < 2^15 (two counts share an int32)."""
+    return select_from(key, k, threshold(key, k, lo, hi))
+
+
+def select_from(key, k: int, t):
+    """:func:`select` given t = :func:`threshold`'s: every key > t, then the first keys = t in index order."""
     gt = key > t
     eq = key == t
     need = k - jnp.sum(gt.astype(jnp.int32))

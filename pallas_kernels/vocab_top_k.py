@@ -5,18 +5,20 @@ of 151936 for Qwen3), sorted as ``lax.top_k`` sorts (larger first, ties: lower i
 ``tree.top_k_chunked``, is a chain of about fifteen small kernels (sorts, gathers, reductions). Here four:
 
 1. ``chunk maxima`` (grid R x P): the largest key of every chunk of C consecutive entries (C = 64, 32 above k = 256).
-2. ``chunk selection`` (grid R): the k chunks of largest maxima (ties: lower chunk first). Only they can hold the
-   top k: an entry outside them has k larger-or-earlier chunk maxima above it, k distinct entries
-   (``tree.top_k_chunked``'s argument). Their ids are written in ascending order.
-3. ``entry selection`` (grid R): the k * C entries of those chunks are gathered, the k largest (ties: lower index
-   first) selected the same way, and written, values and ids, in index order.
-4. ``sort`` (grid R): each of the k is written to its rank (the number of the k before it in lax.top_k's order).
+2. ``chunk selection`` (grid R): the k chunks of largest maxima (ties: lower chunk first), and tau, the k-th largest
+   maximum. Only those chunks can hold the top k: an entry outside them has k larger-or-earlier chunk maxima above
+   it, k distinct entries (``tree.top_k_chunked``'s argument). And the top k are all >= tau (k entries are).
+3. ``candidates`` (grid R x k / 16): the entries >= tau of the k chunks, appended to the row's list (one atomic add
+   per program reserves its places, a cumsum orders them): at least k of the k * C, a few hundred on draft logits.
+4. ``ranks`` (grid R x 16): each candidate's rank among the candidates (value, then vocabulary index: a rank count,
+   ``pallas_kernels.ranking``); the k ranked first are written at their rank. Within the candidates an entry of the
+   top k has its true rank (every entry before it is a candidate too) and any other a rank >= k.
 
-Selection without a sort (``pallas_kernels.selection``: counts and cumsums, the result ``lax.top_k``'s exactly).
-The stages are separate kernels because each reads what the one before stored from other threads: within one
-program that needs a block barrier (``pallas.triton.debug_barrier``), which the Pallas interpreter the CPU tests
-run cannot execute (no CPU rule for it in jax 0.11), so the barriers of a fused program would go untested off the
-GPU (``best_first`` does that for the depth scan, its barriers checked on the GPU only; untried here).
+Stage 2 is an exact selection without a sort (``pallas_kernels.selection``: counts and cumsums in one program per
+row). Stages 3 and 4 replaced an exact selection of the k among all k * C entries and a rank count of the k (one
+program per row each): 33 us of a 194 us tree build at k = 256 on an H200, 4 us at k = 64 (benchmarks/PERF.md,
+twenty-fourth run). The stages are separate kernels because each reads what the one before stored from other
+programs or threads; a kernel boundary costs about 1.3 us there (``benchmarks/launch_probe.py``).
 
 Shapes (R rows; every tensor a power of two, as the Triton lowering needs):
     x [R, V] float32 or bfloat16  ->  vals [R, k] float32, ids [R, k] int32   (requires ceil(V / C) >= k)
@@ -30,22 +32,26 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.blocks import pow2
-from pallas_kernels.selection import MAX_KEYS, MIN as _MIN, order_key, ranks, select as _select
+from pallas_kernels.ranking import rank_count
+from pallas_kernels.selection import MAX_KEYS, MIN as _MIN, order_key, select_from, threshold
 
 _PROGRAM_ENTRIES = 4096  # entries per program of the chunk-maxima kernel
-_SORT_TILE = 32  # columns of the sort kernel's rank count at a time
+_CAND_CHUNKS = 16  # chunks a candidates program gathers
+_RANK_OWN = 32  # candidates a ranks program ranks at a time
+_RANK_TILE = 64  # candidates compared at a time ([_RANK_OWN, _RANK_TILE] compares: more would spill registers)
+_RANK_PROGRAMS = 16  # ranks programs per row
 
 
 def chunk_size(k: int) -> int:
-    """C: entries per chunk (the stage-3 gather is k * C entries: 16384 up to k = 512)."""
+    """C: entries per chunk (the candidates come from k * C entries: 16384 up to k = 512)."""
     return 64 if k <= 256 else 32
 
 
 def supports(vocab: int, k: int) -> bool:
-    """Whether the kernels apply: at least k chunks (otherwise a plain top-k is cheap anyway), and both selections
-    within ``selection.MAX_KEYS`` (the chunk maxima padded to a power of two; the k * C entries: k <= 512)."""
+    """Whether the kernels apply: at least k chunks (otherwise a plain top-k is cheap anyway), and the chunk maxima
+    (padded to a power of two) within one selection's ``selection.MAX_KEYS``."""
     c = chunk_size(k)
-    return 0 < k and -(-vocab // c) >= k and max(pow2(-(-vocab // c)), pow2(k) * c) <= MAX_KEYS
+    return 0 < k and -(-vocab // c) >= k and pow2(-(-vocab // c)) <= MAX_KEYS
 
 
 def _chunk_max_kernel(x_ref, m_ref, *, vocab: int, c: int, cp: int):
@@ -60,77 +66,112 @@ def _chunk_max_kernel(x_ref, m_ref, *, vocab: int, c: int, cp: int):
     pltriton.store(m_ref.at[r, chunk], jnp.max(key, axis=1))
 
 
-def _chunk_select_kernel(m_ref, cid_ref, *, k: int, n1p: int):
+def _chunk_select_kernel(m_ref, cid_ref, tau_ref, cnt_ref, *, k: int, n1p: int):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as pltriton
 
     r = pl.program_id(0)
     pos = jnp.arange(n1p, dtype=jnp.int32)
-    sel, slot = _select(pltriton.load(m_ref.at[r, pos]), k)
+    key = pltriton.load(m_ref.at[r, pos])
+    tau = threshold(key, k)  # the k-th largest chunk maximum
+    sel, slot = select_from(key, k, tau)
     pltriton.store(cid_ref.at[r, slot], pos, mask=sel)
+    two = jnp.arange(2, dtype=jnp.int32)
+    pltriton.store(tau_ref.at[r, two], jnp.where(two == 0, tau, 0))
+    pltriton.store(cnt_ref.at[r, two], jnp.zeros((2,), jnp.int32))  # the candidates' count, from 0
 
 
-def _entry_select_kernel(x_ref, cid_ref, val_ref, id_ref, *, vocab: int, k: int, kp: int, c: int):
+def _candidates_kernel(x_ref, cid_ref, tau_ref, cnt_in, ckey_ref, cval_ref, cidx_ref, cnt_ref, *, vocab: int, k: int,
+                       c: int, cap: int):
+    """The entries >= tau of the k selected chunks (16 chunks a program), appended to the row's candidates."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as pltriton
 
-    r = pl.program_id(0)
-    e = jnp.arange(kp * c, dtype=jnp.int32)  # entry e: offset e % c of the (e // c)-th selected chunk
-    row = e // c
-    idx = pltriton.load(cid_ref.at[r, row], mask=row < k, other=0) * c + e % c  # ascending where row < k
-    ok = (row < k) & (idx < vocab)
-    x = pltriton.load(x_ref.at[r, idx], mask=ok, other=0).astype(jnp.float32)
-    sel, slot = _select(jnp.where(ok, order_key(x), _MIN), k)
-    pltriton.store(val_ref.at[r, slot], x, mask=sel)
-    pltriton.store(id_ref.at[r, slot], idx, mask=sel)
+    del cnt_in
+    r, p = pl.program_id(0), pl.program_id(1)
+    e = jnp.arange(_CAND_CHUNKS * c, dtype=jnp.int32)
+    slot = p * _CAND_CHUNKS + e // c
+    oks = slot < k
+    idx = pltriton.load(cid_ref.at[r, jnp.where(oks, slot, 0)], mask=oks, other=0) * c + e % c
+    ok = oks & (idx < vocab)
+    x = pltriton.load(x_ref.at[r, jnp.where(ok, idx, 0)], mask=ok, other=0).astype(jnp.float32)
+    key = order_key(x)
+    keep = ok & (key >= pltriton.load(tau_ref.at[r, jnp.int32(0)]))
+    base = pltriton.atomic_add(cnt_ref, (r, jnp.int32(0)), jnp.sum(keep.astype(jnp.int32)))
+    pos = jnp.where(keep, base + jnp.cumsum(keep.astype(jnp.int32)) - 1, cap)  # column cap: the spare
+    pltriton.store(ckey_ref.at[r, pos], key, mask=keep)
+    pltriton.store(cval_ref.at[r, pos], x, mask=keep)
+    pltriton.store(cidx_ref.at[r, pos], idx, mask=keep)
 
 
-def _sort_kernel(val_ref, id_ref, out_val_ref, out_id_ref, *, k: int, kp: int, tile: int):
+def _ranks_kernel(cnt_ref, ckey_ref, cval_ref, cidx_ref, val_ref, id_ref, *, k: int):
+    """Each candidate's rank among the row's candidates (value, then index); the first k written at their rank."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as pltriton
 
-    r = pl.program_id(0)
-    i = jnp.arange(kp, dtype=jnp.int32)
-    ok = i < k
-    x = pltriton.load(val_ref.at[r, i], mask=ok, other=0)
+    load = pltriton.load
+    r, g = pl.program_id(0), pl.program_id(1)
+    n = load(cnt_ref.at[r, jnp.int32(0)])
+    lane = jnp.arange(_RANK_OWN, dtype=jnp.int32)
+    cols = jnp.arange(_RANK_TILE, dtype=jnp.int32)
 
-    def load_key(j):
-        return jnp.where(j < k, order_key(pltriton.load(val_ref.at[r, j], mask=j < k, other=0)), _MIN)
+    def candidates(u0):
+        u = u0 * _RANK_TILE + cols
+        oku = u < n
+        at = jnp.where(oku, u, 0)
+        return load(ckey_ref.at[r, at], mask=oku, other=0), load(cidx_ref.at[r, at], mask=oku, other=0), oku
 
-    rank = ranks(jnp.where(ok, order_key(x), _MIN), load_key, k, kp, tile)  # padding to the spare column
-    pltriton.store(out_val_ref.at[r, rank], x, mask=ok)
-    pltriton.store(out_id_ref.at[r, rank], pltriton.load(id_ref.at[r, i], mask=ok, other=0), mask=ok)
+    def own_tile(t, carry):
+        own = (g + _RANK_PROGRAMS * t) * _RANK_OWN + lane
+        ok = own < n
+        at = jnp.where(ok, own, 0)
+        key, idx = load(ckey_ref.at[r, at], mask=ok, other=0), load(cidx_ref.at[r, at], mask=ok, other=0)
+        rank = rank_count(key, idx, candidates, (n + _RANK_TILE - 1) // _RANK_TILE, group=8)
+        win = ok & (rank < k)
+        out = jnp.where(win, rank, k)  # column k: the spare
+        pltriton.store(val_ref.at[r, out], load(cval_ref.at[r, at], mask=ok, other=0), mask=win)
+        pltriton.store(id_ref.at[r, out], idx, mask=win)
+        return carry
+
+    per = _RANK_PROGRAMS * _RANK_OWN
+    jax.lax.fori_loop(0, jnp.maximum((n - g * _RANK_OWN + per - 1) // per, 0), own_tile, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "interpret", "warps"))
 def top_k(x: jax.Array, k: int, *, interpret: bool = False, warps: int = 8) -> tuple[jax.Array, jax.Array]:
     """Exactly ``lax.top_k(x, k)`` over the last axis (values, ids, ties: lower index first), values as float32:
     (vals [..., k] float32, ids [..., k] int32). x [..., V] float32 or bfloat16; ``supports(V, k)`` must hold.
-    ``interpret``: run the kernels in the Pallas interpreter (CPU); ``warps``: of the selection kernels."""
+    ``interpret``: run the kernels in the Pallas interpreter (CPU); ``warps``: of the chunk selection."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as pltriton
 
     *lead, vocab = x.shape
     if x.dtype not in (jnp.float32, jnp.bfloat16) or not supports(vocab, k):
         raise ValueError(f"vocab_top_k takes float32 or bfloat16 rows of at least {k} chunks of {chunk_size(k)} "
-                         f"(k <= 512, at most {MAX_KEYS} chunks), got {x.dtype} rows of {vocab}, k={k}")
+                         f"(at most {MAX_KEYS} chunks), got {x.dtype} rows of {vocab}, k={k}")
     x2 = x.reshape(-1, vocab)
     rows = x2.shape[0]
     c = chunk_size(k)
     n1p = pow2(-(-vocab // c))  # chunks, padded (padding chunks have key _MIN)
     cp = min(n1p, _PROGRAM_ENTRIES // c)
-    kp = pow2(k)
+    cap = k * c  # candidates at most
 
-    def call(kernel, grid, out, name, w, **static):
+    def call(kernel, grid, out, name, warps_, aliases=None, **static):
         return pl.pallas_call(functools.partial(kernel, **static), grid=grid, out_shape=out, interpret=interpret,
-                              compiler_params=pltriton.CompilerParams(num_warps=w, num_stages=1), name=name)
+                              input_output_aliases=aliases or {},
+                              compiler_params=pltriton.CompilerParams(num_warps=warps_, num_stages=1), name=name)
 
-    spare = lambda dtype: jax.ShapeDtypeStruct((rows, k + 1), dtype)  # noqa: E731 - column k: see _select
-    maxima = call(_chunk_max_kernel, (rows, n1p // cp), jax.ShapeDtypeStruct((rows, n1p), jnp.int32),
-                  "vocab_chunk_maxima", 4, vocab=vocab, c=c, cp=cp)(x2)
-    cid = call(_chunk_select_kernel, (rows,), spare(jnp.int32), "vocab_chunk_select", warps, k=k, n1p=n1p)(maxima)
-    vals, ids = call(_entry_select_kernel, (rows,), (spare(jnp.float32), spare(jnp.int32)), "vocab_entry_select",
-                     warps, vocab=vocab, k=k, kp=kp, c=c)(x2, cid)
-    vals, ids = call(_sort_kernel, (rows,), (spare(jnp.float32), spare(jnp.int32)), "vocab_top_k_sort", 4, k=k,
-                     kp=kp, tile=min(kp, _SORT_TILE))(vals, ids)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    # column k (cap): a spare that masked stores aim at, so that in the interpreter (which writes a masked store's old
+    # values back) no masked lane shares a stored one's place
+    maxima = call(_chunk_max_kernel, (rows, n1p // cp), i32(rows, n1p), "vocab_chunk_maxima", 4, vocab=vocab, c=c,
+                  cp=cp)(x2)
+    cid, tau, cnt = call(_chunk_select_kernel, (rows,), (i32(rows, k + 1), i32(rows, 2), i32(rows, 2)),
+                         "vocab_chunk_select", warps, k=k, n1p=n1p)(maxima)
+    ckey, cval, cidx, cnt = call(_candidates_kernel, (rows, -(-k // _CAND_CHUNKS)),
+                                 (i32(rows, cap + 1), f32(rows, cap + 1), i32(rows, cap + 1), i32(rows, 2)),
+                                 "vocab_candidates", 4, aliases={3: 3}, vocab=vocab, k=k, c=c, cap=cap)(x2, cid, tau, cnt)
+    vals, ids = call(_ranks_kernel, (rows, _RANK_PROGRAMS), (f32(rows, k + 1), i32(rows, k + 1)), "vocab_ranks", 4,
+                     k=k)(cnt, ckey, cval, cidx)
     return vals[:, :k].reshape(*lead, k), ids[:, :k].reshape(*lead, k)

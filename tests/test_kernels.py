@@ -538,11 +538,12 @@ def test_the_drafter_reads_its_q_k_norms_in_place_with_pallas_inplace():
 ])
 def test_vocab_top_k_is_lax_top_k_exactly(rows, vocab, k, dtype):
     """The four vocabulary top-k kernels (Pallas interpreter): lax.top_k's values, ids and tie order, with heavy
-    ties (rounded values), -inf and both zeros (-0.0 below +0.0), and on continuous values."""
+    ties (rounded values), -inf and both zeros (-0.0 below +0.0), on continuous values, and on constant rows (every
+    entry of the k chunks a candidate: k * 64 of them ranked, all tied)."""
     rng = np.random.default_rng(vocab + k)
     x = np.round(2 * rng.standard_normal((rows, vocab))).astype(np.float32)
     x[:, ::7], x[:, 3::11], x[:, 5::13] = -0.0, 0.0, -np.inf
-    for arr in (x, rng.standard_normal((rows, vocab)).astype(np.float32)):
+    for arr in (x, rng.standard_normal((rows, vocab)).astype(np.float32), np.full((rows, vocab), 1.5, np.float32)):
         arr = jnp.asarray(arr).astype(dtype)
         want = jax.lax.top_k(arr.astype(jnp.float32), k)
         got = vocab_top_k.top_k(arr, k, interpret=True)
@@ -619,14 +620,16 @@ def test_best_first_kernel_refuses_lists_longer_than_the_budget_and_selections_t
 
 
 def test_kernel_sizes_beyond_the_selection_s_limit_fall_back_to_xla_s_forms(monkeypatch):
-    """The vocabulary top-k kernels stop at k = 512 (k x 32 entries per selection), beyond which top_k_by_kernel takes
-    its fallback, the same result; tree_from_lists takes rank counting where select='kernel' is beyond the kernel."""
-    assert vocab_top_k.supports(151936, 512) and not vocab_top_k.supports(151936, 1024)
+    """The vocabulary top-k kernels need k chunks (of 32 above k = 256) and at most selection.MAX_KEYS chunk maxima;
+    beyond them top_k_by_kernel takes its fallback, the same result; tree_from_lists takes rank counting where
+    select='kernel' is beyond the kernel."""
+    assert vocab_top_k.supports(151936, 1024) and not vocab_top_k.supports(32 * 1023, 1024)
+    assert not vocab_top_k.supports(64 * 2**15, 16)  # 32768 chunk maxima: one more than a selection takes
     x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 40000)).astype(np.float32))
-    for g, w in zip(trees.top_k_by_kernel(x, 1024), jax.lax.top_k(x, 1024)):
+    for g, w in zip(trees.top_k_by_kernel(x, 2000), jax.lax.top_k(x, 2000)):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-    with pytest.raises(ValueError, match="k <= 512"):
-        vocab_top_k.top_k(x, 1024, interpret=True)
+    with pytest.raises(ValueError, match="at least 2000 chunks of 32"):
+        vocab_top_k.top_k(x, 2000, interpret=True)
     calls = []
     lp, ids = trees.top_log_probs(x.reshape(1, 4, 10000), 16)
     want = trees.tree_from_lists(lp, ids, 16, select="count")

@@ -1,0 +1,126 @@
+"""The GPU time of one tree build (``tree.best_first`` with today's defaults) from a profiler trace, on random
+Qwen3-vocabulary draft logits [1, 15, V] (3 x a standard normal, f32); trees checked first against XLA's forms (the
+chunked top-k, rank counting, XLA's ancestor bits), on those logits and on rounded ones (heavy ties).
+
+    PYTHONPATH=. python benchmarks/tree_profile.py OUT.json [--budgets 64,256] [--chain]
+
+One jitted build is called on 8 distinct inputs, one call at a time (no loop, no host clock in the figure); each
+call's device events form one cluster: ``span_us`` = its first kernel's start to its last kernel's end (the build's
+latency on the stream, kernel boundaries included), ``busy_us`` = the time some kernel ran, medians over the calls;
+``kernels_us``: each kernel's time per call. ``--chain`` also times the chain kernels of the twenty-fourth run
+(``git apply benchmarks/tree_chain_kernels.patch`` first: ``pallas_kernels.vocab_top_k2`` and ``best_first2``).
+Results: benchmarks/PERF.md (twenty-fourth run), benchmarks/results/h200_details.json.
+"""
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax import tree as trees
+
+DEPTHS = 15
+R = 8
+
+
+def fields(t):
+    return t.tokens, t.depths, t.parents, t.bits
+
+
+def default_build(x, budget):
+    return fields(trees.best_first(x, budget))
+
+
+def xla_build(x, budget):
+    return fields(trees.best_first(x, budget, chunk=trees.default_topk_chunk(budget), select="count", bits="xla"))
+
+
+def chain_build(x, budget):
+    from pallas_kernels import best_first2, vocab_top_k2  # benchmarks/tree_chain_kernels.patch
+
+    b, dp, v = x.shape
+    k, interpret = min(budget, v), jax.default_backend() != "gpu"
+    lse = jax.nn.logsumexp(x.astype(jnp.float32), axis=-1).reshape(-1)
+    vals, ids = vocab_top_k2.top_k_padded(x.reshape(-1, v), k, lse, interpret=interpret)
+    tokens, depths, parents, bits = best_first2.best_first(vals.reshape(b, dp, k + 1), ids.reshape(b, dp, k + 1),
+                                                           budget, k, interpret=interpret)
+    return tokens, depths, jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parents], 1), bits
+
+
+def profile(f, xs):
+    """{span_us, busy_us, calls, kernels_us} of one call of jitted f over the inputs xs, from a profiler trace."""
+    g = jax.jit(f)
+    for x in xs:
+        jax.block_until_ready(g(x))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for x in xs:
+                jax.block_until_ready(g(x))
+                time.sleep(0.002)
+        path = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True))[-1]
+        pd = jax.profiler.ProfileData.from_file(path)
+    evs, names = [], {}
+    for plane in pd.planes:
+        if plane.name.startswith("/device:"):
+            for ln in plane.lines:
+                if ln.name.startswith("Stream"):
+                    for e in ln.events:
+                        evs.append((e.start_ns, e.start_ns + e.duration_ns))
+                        names.setdefault(e.name[:60], []).append(e.duration_ns / 1e3)
+    if not evs:  # no device streams (a CPU rehearsal)
+        return None
+    evs.sort()
+    clusters = [[evs[0]]]
+    for s, e in evs[1:]:
+        if s - max(c[1] for c in clusters[-1]) > 500_000:  # calls are >= 2 ms apart
+            clusters.append([])
+        clusters[-1].append((s, e))
+    spans, busys = [], []
+    for c in clusters:
+        spans.append((max(e for _, e in c) - c[0][0]) / 1e3)
+        busy, (cs, ce) = 0, c[0]
+        for s, e in c[1:]:
+            if s > ce:
+                busy, cs, ce = busy + ce - cs, s, e
+            else:
+                ce = max(ce, e)
+        busys.append((busy + ce - cs) / 1e3)
+    per_call = {k: round(sum(v) / len(clusters), 2) for k, v in sorted(names.items(), key=lambda kv: -sum(kv[1]))}
+    return {"span_us": statistics.median(spans), "busy_us": statistics.median(busys), "calls": len(clusters),
+            "kernels_per_call": len(evs) // len(clusters), "kernels_us": per_call}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", help="JSON file for the results")
+    p.add_argument("--budgets", default="64,256", help="tree budgets (default: 64,256)")
+    p.add_argument("--vocab", type=int, default=151936, help="vocabulary size (default: Qwen3's)")
+    p.add_argument("--chain", action="store_true", help="also the chain kernels (needs tree_chain_kernels.patch)")
+    args = p.parse_args(argv)
+    res = {"device": jax.devices()[0].device_kind, "vocab": args.vocab, "depths": DEPTHS}
+    xs = [3.0 * jax.random.normal(jax.random.key(i), (1, DEPTHS, args.vocab), jnp.float32) for i in range(R)]
+    ties = [jnp.round(x * 2) / 2 for x in xs[:2]]
+    forms = {"default": default_build} | ({"chain": chain_build} if args.chain else {})
+    for budget in [int(s) for s in args.budgets.split(",")]:
+        want = [jax.jit(xla_build, static_argnums=1)(x, budget) for x in xs[:2] + ties]
+        row = {}
+        for name, f in forms.items():
+            got = [jax.jit(f, static_argnums=1)(x, budget) for x in xs[:2] + ties]
+            row[name] = {"trees_equal_xla": all(np.array_equal(np.asarray(a), np.asarray(b))
+                                                for ta, tb in zip(got, want) for a, b in zip(ta, tb)),
+                         **(profile(lambda x, f=f: f(x, budget), xs) or {})}
+            print(f"budget {budget} {name}: {row[name]}", flush=True)
+        res[f"budget{budget}"] = row
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

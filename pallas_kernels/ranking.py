@@ -1,0 +1,35 @@
+"""Rank counting inside one Pallas (Triton) program: each of a few own entries' place in ``lax.top_k``'s order among
+many others (larger key first, ties: lower index first) = the number of them before it.
+
+The others come a tile at a time from memory, in groups whose loads are all issued before their compares (so that
+their latencies can overlap rather than add up, one per tile), and the compares of a tile, [own, tile], stay small
+([64, 256] tiles, presumably spilling registers, not checked, made an experimental tree build about 1.8x slower on an
+H200 than [32, 64] tiles did: benchmarks/PERF.md, twenty-fourth run).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+GROUP = 16  # tiles whose loads are issued together
+
+
+def rank_count(key, idx, load_tile, n_tiles, group: int = GROUP):
+    """key, idx [own] int32 (order keys, tie-break indices) -> rank [own] int32: the others before each.
+    ``load_tile(t)`` -> (keys [tile], indices [tile], valid [tile]) of tile t (a traced or Python int);
+    ``n_tiles``: a Python int (tiles unrolled in groups) or a traced one (a loop over groups)."""
+
+    def compare(rank, tiles):
+        for ku, iu, oku in tiles:
+            before = (ku[None, :] > key[:, None]) | ((ku[None, :] == key[:, None]) & (iu[None, :] < idx[:, None]))
+            rank = rank + jnp.sum((before & oku[None, :]).astype(jnp.int32), axis=1)
+        return rank
+
+    rank = jnp.zeros(key.shape, jnp.int32)
+    if isinstance(n_tiles, int):
+        for s in range(0, n_tiles, group):
+            rank = compare(rank, [load_tile(t) for t in range(s, min(s + group, n_tiles))])  # every load first
+        return rank
+    return jax.lax.fori_loop(0, (n_tiles + group - 1) // group,
+                             lambda g, rank: compare(rank, [load_tile(g * group + q) for q in range(group)]), rank)
