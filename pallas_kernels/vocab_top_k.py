@@ -16,8 +16,8 @@ of 151936 for Qwen3), sorted as ``lax.top_k`` sorts (larger first, ties: lower i
 
 Stage 2 is an exact selection without a sort (``pallas_kernels.selection``: counts and cumsums in one program per
 row). Stages 3 and 4 replaced an exact selection of the k among all k * C entries and a rank count of the k (one
-program per row each): 33 us of a 194 us tree build at k = 256 on an H200, 4 us at k = 64 (benchmarks/PERF.md,
-twenty-fourth run). The stages are separate kernels because each reads what the one before stored from other
+program per row each), which made a tree build 33 us shorter at k = 256 on an H200 (193.7 -> 160.8 us) and 4 us at
+k = 64 (benchmarks/PERF.md, twenty-fourth run). The stages are separate kernels because each reads what the one before stored from other
 programs or threads; a kernel boundary costs about 1.3 us there (``benchmarks/launch_probe.py``).
 
 Shapes (R rows; every tensor a power of two, as the Triton lowering needs):
