@@ -16,7 +16,7 @@ over all depths. ``select="sort"`` does it with ``lax.top_k`` (a sort on GPU: 15
 ``select="count"`` ranks every candidate by counting the candidates before it (one compare-and-sum fusion, no
 sort), the same result bit for bit; ``select="kernel"`` runs the whole scan and the last selection as one Pallas
 program per sequence (``pallas_kernels.best_first``), the same result again. Defaults (:func:`default_select`): on GPU
-at batch 1 the kernel up to budget 128, "count" up to 512; "sort" otherwise (benchmarks/PERF.md).
+at batch 1 the kernel up to budget 96, "count" up to 512; "sort" otherwise (benchmarks/PERF.md).
 
 Before the depths, the per-depth top-k over the vocabulary; after them, the packed ancestor mask. Both have Pallas
 kernels (``pallas_kernels.vocab_top_k``, ``pallas_kernels.ancestor_bits``) beside their XLA forms here, the GPU
@@ -82,34 +82,54 @@ def ancestor_bits(parents: Array, max_depth: int, how: str = "xla") -> Array:
     return words
 
 
-def top_k_by_count(x: Array, k: int) -> tuple[Array, Array]:
-    """Exactly ``lax.top_k(x, k)`` over the last axis (values, ids, ties: lower index first), without a sort.
-
-    An entry's rank is the number of entries before it in that order (larger, or equal at a lower index): a
-    permutation of 0..n-1, computed in one compare-and-sum over [n, n]. Slot r takes the id whose rank is r
-    (a one-hot sum over [k, n]). O(n^2) work in two fusions: for the few thousand candidates of a tree, far
-    less time on a GPU than a sort's many passes; on CPU a sort is cheaper. Floats are compared in top_k's
-    total order (-0.0 below +0.0) through their bits: float32 only."""
+def count_ranks(x: Array) -> Array:
+    """Each entry's place [..., n] int32 in ``lax.top_k``'s order over the last axis of x [..., n] float32 (larger
+    first, ties: lower index first): the number of entries before it, in one compare-and-sum over [n, n]. Floats
+    are compared in top_k's total order (-0.0 below +0.0) through their bits: float32 only."""
     if x.dtype != jnp.float32:
-        raise ValueError(f"top_k_by_count takes float32, got {x.dtype}")
-    n = x.shape[-1]
-    idx = jnp.arange(n, dtype=jnp.int32)
+        raise ValueError(f"rank counting takes float32, got {x.dtype}")
+    idx = jnp.arange(x.shape[-1], dtype=jnp.int32)
     key = selection.order_key(x)  # int32 order = float total order
     xi, xj = key[..., :, None], key[..., None, :]
     before = (xj > xi) | ((xj == xi) & (idx[None, :] < idx[:, None]))  # [..., n, n]: j comes before i
-    rank = jnp.sum(before, axis=-1, dtype=jnp.int32)  # [..., n]
-    slot = jnp.arange(k, dtype=jnp.int32)[:, None]
-    ids = jnp.sum(jnp.where(rank[..., None, :] == slot, idx, 0), axis=-1, dtype=jnp.int32)  # [..., k]
-    return jnp.take_along_axis(x, ids, axis=-1), ids
+    return jnp.sum(before, axis=-1, dtype=jnp.int32)
+
+
+def top_k_by_count(x: Array, k: int) -> tuple[Array, Array]:
+    """Exactly ``lax.top_k(x, k)`` over the last axis (values, ids, ties: lower index first), without a sort:
+    slot r takes the id whose rank (:func:`count_ranks`, a permutation of 0..n-1) is r, by a scatter (ranks past k
+    dropped). O(n^2) work in two kernels: for the few thousand candidates of a tree, far less time on a GPU than a
+    sort's many passes; on CPU a sort is cheaper. float32 only."""
+    rank = count_ranks(x)
+    ids = _scatter_last(jnp.zeros(rank.shape[:-1] + (k,), jnp.int32), rank,
+                        jnp.broadcast_to(jnp.arange(x.shape[-1], dtype=jnp.int32), rank.shape))
+    return jnp.take_along_axis(x, ids, axis=-1), ids  # ids [..., k]
+
+
+def _scatter_last(out: Array, pos: Array, val: Array) -> Array:
+    """out[..., pos[..., i]] = val[..., i] over the last axis; positions past the end dropped."""
+    if pos.ndim == 1:
+        return out.at[pos].set(val, mode="drop")
+    return jax.vmap(_scatter_last)(out, pos, val)
 
 
 SELECTS = ("sort", "count", "kernel")
 
 
-def _selector(select: str):
+def _top_with(x: Array, payloads: tuple[Array, ...], k: int, select: str) -> tuple[Array, tuple[Array, ...]]:
+    """x [n] float32, int32 payloads [n] -> ``lax.top_k(x, k)``'s values and the payloads at its ids. "sort":
+    ``lax.top_k`` and gathers; otherwise (``select`` "count", or "kernel" past the kernel's sizes) each entry's rank
+    (:func:`count_ranks`) and one scatter of its row (value bits, payloads) to that slot, held in memory (fused into
+    their uses, a depth's rows had every later depth recompute the gathers of all before it). The same result."""
     if select not in SELECTS:
         raise ValueError(f"select must be one of {SELECTS}, got {select!r}")
-    return jax.lax.top_k if select == "sort" else top_k_by_count  # "kernel" here: past its sizes, the same tree
+    if select == "sort":
+        vals, ids = jax.lax.top_k(x, k)
+        return vals, tuple(p[ids] for p in payloads)
+    rows = jnp.stack([jax.lax.bitcast_convert_type(x, jnp.int32), *payloads], axis=-1)  # [n, 1 + P]
+    top = jnp.zeros((k, rows.shape[1]), jnp.int32).at[count_ranks(x)].set(rows, mode="drop")
+    top = jax.lax.optimization_barrier(top)
+    return jax.lax.bitcast_convert_type(top[:, 0], jnp.float32), tuple(top[:, 1 + i] for i in range(len(payloads)))
 
 
 def _best_first_one(
@@ -119,7 +139,6 @@ def _best_first_one(
     ``select``: how each top-``budget`` selection is made (see the module doc)."""
     depth_count, k = log_probs.shape
     width = budget
-    top = _selector(select)
     ii, jj = (jnp.asarray(a) for a in best_first_kernel.candidate_pairs(budget, k))
 
     first = jnp.full((width,), -jnp.inf).at[: min(k, width)].set(log_probs[0, :width])
@@ -128,9 +147,8 @@ def _best_first_one(
 
     def step(frontier, row):
         lp, ids = row
-        scores = frontier[ii] + lp[jj]
-        best, pick = top(scores, width)
-        return best, (best, ids[jj[pick]], ii[pick])
+        best, (tok, parent_slot) = _top_with(frontier[ii] + lp[jj], (ids[jj], ii), width, select)
+        return best, (best, tok, parent_slot)
 
     _, (scores, toks, parent_slot) = jax.lax.scan(step, first, (log_probs[1:], token_ids[1:]), unroll=unroll)
     scores = jnp.concatenate([first[None], scores])  # [Dp, W]
@@ -138,7 +156,8 @@ def _best_first_one(
     parent_slot = jnp.concatenate([first_parent[None], parent_slot])
 
     flat_scores = scores.reshape(-1)
-    top_scores, chosen = top(flat_scores, budget)  # ties: shallower first, so parents precede
+    flat = jnp.arange(flat_scores.shape[0], dtype=jnp.int32)
+    top_scores, (chosen,) = _top_with(flat_scores, (flat,), budget, select)  # ties: shallower first: parents precede
     depth = chosen // width
     valid = top_scores > -jnp.inf
     rank_of = jnp.full((depth_count * width,), -1, jnp.int32).at[chosen].set(jnp.arange(budget, dtype=jnp.int32))
@@ -198,7 +217,7 @@ def top_log_probs(draft_logits: Array, k: int, chunk: int | tuple[int, ...] | st
     return vals - jax.nn.logsumexp(logits, axis=-1, keepdims=True), ids.astype(jnp.int32)
 
 
-KERNEL_MAX_K = 256  # the largest vocabulary top-k at which the kernels were measured faster (H200, nineteenth run)
+KERNEL_MAX_K = 512  # the largest vocabulary top-k at which the kernels were measured faster (H200, twenty-fifth run)
 
 
 def default_topk_chunk(k: int, kernels: bool = False) -> int | tuple[int, ...] | str:
@@ -206,7 +225,9 @@ def default_topk_chunk(k: int, kernels: bool = False) -> int | tuple[int, ...] |
     k <= ``KERNEL_MAX_K``, "kernel"; else two levels, (64, 8), up to k = 256, one of 32 above (H200, Qwen3
     vocabulary, 15 depths: k = 64 / 256 / 512 in 85 / 102 / 144 us against 103 / 151 / 150 with the other; an
     unchunked top-k took 630 at 256; benchmarks/PERF.md, eighth run; the kernels at k = 64 / 256 / 512: 60 / 84 / 197 us
-    against XLA's 86 / 114 / 147 in the same processes, nineteenth run). Every choice gives the same result."""
+    against XLA's 86 / 114 / 147 in the same processes, nineteenth run; with their last stages as a rank count, whole
+    builds at budgets 384 / 512: 190 / 218 us against 284 / 306 with XLA's, twenty-fifth run). Every choice gives the
+    same result."""
     if kernels and k <= KERNEL_MAX_K:
         return "kernel"
     return (64, 8) if k <= 256 else 32
@@ -223,17 +244,17 @@ def default_kernels(batch: int = 1) -> bool:
 
 
 COUNT_MAX_BUDGET = 512  # the largest budget at which rank counting was measured faster (H200, batch 1)
-KERNEL_MAX_BUDGET = 128  # the largest budget at which the best_first kernel was measured faster (H200, batch 1)
+KERNEL_MAX_BUDGET = 96  # the largest budget at which the best_first kernel was measured faster (H200, batch 1)
 
 
 def default_select(budget: int, batch: int = 1) -> str:
     """The selection :func:`best_first` uses unless told: on GPU for one sequence, the ``best_first`` kernel up to
-    ``KERNEL_MAX_BUDGET`` where :func:`default_kernels` (the depth scan from the sorted lists, H200: 47 / 87 / 105
-    against 96 / 110 / 139 us at budgets 16 / 64 / 128, slower above: 177 against 132 at 256), then rank counting up
-    to ``COUNT_MAX_BUDGET``, ``lax.top_k`` otherwise. Rank counting's O(n^2) compares grow with the budget squared and
-    with the batch: on an H200 it built a tree faster at batch 1 and budgets 64-512 (229 / 287 / 354 against 314 /
-    440 / 679 us) and slower at batch 8, budget 256 (715 against 648 us; benchmarks/PERF.md, seventh and nineteenth
-    runs)."""
+    ``KERNEL_MAX_BUDGET`` where :func:`default_kernels`, then rank counting up to ``COUNT_MAX_BUDGET``, ``lax.top_k``
+    otherwise. H200, whole builds at batch 1 (twenty-fifth run): the kernel 69 / 86 / 99 us against rank counting's
+    103 / 119 / 167 at budgets 32 / 64 / 96, slower at 128: 112 against 98. Rank counting's O(n^2) compares grow with
+    the budget squared and with the batch: it built a tree faster than ``lax.top_k`` at batch 1 and budgets 64-512
+    (229 / 287 / 354 against 314 / 440 / 679 us) and slower at batch 8, budget 256 (715 against 648 us;
+    benchmarks/PERF.md, seventh and nineteenth runs)."""
     if default_kernels(batch) and budget <= KERNEL_MAX_BUDGET:
         return "kernel"
     return "count" if _on_gpu() and batch == 1 and budget <= COUNT_MAX_BUDGET else "sort"

@@ -8,8 +8,8 @@ each node's parent slot to its tree index. XLA's forms of this are two or three 
 count and a one-hot gather; 15 depths for DFlash's block of 16); here the whole scan is one launch, and a depth is
 an exact selection (``pallas_kernels.selection``: block-wide counts cutting the threshold's interval to a third each,
 bounded by the sorted lists, then a cumsum), a compaction through memory and a rank count of the ``budget`` selected.
-One SM runs it all: faster than XLA's forms up to budget 128 on an H200, slower above (benchmarks/PERF.md,
-nineteenth run).
+One SM runs it all: faster than XLA's forms up to budget 96 on an H200, slower above (benchmarks/PERF.md,
+nineteenth and twenty-fifth runs).
 
 Each depth reads what other threads of the program stored (the frontier before it, the compacted selection), so
 a block barrier (``pallas.triton.debug_barrier``) separates the stores from the loads: one after depth 0, two per

@@ -218,11 +218,11 @@ def test_selections_build_the_same_tree(budget, vocab, scale):
 
 
 def test_default_selection_counts_on_gpu_where_timed_faster(monkeypatch):
-    """On GPU at batch 1 the best_first kernel up to budget 128, rank counting up to 512 (each timed faster there),
+    """On GPU at batch 1 the best_first kernel up to budget 96, rank counting up to 512 (each timed faster there),
     a sort beyond, at batch 8, and on CPU."""
     monkeypatch.setattr(trees.jax, "default_backend", lambda: "gpu")
-    assert [trees.default_select(b) for b in (16, 128, 129, 256, 512, 513)] == [
-        "kernel", "kernel", "count", "count", "count", "sort"]
+    assert [trees.default_select(b) for b in (16, 96, 97, 128, 256, 512, 513)] == [
+        "kernel", "kernel", "count", "count", "count", "count", "sort"]
     assert [trees.default_select(64, b) for b in (1, 2, 8)] == ["kernel", "sort", "sort"]
     assert [trees.default_select(256, b) for b in (1, 2, 8)] == ["count", "sort", "sort"]
     monkeypatch.setattr(trees.jax, "default_backend", lambda: "cpu")
@@ -331,13 +331,13 @@ def test_the_tree_kernels_build_the_same_tree(budget, vocab, scale):
 
 
 def test_tree_kernels_are_the_gpu_default_where_timed_faster(monkeypatch):
-    """On GPU, for one sequence, the vocabulary top-k kernels up to k = 256 and the ancestor-bits kernel up to 512
+    """On GPU, for one sequence, the vocabulary top-k kernels up to k = 512 and the ancestor-bits kernel up to 512
     tree indices (both timed faster there); XLA's forms beyond, for batches (not timed) and on CPU."""
     monkeypatch.setattr(trees.jax, "default_backend", lambda: "gpu")
     assert trees.default_kernels() and not trees.default_kernels(8) and trees.default_bits(65, 8) == "xla"
     with trees.sharding.use_mesh(jax.make_mesh((1,), ("model",))):
         assert not trees.default_kernels()
-    assert [trees.default_topk_chunk(k, True) for k in (64, 256, 512)] == ["kernel", "kernel", 32]
+    assert [trees.default_topk_chunk(k, True) for k in (64, 256, 512, 513)] == ["kernel", "kernel", "kernel", 32]
     assert [trees.default_bits(n) for n in (65, 257, 512, 513)] == ["kernel", "kernel", "kernel", "xla"]
     monkeypatch.setattr(trees.jax, "default_backend", lambda: "cpu")
     assert not trees.default_kernels() and trees.default_topk_chunk(64) == (64, 8)
