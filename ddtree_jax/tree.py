@@ -127,7 +127,8 @@ def _top_with(x: Array, payloads: tuple[Array, ...], k: int, select: str) -> tup
         vals, ids = jax.lax.top_k(x, k)
         return vals, tuple(p[ids] for p in payloads)
     rows = jnp.stack([jax.lax.bitcast_convert_type(x, jnp.int32), *payloads], axis=-1)  # [n, 1 + P]
-    top = jnp.zeros((k, rows.shape[1]), jnp.int32).at[count_ranks(x)].set(rows, mode="drop")
+    rank = jax.lax.optimization_barrier(count_ranks(x))  # its own kernel: fused into the scatter, 4-7x slower
+    top = jnp.zeros((k, rows.shape[1]), jnp.int32).at[rank].set(rows, mode="drop")
     top = jax.lax.optimization_barrier(top)
     return jax.lax.bitcast_convert_type(top[:, 0], jnp.float32), tuple(top[:, 1 + i] for i in range(len(payloads)))
 
@@ -251,7 +252,8 @@ def default_select(budget: int, batch: int = 1) -> str:
     """The selection :func:`best_first` uses unless told: on GPU for one sequence, the ``best_first`` kernel up to
     ``KERNEL_MAX_BUDGET`` where :func:`default_kernels`, then rank counting up to ``COUNT_MAX_BUDGET``, ``lax.top_k``
     otherwise. H200, whole builds at batch 1 (twenty-fifth run): the kernel 69 / 86 / 99 us against rank counting's
-    103 / 119 / 167 at budgets 32 / 64 / 96, slower at 128: 112 against 98. Rank counting's O(n^2) compares grow with
+    103 / 119 / 108 at budgets 32 / 64 / 96 (32, 64 before the ranks' barrier), slower at 112 / 128: 106 / 112
+    against 92 / 98. Rank counting's O(n^2) compares grow with
     the budget squared and with the batch: it built a tree faster than ``lax.top_k`` at batch 1 and budgets 64-512
     (229 / 287 / 354 against 314 / 440 / 679 us) and slower at batch 8, budget 256 (715 against 648 us;
     benchmarks/PERF.md, seventh and nineteenth runs)."""
