@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -11,6 +14,41 @@ import numpy as np
 import pytest
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "ddtree_reference")
+CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+
+
+def pytest_configure(config):
+    """One persistent JAX compilation cache per run, in a fresh temporary directory that the run removes at its end.
+
+    Compilation is most of the suite's time on CPU, and the two xdist workers, the servers and CLI runs they start as
+    subprocesses, and tests that empty jax's in-memory caches (the simulated faults) compile many of the same programs
+    (the fixture pair's prefill and rounds at the reference prompts' shapes): each is compiled once per run, then read
+    back. The key is a hash of the program, its compile options and XLA_FLAGS, so a program traced with a simulated
+    fault or on 8 fake devices never serves another. Nothing outlives the run: no compiled program of an earlier
+    checkout can mask a change. The xdist controller (or a run without xdist) makes the directory; the workers and
+    every subprocess inherit it through the environment."""
+    if hasattr(config, "workerinput"):
+        return
+    config._jit_cache = tempfile.mkdtemp(prefix="ddtree_jax_test_jit_")
+    os.environ[CACHE_ENV] = config._jit_cache
+    # every program that takes a noticeable time to compile (the default, 1 s, leaves out most of the tiny pair's)
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
+    # a size bound turns on jax's file lock, so that a worker never reads an entry another is still writing
+    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
+    if "jax" in sys.modules:  # imported before this hook ran (a plugin): the environment alone comes too late
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", config._jit_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+        jax.config.update("jax_compilation_cache_max_size", 8 << 30)
+
+
+def pytest_unconfigure(config):
+    path = getattr(config, "_jit_cache", None)
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
+        if os.environ.get(CACHE_ENV) == path:
+            del os.environ[CACHE_ENV]
 
 
 def fixture_path(*parts: str) -> str:
