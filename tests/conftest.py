@@ -9,6 +9,10 @@ import sys
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# No LLVM optimisation of the compiled programs (XLA's own HLO passes all run): compiling is most of the suite's time
+# on CPU and this halves it; the programs compute the same values. Subprocesses (servers, the CLI) inherit it.
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 import numpy as np
 import pytest
