@@ -4,13 +4,85 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# No LLVM optimisation of the compiled programs (XLA's own HLO passes all run): compiling is most of the suite's time
+# on CPU and this halves it; the programs compute the same values. Subprocesses (servers, the CLI) inherit it.
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 import numpy as np
 import pytest
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "ddtree_reference")
+CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+
+
+def pytest_configure(config):
+    """One persistent JAX compilation cache per run, in a fresh temporary directory that the run removes at its end.
+
+    Compilation is most of the suite's time on CPU, and the two xdist workers, the servers and CLI runs they start as
+    subprocesses, and tests that empty jax's in-memory caches (the simulated faults) compile many of the same programs
+    (the fixture pair's prefill and rounds at the reference prompts' shapes): each is compiled once per run, then read
+    back. The key is a hash of the program, its compile options and XLA_FLAGS, so a program traced with a simulated
+    fault or on 8 fake devices never serves another. Nothing outlives the run: no compiled program of an earlier
+    checkout can mask a change. The xdist controller (or a run without xdist) makes the directory; the workers and
+    every subprocess inherit it through the environment."""
+    if hasattr(config, "workerinput"):
+        return
+    config._jit_cache = tempfile.mkdtemp(prefix="ddtree_jax_test_jit_")
+    os.environ[CACHE_ENV] = config._jit_cache
+    # every program that takes a noticeable time to compile (the default, 1 s, leaves out most of the tiny pair's)
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
+    # a size bound turns on jax's file lock, so that a worker never reads an entry another is still writing
+    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
+    if "jax" in sys.modules:  # imported before this hook ran (a plugin): the environment alone comes too late
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", config._jit_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+        jax.config.update("jax_compilation_cache_max_size", 8 << 30)
+
+
+# Test modules, longest first (seconds on one of two busy xdist workers, 2026-12-02): xdist hands whole modules
+# (--dist loadfile) to whichever worker asks next, in collection order (--no-loadscope-reorder keeps it; xdist's own
+# order is by test count), so the long ones start at once and the short ones fill the end, instead of the 8-device
+# sharding subprocess or the sampling test starting last on one worker while the other idles. Modules not listed run
+# after these, in file order.
+LONGEST_FIRST = (
+    "test_kernels.py",  # 250: the Pallas interpreter
+    "test_sharding.py",  # 220: one 8-device subprocess, besides the worker
+    "test_decode.py",  # 230
+    "test_tree.py",  # 140
+    "test_bench.py",  # 120
+    "test_serve.py",  # 100: four servers, besides the worker
+    "test_train_draft.py",  # 90
+    "test_sampling.py",  # 90
+    "test_engine.py",  # 70
+    "test_notebooks.py",  # 50
+    "test_model.py",  # 45
+    "test_oracle.py",  # 35
+    "test_cli.py",  # 35
+    "test_convert.py",  # 35
+    "test_gguf.py",  # 30 (3 s without the cached SmolLM2 GGUF)
+    "test_accept.py",  # 30
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order otherwise
+
+
+def pytest_unconfigure(config):
+    path = getattr(config, "_jit_cache", None)
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
+        if os.environ.get(CACHE_ENV) == path:
+            del os.environ[CACHE_ENV]
 
 
 def fixture_path(*parts: str) -> str:

@@ -1,5 +1,6 @@
 """End-to-end parity with the official DDTree code on the tiny pair (generate.json), single and batched."""
 
+import dataclasses
 import re
 
 import jax
@@ -43,21 +44,53 @@ def test_ar_single_and_batched(target, reference_runs):
         assert out == run["ar"][: len(run["prompt"]) + n]
 
 
+
+
+def rows_with_their_own_limits(target, drafter, reference_runs, opts):
+    """The reference prompts in one batch, each row with its own max_new_tokens (40, 64, 48: its reference run's),
+    through decode.generate's steps (fitted, init_state, the compiled prefill and round loop, trace_rounds):
+    (outputs, acceptance lengths, traced rounds) per row. One compiled prefill and round loop for the three runs
+    instead of one each (their prompt lengths and limits differ); rows of a batch are independent (the batched tests
+    below compare a batch with the reference too)."""
+    (tcfg, tparams), (dcfg, dparams) = target, drafter
+    prompts = [r["prompt"] for r in reference_runs]
+    limits = [r["max_new_tokens"] for r in reference_runs]
+    lens = [len(p) for p in prompts]
+    spec = decode.make_spec(tcfg, dcfg, dataclasses.replace(opts, max_new_tokens=max(limits)))
+    spec, p_pad, capacity, out_len = decode.fitted(spec, lens, max(limits))
+    per_row = [dataclasses.replace(opts, max_new_tokens=n) for n in limits]
+    state = decode.init_state(spec, lens, per_row, capacity, out_len, tparams.embed.dtype)
+    tokens = np.zeros((len(prompts), p_pad), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    tokens, rounds = jnp.asarray(tokens), jnp.int32(max(limits) + 1)
+    state = decode.compiled(decode.prefill, spec, tparams, dparams, state, tokens)(tparams, dparams, state, tokens)
+    state = decode.compiled(decode.run_rounds, spec, tparams, dparams, state, rounds)(tparams, dparams, state, rounds)
+    assert bool(jnp.all(state.done))
+    ends, out = decode.final_length(state), np.asarray(state.out)
+    hist, n = np.asarray(state.accept_hist), np.asarray(state.n_rounds)
+    assert decode.round_statistics_problem(spec, n, hist) is None
+    rows = range(len(prompts))
+    return ([out[i, : ends[i]].tolist() for i in rows], [hist[i, : n[i]].tolist() for i in rows],
+            [decode.trace_rounds(spec, state, i) for i in rows] if spec.trace else None)
+
+
 def test_dflash_chain(target, drafter, reference_runs):
-    for run in reference_runs:
-        res = decode.generate(target, [run["prompt"]], options("dflash", run), draft=drafter)
-        assert res.output_ids[0] == run["dflash"]["output"] == run["ar"]
-        assert res.acceptance_lengths[0] == run["dflash"]["acceptance_lengths"]
+    outputs, acceptance, _ = rows_with_their_own_limits(target, drafter, reference_runs,
+                                                        decode.GenerateOptions(method="dflash"))
+    for run, output, accepted in zip(reference_runs, outputs, acceptance):
+        assert output == run["dflash"]["output"] == run["ar"]
+        assert accepted == run["dflash"]["acceptance_lengths"]
 
 
 @pytest.mark.parametrize("budget", [1, 4, 16, 64])
 def test_ddtree_matches_reference_round_by_round(target, drafter, reference_runs, budget):
-    for run in reference_runs:
+    opts = decode.GenerateOptions(method="ddtree", tree_budget=budget, trace=True)
+    outputs, acceptance, traced = rows_with_their_own_limits(target, drafter, reference_runs, opts)
+    for run, output, accepted, rounds in zip(reference_runs, outputs, acceptance, traced):
         ref = run["ddtree"][str(budget)]
-        res = decode.generate(target, [run["prompt"]], options("ddtree", run, tree_budget=budget, trace=True), draft=drafter)
-        assert res.output_ids[0] == ref["output"] == run["ar"]
-        assert res.acceptance_lengths[0] == ref["acceptance_lengths"]
-        rounds = res.rounds[0]
+        assert output == ref["output"] == run["ar"]
+        assert accepted == ref["acceptance_lengths"]
         assert len(rounds) == len(ref["rounds"])
         # The reference slices its draft block out of an output buffer of max_length + 1 + budget tokens:
         # in the last rounds of a small budget the block is cut short and its bonus row becomes "depth 1".
@@ -136,13 +169,19 @@ def test_one_shape_compiles_once(target, drafter, reference_runs, monkeypatch):
 
 
 def test_streaming_callback_sees_every_token_once(target, drafter, reference_runs):
+    """Streamed tokens, every 3 rounds; with trace=True, generate's traced rounds (trees, paths, target choices) are
+    those the round-by-round test above checks (the batch helper's, here on this one prompt: the same programs)."""
     run = reference_runs[0]
     seen = []
     res = decode.generate(
-        target, [run["prompt"]], options("ddtree", run, tree_budget=4), draft=drafter,
+        target, [run["prompt"]], options("ddtree", run, tree_budget=4, trace=True), draft=drafter,
         on_tokens=lambda new: seen.extend(new[0]), stream_every=3,
     )
     assert run["prompt"] + seen == res.output_ids[0] == run["ar"]
+    assert res.acceptance_lengths[0] == run["ddtree"]["4"]["acceptance_lengths"]
+    _, _, traced = rows_with_their_own_limits(target, drafter, reference_runs[:1],
+                                              decode.GenerateOptions(method="ddtree", tree_budget=4, trace=True))
+    assert res.rounds[0] == traced[0] and len(traced[0]) == len(run["ddtree"]["4"]["rounds"])
 
 
 def test_bad_requests_are_clear_errors(target, drafter):
@@ -189,8 +228,9 @@ def test_a_fault_on_the_kernels_path_raises_and_names_the_xla_path(target, draft
 def test_gpu_layouts_give_the_same_rounds(target, drafter, reference_runs, layout):
     """The layouts used on GPU (per-layer buffers in an unrolled loop; output-major matrices, whose one-row AR
     steps are row reductions; q/k/v and gate/up fused into one matrix each), for the target and the drafter,
-    compute what the stacked scan does: the reference's rounds (dflash and ddtree, so ``draft.extend``'s context
-    projections too). The drafter also keeps its own k and v matrices when fused."""
+    compute what the stacked scan does: the reference's ddtree rounds (so ``draft.extend``'s context projections too;
+    dflash differs from ddtree only in its tree, which no layout touches) and AR's tokens. The drafter also keeps its
+    own k and v matrices when fused."""
     run = reference_runs[0]
     (cfg, tp), (dcfg, dp) = target, drafter
     tl, dl = (decode.device_layout(p, backend="gpu", layout=layout) for p in (tp, dp))
@@ -200,11 +240,9 @@ def test_gpu_layouts_give_the_same_rounds(target, drafter, reference_runs, layou
         assert layers.output_major == ("out-major" in layout) and layers.fused == fused
         assert (layers.w_up is None) == fused and (layers.wk is None) == (fused and is_target)
     assert tl.output_major == ("out-major" in layout)
-    for method, budget in (("ddtree", "16"), ("dflash", None)):
-        res = decode.generate((cfg, tl), [run["prompt"]], options(method, run, tree_budget=int(budget or 1)),
-                              draft=(dcfg, dl))
-        ref = run[method][budget] if budget else run[method]
-        assert res.output_ids[0] == ref["output"] and res.acceptance_lengths[0] == ref["acceptance_lengths"]
+    res = decode.generate((cfg, tl), [run["prompt"]], options("ddtree", run, tree_budget=16), draft=(dcfg, dl))
+    ref = run["ddtree"]["16"]
+    assert res.output_ids[0] == ref["output"] and res.acceptance_lengths[0] == ref["acceptance_lengths"]
     res = decode.generate((cfg, tl), [run["prompt"]], options("ar", run))
     assert res.output_ids[0] == run["ar"]
     # on GPU by default: the target input-major and fused for the rounds, output-major and fused for AR;
@@ -248,35 +286,36 @@ def test_fused_projections_are_the_separate_ones(target, out_major):
     assert params_lib.fuse_projections(fused) is fused or params_lib.fuse_projections(fused).layers is f
 
 
-@pytest.mark.parametrize("align", [8, 16])
-def test_a_padded_verify_block_changes_nothing(target, drafter, reference_runs, monkeypatch, align):
+@pytest.mark.parametrize("align,budget", [(8, 4), (16, 16)])  # 5 rows -> 8, 17 -> 32
+def test_a_padded_verify_block_changes_nothing(target, drafter, reference_runs, monkeypatch, align, budget):
     """On GPU the verify block's rows are padded to a multiple of 8 (decode.default_verify_align: XLA pads its
     GEMMs so anyway). Padding rows see the prefix and themselves only and have no logits: the rounds are the
     reference's, whatever the padding."""
     monkeypatch.setattr(decode, "default_verify_align", lambda method: 1 if method == "ar" else align)
     run = reference_runs[0]
-    for budget in (4, 16):  # 5 rows -> 8 or 16, 17 -> 24 or 32
-        opts = options("ddtree", run, tree_budget=budget)
-        spec = decode.make_spec(target[0], drafter[0], opts)
-        assert spec.verify_len == -(-(1 + budget) // align) * align > 1 + budget
-        res = decode.generate(target, [run["prompt"]], opts, draft=drafter)
-        ref = run["ddtree"][str(budget)]
-        assert res.output_ids[0] == ref["output"] and res.acceptance_lengths[0] == ref["acceptance_lengths"]
+    opts = options("ddtree", run, tree_budget=budget)
+    spec = decode.make_spec(target[0], drafter[0], opts)
+    assert spec.verify_len == -(-(1 + budget) // align) * align > 1 + budget
+    res = decode.generate(target, [run["prompt"]], opts, draft=drafter)
+    ref = run["ddtree"][str(budget)]
+    assert res.output_ids[0] == ref["output"] and res.acceptance_lengths[0] == ref["acceptance_lengths"]
 
 
 @pytest.mark.parametrize("unroll", [2, 4])
 def test_an_unrolled_layer_loop_changes_nothing(target, drafter, reference_runs, monkeypatch, unroll):
-    """The verify's layer loop unrolled (4 does not divide the tiny target's 6 layers), for every block as the
-    default does for one row on GPU: the reference's rounds and AR tokens."""
+    """The verify's layer loop unrolled (2 divides the tiny target's 6 layers, 4 does not), for every block as the
+    default does for one row on GPU: AR's tokens, and at 4 the reference's ddtree rounds too (a block of 17 rows
+    unrolled as one row is: the loop is the same)."""
     import collections
 
     monkeypatch.setattr(decode, "default_layer_unroll", lambda rows: unroll)
     monkeypatch.setattr(decode, "_COMPILED", collections.OrderedDict())  # trace again: the patch is not in the Spec
     jax.clear_caches()
     run = reference_runs[0]
-    res = decode.generate(target, [run["prompt"]], options("ddtree", run, tree_budget=16), draft=drafter)
-    ref = run["ddtree"]["16"]
-    assert res.output_ids[0] == ref["output"] and res.acceptance_lengths[0] == ref["acceptance_lengths"]
+    if unroll == 4:
+        res = decode.generate(target, [run["prompt"]], options("ddtree", run, tree_budget=16), draft=drafter)
+        ref = run["ddtree"]["16"]
+        assert res.output_ids[0] == ref["output"] and res.acceptance_lengths[0] == ref["acceptance_lengths"]
     assert decode.generate(target, [run["prompt"]], options("ar", run)).output_ids[0] == run["ar"]
     spec = decode.make_spec(target[0], drafter[0], options("ddtree", run, tree_budget=16), layer_unroll=3)
     assert spec.layer_unroll == 3

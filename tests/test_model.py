@@ -1,5 +1,6 @@
 """Layer-level parity of the target and drafter with transformers (fixtures from the reference code)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -8,6 +9,12 @@ from ddtree_jax import cache as kvcache
 from ddtree_jax import decode, draft, model, params as P
 from pallas_kernels.bitmask import causal_bits
 from tests.conftest import fixture_path
+
+
+# jitted as decode runs them: one compiled program per shape and layout, where eager calls dispatch every layer's ops
+# (and a scan compiled again) on each chunk
+_forward = jax.jit(model.forward, static_argnums=1, static_argnames="taps")
+_logits = jax.jit(model.logits)
 
 
 def run_chunked(cfg, params, tokens, chunk, taps=()):
@@ -19,11 +26,11 @@ def run_chunked(cfg, params, tokens, chunk, taps=()):
     outs, feats = [], []
     for s in range(0, t, chunk):
         cache.length = jnp.asarray([s], jnp.int32)
-        h, cache, f = model.forward(
+        h, cache, f = _forward(
             params, cfg, jnp.asarray(toks[None, s : s + chunk]), jnp.arange(s, s + chunk)[None], cache,
             causal_bits(1, chunk), taps=taps,
         )
-        outs.append(model.logits(params, h)[0])
+        outs.append(_logits(params, h)[0])
         feats.append(f[0] if taps else None)
     lg = np.concatenate(outs)[:t]
     return lg, (np.concatenate(feats)[:t] if taps else None)

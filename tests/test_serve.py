@@ -42,6 +42,8 @@ CHAT = "Tell me a story about a fox."
 NEW = 24  # max tokens of the CLI comparisons
 SAMPLED = {"temperature": 0.8, "seed": 11}
 LONG = 2000  # tokens of the small server's long requests
+# the meshed server's 4 fake CPU devices, on top of the suite's XLA flags (tests/conftest.py)
+FOUR_DEVICES = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 
 
 def _free_port() -> int:
@@ -114,7 +116,7 @@ def launched(tmp_path_factory):
         "small": Launched(tmp, "small", "--method", "ar", "--max-batch", "1", "--max-queue", "1",
                           "--max-len", str(LONG + 48), "--rounds-per-step", "2"),
         "meshed": Launched(tmp, "meshed", "--method", "ar", "--mesh", "2x2", "--max-batch", "2",
-                           "--max-len", str(MAX_LEN), env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}),
+                           "--max-len", str(MAX_LEN), env={"XLA_FLAGS": FOUR_DEVICES}),
     }
     yield servers
     for s in servers.values():
