@@ -291,13 +291,26 @@ def test_auto_prefers_in_place_then_sliced_then_xla_on_a_gpu(monkeypatch):
     assert decode.resolve_attention("pallas-inplace") == "pallas-inplace-interpret"
 
 
+def _two_layers():
+    """The tiny shape with two target layers: enough to tell the layers of a stacked cache or weight apart (the
+    Pallas interpreter's time grows with every kernel call)."""
+    import dataclasses
+
+    from ddtree_jax import shapes
+
+    return dataclasses.replace(shapes.SHAPES["tiny"], layers=2)
+
+
+_TWO_LAYERS = _two_layers()
+
+
 def test_the_model_reads_the_stacked_cache_in_place_with_pallas_inplace():
     """model.forward with the attention reading each layer's K/V in place ('pallas-inplace') computes exactly what
     the kernel on copied slices does ('pallas'), on a bf16 model of head_dim 64 with a cache holding a prefix."""
     from ddtree_jax import cache as kvcache, model, shapes
     from pallas_kernels.bitmask import causal_bits
 
-    tcfg, dcfg = shapes.model_configs(shapes.SHAPES["tiny"])
+    tcfg, dcfg = shapes.model_configs(_TWO_LAYERS)
     tparams, _ = shapes.build_params(tcfg, dcfg, jnp.bfloat16)
     b, t, prefix, capacity = 2, 4, 21, 128
     rng = np.random.default_rng(0)
@@ -462,7 +475,7 @@ def test_the_model_writes_q_k_v_by_the_kernel_with_pallas_inplace(monkeypatch):
     from ddtree_jax import cache as kvcache, decode, model, shapes
     from pallas_kernels.bitmask import causal_bits
 
-    tcfg, dcfg = shapes.model_configs(shapes.SHAPES["tiny"])
+    tcfg, dcfg = shapes.model_configs(_TWO_LAYERS)
     plain, _ = shapes.build_params(tcfg, dcfg, jnp.bfloat16)
     fused = decode.device_layout(plain, layout="stacked-out-major-fused")
     b, t, prefix = 2, 4, 21
