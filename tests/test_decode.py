@@ -44,8 +44,6 @@ def test_ar_single_and_batched(target, reference_runs):
         assert out == run["ar"][: len(run["prompt"]) + n]
 
 
-
-
 def rows_with_their_own_limits(target, drafter, reference_runs, opts):
     """The reference prompts in one batch, each row with its own max_new_tokens (40, 64, 48: its reference run's),
     through decode.generate's steps (fitted, init_state, the compiled prefill and round loop, trace_rounds):
