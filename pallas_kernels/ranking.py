@@ -20,9 +20,11 @@ def rank_count(key, idx, load_tile, n_tiles, group: int = GROUP):
     ``load_tile(t)`` -> (keys [tile], indices [tile], valid [tile]) of tile t (a traced or Python int);
     ``n_tiles``: a Python int (tiles unrolled in groups) or a traced one (a loop over groups)."""
 
+    col, col_idx = key[:, None], idx[:, None]
+
     def compare(rank, tiles):
         for ku, iu, oku in tiles:
-            before = (ku[None, :] > key[:, None]) | ((ku[None, :] == key[:, None]) & (iu[None, :] < idx[:, None]))
+            before = (ku[None, :] > col) | ((ku[None, :] == col) & (iu[None, :] < col_idx))
             rank = rank + jnp.sum((before & oku[None, :]).astype(jnp.int32), axis=1)
         return rank
 

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.ranking import rank_count
+
 MIN = np.int32(-(2**31))  # below every key: padding
 MAX_KEYS = 2**15 - 1  # keys one select takes at most (its counts share an int32, 16 bits each)
 _LOADS_IN_FLIGHT = 8  # tiles of ``ranks`` whose loads are issued together, before their compares (bounds the registers)
@@ -77,16 +79,14 @@ def select_from(key, k: int, t):
 
 def ranks(key, load_key, k: int, kp: int, tile: int):
     """Each of k entries' place in lax.top_k's order among them (a permutation of 0..k-1; k for the padding).
-    key [kp] int32 (entries i < k real), ``load_key(j)`` -> the keys of entries j [tile] (MIN where j >= k): compares
-    [kp, tile] at a time, since a [kp, kp] tensor would not fit in registers, a few tiles' loads issued together."""
+    key [kp] int32 (entries i < k real), ``load_key(j)`` -> the keys of entries j [tile] (MIN where j >= k): a rank
+    count (``ranking.rank_count``) of [kp, tile] compares at a time, since a [kp, kp] tensor would not fit in
+    registers, a few tiles' loads issued together."""
     i = jnp.arange(kp, dtype=jnp.int32)
-    col = key[:, None]
-    rank = jnp.zeros((kp,), jnp.int32)
-    starts = list(range(0, kp, tile))
-    for g in range(0, len(starts), _LOADS_IN_FLIGHT):
-        tiles = [t + jnp.arange(tile, dtype=jnp.int32) for t in starts[g: g + _LOADS_IN_FLIGHT]]
-        keys = [load_key(j) for j in tiles]  # a group's loads first: their latencies overlap
-        for j, kj in zip(tiles, keys):
-            before = (kj[None, :] > col) | ((kj[None, :] == col) & (j[None, :] < i[:, None]))
-            rank = rank + jnp.sum((before & (j < k)[None, :]).astype(jnp.int32), axis=1)
+
+    def load_tile(t):
+        j = t * tile + jnp.arange(tile, dtype=jnp.int32)
+        return load_key(j), j, j < k
+
+    rank = rank_count(key, i, load_tile, kp // tile, group=_LOADS_IN_FLIGHT)
     return jnp.where(i < k, rank, k)
