@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import tree as trees
+from ddtree_jax.bench import busy_and_gaps
 
 DEPTHS = 15
 R = 8
@@ -85,13 +86,7 @@ def profile(f, xs):
     spans, busys = [], []
     for c in clusters:
         spans.append((max(e for _, e in c) - c[0][0]) / 1e3)
-        busy, (cs, ce) = 0, c[0]
-        for s, e in c[1:]:
-            if s > ce:
-                busy, cs, ce = busy + ce - cs, s, e
-            else:
-                ce = max(ce, e)
-        busys.append((busy + ce - cs) / 1e3)
+        busys.append(busy_and_gaps(c)[0] / 1e3)
     per_call = {k: round(sum(v) / len(clusters), 2) for k, v in sorted(names.items(), key=lambda kv: -sum(kv[1]))}
     return {"span_us": statistics.median(spans), "busy_us": statistics.median(busys), "calls": len(clusters),
             "kernels_per_call": len(evs) // len(clusters), "kernels_us": per_call}

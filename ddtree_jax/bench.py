@@ -415,6 +415,19 @@ def _dtname(dt) -> str:
     return {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}.get(str(dt), str(dt))
 
 
+def busy_and_gaps(spans: list[tuple[int, int]]) -> tuple[int, list[int]]:
+    """Kernel intervals (start, end) sorted by start -> (time some interval covers, the idle gaps between them)."""
+    busy, gaps, (cur_s, cur_e) = 0, [], spans[0]
+    for s, e in spans[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            gaps.append(s - cur_e)
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return busy + cur_e - cur_s, gaps
+
+
 def profile_summary(path: str, top: int = 25) -> dict:
     """Summarise a jax.profiler xplane.pb: device kernels by total time, busy vs span, gaps, memcpys."""
     import jax
@@ -447,15 +460,8 @@ def profile_summary(path: str, top: int = 25) -> dict:
         if not spans:
             continue
         spans.sort()
-        busy, gaps, cur_s, cur_e = 0.0, [], spans[0][0], spans[0][1]
-        for s, e in spans[1:]:
-            if s > cur_e:
-                busy += cur_e - cur_s
-                gaps.append((s - cur_e) / 1e3)
-                cur_s, cur_e = s, e
-            else:
-                cur_e = max(cur_e, e)
-        busy += cur_e - cur_s
+        busy, gaps = busy_and_gaps(spans)
+        gaps = [g / 1e3 for g in gaps]
         total = sorted(((sum(v), len(v), k) for k, v in kernels.items()), reverse=True)
         out[plane.name] = {
             "span_us": (spans[-1][1] - spans[0][0]) / 1e3, "busy_us": busy / 1e3,

@@ -218,3 +218,9 @@ def test_the_round_loop_has_no_host_round_trip(target, drafter):
         h = bench.hlo_summary(program)
         assert h["conditionals"] == 0 and not any(h["host_transfer_ops"].values()) and not h["host_callbacks"], flags
         assert program.count(" xor(") > text.count(" xor("), flags  # it samples (threefry's xors)
+
+
+def test_busy_time_merges_overlapping_kernels():
+    """The profile summaries' busy time: overlapping kernels counted once, the idle gaps between them listed."""
+    assert bench.busy_and_gaps([(0, 10), (5, 12), (12, 14), (20, 25)]) == (19, [6])
+    assert bench.busy_and_gaps([(0, 10), (2, 3)]) == (10, [])
