@@ -97,20 +97,13 @@ def count_ranks(x: Array) -> Array:
 
 def top_k_by_count(x: Array, k: int) -> tuple[Array, Array]:
     """Exactly ``lax.top_k(x, k)`` over the last axis (values, ids, ties: lower index first), without a sort:
-    slot r takes the id whose rank (:func:`count_ranks`, a permutation of 0..n-1) is r, by a scatter (ranks past k
-    dropped). O(n^2) work in two kernels: for the few thousand candidates of a tree, far less time on a GPU than a
-    sort's many passes; on CPU a sort is cheaper. float32 only."""
-    rank = count_ranks(x)
-    ids = _scatter_last(jnp.zeros(rank.shape[:-1] + (k,), jnp.int32), rank,
-                        jnp.broadcast_to(jnp.arange(x.shape[-1], dtype=jnp.int32), rank.shape))
-    return jnp.take_along_axis(x, ids, axis=-1), ids  # ids [..., k]
-
-
-def _scatter_last(out: Array, pos: Array, val: Array) -> Array:
-    """out[..., pos[..., i]] = val[..., i] over the last axis; positions past the end dropped."""
-    if pos.ndim == 1:
-        return out.at[pos].set(val, mode="drop")
-    return jax.vmap(_scatter_last)(out, pos, val)
+    slot r takes the entry whose rank (:func:`count_ranks`, a permutation of 0..n-1) is r, by a scatter (ranks past
+    k dropped; :func:`_top_with`). O(n^2) work in two kernels: for the few thousand candidates of a tree, far less
+    time on a GPU than a sort's many passes; on CPU a sort is cheaper. float32 only."""
+    if x.ndim > 1:
+        return jax.vmap(functools.partial(top_k_by_count, k=k))(x)
+    vals, (ids,) = _top_with(x, (jnp.arange(x.shape[0], dtype=jnp.int32),), k, "count")
+    return vals, ids
 
 
 SELECTS = ("sort", "count", "kernel")
