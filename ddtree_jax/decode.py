@@ -687,6 +687,21 @@ def compiled(fn, spec: Spec, *args):
     return exe
 
 
+def start(spec: Spec, prompts: list[list[int]], per_row: list[GenerateOptions], max_new_tokens: int, dtype,
+          mesh: jax.sharding.Mesh | None = None) -> tuple[Spec, State, Array]:
+    """A batch laid out for :func:`prefill`: (the spec fitted to it, the initial State, the padded prompt tokens
+    [B, P] int32), each row with its own options (seed, sampling, max_new_tokens up to ``max_new_tokens``); on
+    ``mesh``, placed there (the batch a multiple of its data axis: ``sharding.padded_batch``)."""
+    lens = [len(p) for p in prompts]
+    spec, p_pad, capacity, out_len = fitted(spec, lens, max_new_tokens)
+    tokens = np.zeros((len(prompts), p_pad), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    state = sharding.create(functools.partial(init_state, spec, lens, per_row, capacity, out_len, dtype), mesh)
+    tokens = jnp.asarray(tokens) if mesh is None else jax.device_put(tokens, sharding.batch_sharding(mesh, 2))
+    return spec, state, tokens
+
+
 def generate(
     target,
     prompts: list[list[int]],
@@ -726,15 +741,9 @@ def generate(
         dparams = None
     rows = prompts + [prompts[0][:1]] * (sharding.padded_batch(len(prompts), mesh) - len(prompts))  # + dummies
     lens = [len(p) for p in rows]
-    spec, p_pad, capacity, out_len = fitted(spec, lens, options.max_new_tokens)
-    tokens = np.zeros((len(rows), p_pad), np.int32)
-    for i, p in enumerate(rows):
-        tokens[i, : len(p)] = p
-    dtype = tparams.embed.dtype
     per_row = [dataclasses.replace(options, seed=options.seed + i) for i in range(len(prompts))]  # row i: seed + i
     per_row += [dataclasses.replace(options, max_new_tokens=1)] * (len(rows) - len(prompts))
-    state = sharding.create(functools.partial(init_state, spec, lens, per_row, capacity, out_len, dtype), mesh)
-    tokens = jnp.asarray(tokens) if mesh is None else jax.device_put(tokens, sharding.batch_sharding(mesh, 2))
+    spec, state, tokens = start(spec, rows, per_row, options.max_new_tokens, tparams.embed.dtype, mesh)
     per_call = stream_every if on_tokens else options.max_new_tokens + 1  # rounds per run_rounds call
     budget_rounds = jnp.int32(per_call)
 

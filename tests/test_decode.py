@@ -46,22 +46,17 @@ def test_ar_single_and_batched(target, reference_runs):
 
 def rows_with_their_own_limits(target, drafter, reference_runs, opts):
     """The reference prompts in one batch, each row with its own max_new_tokens (40, 64, 48: its reference run's),
-    through decode.generate's steps (fitted, init_state, the compiled prefill and round loop, trace_rounds):
+    through decode.generate's steps (decode.start, the compiled prefill and round loop, trace_rounds):
     (outputs, acceptance lengths, traced rounds) per row. One compiled prefill and round loop for the three runs
     instead of one each (their prompt lengths and limits differ); rows of a batch are independent (the batched tests
     below compare a batch with the reference too)."""
     (tcfg, tparams), (dcfg, dparams) = target, drafter
     prompts = [r["prompt"] for r in reference_runs]
     limits = [r["max_new_tokens"] for r in reference_runs]
-    lens = [len(p) for p in prompts]
     spec = decode.make_spec(tcfg, dcfg, dataclasses.replace(opts, max_new_tokens=max(limits)))
-    spec, p_pad, capacity, out_len = decode.fitted(spec, lens, max(limits))
     per_row = [dataclasses.replace(opts, max_new_tokens=n) for n in limits]
-    state = decode.init_state(spec, lens, per_row, capacity, out_len, tparams.embed.dtype)
-    tokens = np.zeros((len(prompts), p_pad), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-    tokens, rounds = jnp.asarray(tokens), jnp.int32(max(limits) + 1)
+    spec, state, tokens = decode.start(spec, prompts, per_row, max(limits), tparams.embed.dtype)
+    rounds = jnp.int32(max(limits) + 1)
     state = decode.compiled(decode.prefill, spec, tparams, dparams, state, tokens)(tparams, dparams, state, tokens)
     state = decode.compiled(decode.run_rounds, spec, tparams, dparams, state, rounds)(tparams, dparams, state, rounds)
     assert bool(jnp.all(state.done))

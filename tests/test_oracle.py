@@ -80,13 +80,8 @@ def run(target, drafter, prompts, method, proposer, budget=BUDGET):
     dcfg, dparams = drafter
     opts = decode.GenerateOptions(method=method, max_new_tokens=NEW, tree_budget=budget, trace=True)
     spec = decode.make_spec(tcfg, dcfg, opts, proposer=proposer)
-    lens = [len(p) for p in prompts]
-    spec, p_pad, capacity, out_len = decode.fitted(spec, lens, NEW)
-    tokens = np.zeros((len(prompts), p_pad), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-    state = decode.init_state(spec, lens, [opts] * len(prompts), capacity, out_len, tparams.embed.dtype)
-    state = decode.prefill(spec, tparams, dparams, state, jnp.asarray(tokens))
+    spec, state, tokens = decode.start(spec, prompts, [opts] * len(prompts), NEW, tparams.embed.dtype)
+    state = decode.prefill(spec, tparams, dparams, state, tokens)
     state = decode.run_rounds(spec, tparams, dparams, state, jnp.int32(NEW + 1))
     assert bool(jnp.all(state.done))
     ends = decode.final_length(state)

@@ -132,16 +132,12 @@ def sample_first_tokens(target, drafter, prompt, proposer, settings, n=SAMPLES):
     opts = decode.GenerateOptions(method="ddtree", max_new_tokens=3, tree_budget=BUDGET)
     spec = decode.make_spec(tcfg, dcfg, opts, proposer=proposer, sampling=True, filtering=True)  # rows' own settings
     rows = n * len(settings)
-    lens = [len(prompt)] * rows
-    spec, p_pad, capacity, out_len = decode.fitted(spec, lens, opts.max_new_tokens)
     per_seq = [
         dataclasses.replace(opts, seed=SEED0 + r, temperature=settings[r // n][0], top_p=settings[r // n][1])
         for r in range(rows)
     ]
-    state = decode.init_state(spec, lens, per_seq, capacity, out_len, tparams.embed.dtype)
-    tokens = np.zeros((rows, p_pad), np.int32)
-    tokens[:, : len(prompt)] = prompt
-    tokens, rounds = jnp.asarray(tokens), jnp.int32(8)
+    spec, state, tokens = decode.start(spec, [prompt] * rows, per_seq, opts.max_new_tokens, tparams.embed.dtype)
+    rounds = jnp.int32(8)
     # compiled with LLVM's optimisations, which the suite turns off (conftest): running thousands of rows, not
     # compiling, is this test's time, and optimised code runs them about 2.5 times faster
     prefill = decode.prefill.lower(spec, tparams, dparams, state, tokens).compile(OPTIMISED)

@@ -93,17 +93,9 @@ def _script(out_path: str) -> None:
         base = decode.GenerateOptions(method=method, max_new_tokens=max(new), tree_budget=BUDGET)
         spec = decode.make_spec(tgt[0], drf[0], base, mesh=mesh, sampling=True, filtering=True)  # rows choose
         rows = [prompts[r[0]] for r in ROWS]
-        lens = [len(p) for p in rows]
-        spec, p_pad, capacity, out_len = decode.fitted(spec, lens, max(new))
         opts = [dataclasses.replace(base, temperature=t, top_k=k, top_p=p, seed=s, max_new_tokens=n)
                 for (_, t, k, p, s), n in zip(ROWS, new)]
-        state = sharding.create(
-            functools.partial(decode.init_state, spec, lens, opts, capacity, out_len, jnp.float32), mesh
-        )
-        tokens = np.zeros((len(rows), p_pad), np.int32)
-        for i, p in enumerate(rows):
-            tokens[i, : len(p)] = p
-        tokens = jnp.asarray(tokens) if mesh is None else jax.device_put(tokens, sharding.batch_sharding(mesh, 2))
+        spec, state, tokens = decode.start(spec, rows, opts, max(new), jnp.float32, mesh)
         tp, dp = tgt[1], drf[1] if method != "ar" else None
         rounds = jnp.int32(max(new) + 1)
         prefill = decode.prefill.lower(spec, tp, dp, state, tokens).compile()
