@@ -9,6 +9,7 @@ random / chain (full depth) / star trees. The GPU grid (prefixes to 32k, T to 10
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -17,7 +18,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax import tree as trees
+from ddtree_jax import shapes, tree as trees
 from pallas_kernels import ancestor_bits, best_first as bf, selection, stacked_matmul as sm, tree_accept as ta
 from pallas_kernels import vocab_top_k
 from pallas_kernels import tree_attention as tat
@@ -291,17 +292,9 @@ def test_auto_prefers_in_place_then_sliced_then_xla_on_a_gpu(monkeypatch):
     assert decode.resolve_attention("pallas-inplace") == "pallas-inplace-interpret"
 
 
-def _two_layers():
-    """The tiny shape with two target layers: enough to tell the layers of a stacked cache or weight apart (the
-    Pallas interpreter's time grows with every kernel call)."""
-    import dataclasses
-
-    from ddtree_jax import shapes
-
-    return dataclasses.replace(shapes.SHAPES["tiny"], layers=2)
-
-
-_TWO_LAYERS = _two_layers()
+# the tiny shape with two target layers: enough to tell the layers of a stacked cache or weight apart (the Pallas
+# interpreter's time grows with every kernel call)
+_TWO_LAYERS = dataclasses.replace(shapes.SHAPES["tiny"], layers=2)
 
 
 def test_the_model_reads_the_stacked_cache_in_place_with_pallas_inplace():
