@@ -4,7 +4,11 @@ many others (larger key first, ties: lower index first) = the number of them bef
 The others come a tile at a time from memory, in groups whose loads are all issued before their compares (so that
 their latencies can overlap rather than add up, one per tile), and the compares of a tile, [own, tile], stay small
 ([64, 256] tiles, presumably spilling registers, not checked, made an experimental tree build about 1.8x slower on an
-H200 than [32, 64] tiles did: benchmarks/PERF.md, twenty-fourth run).
+H200 than [32, 64] tiles did: benchmarks/PERF.md, twenty-fourth run). The tiles' compares add up elementwise in an
+[own, tile] count, summed over its tile axis once at the end: a sum over that axis is a reduction across the
+program's threads (shuffles, and a layout change for the [own] result), which per tile would cost more than the
+tile's compares (H200, ``vocab_top_k``'s rank kernel: 5.4 -> 3.6 µs at k = 256, 13.1 -> 6.8 at 512; PERF.md,
+twenty-sixth run).
 """
 
 from __future__ import annotations
@@ -15,23 +19,24 @@ import jax.numpy as jnp
 GROUP = 16  # tiles whose loads are issued together
 
 
-def rank_count(key, idx, load_tile, n_tiles, group: int = GROUP):
+def rank_count(key, idx, load_tile, n_tiles, tile: int, group: int = GROUP):
     """key, idx [own] int32 (order keys, tie-break indices) -> rank [own] int32: the others before each.
     ``load_tile(t)`` -> (keys [tile], indices [tile], valid [tile]) of tile t (a traced or Python int);
     ``n_tiles``: a Python int (tiles unrolled in groups) or a traced one (a loop over groups)."""
 
     col, col_idx = key[:, None], idx[:, None]
 
-    def compare(rank, tiles):
+    def compare(count, tiles):
         for ku, iu, oku in tiles:
             before = (ku[None, :] > col) | ((ku[None, :] == col) & (iu[None, :] < col_idx))
-            rank = rank + jnp.sum((before & oku[None, :]).astype(jnp.int32), axis=1)
-        return rank
+            count = count + (before & oku[None, :]).astype(jnp.int32)
+        return count
 
-    rank = jnp.zeros(key.shape, jnp.int32)
+    count = jnp.zeros((key.shape[0], tile), jnp.int32)
     if isinstance(n_tiles, int):
         for s in range(0, n_tiles, group):
-            rank = compare(rank, [load_tile(t) for t in range(s, min(s + group, n_tiles))])  # every load first
-        return rank
-    return jax.lax.fori_loop(0, (n_tiles + group - 1) // group,
-                             lambda g, rank: compare(rank, [load_tile(g * group + q) for q in range(group)]), rank)
+            count = compare(count, [load_tile(t) for t in range(s, min(s + group, n_tiles))])  # every load first
+    else:
+        count = jax.lax.fori_loop(0, (n_tiles + group - 1) // group,
+                                  lambda g, c: compare(c, [load_tile(g * group + q) for q in range(group)]), count)
+    return jnp.sum(count, axis=1)

@@ -88,5 +88,5 @@ def ranks(key, load_key, k: int, kp: int, tile: int):
         j = t * tile + jnp.arange(tile, dtype=jnp.int32)
         return load_key(j), j, j < k
 
-    rank = rank_count(key, i, load_tile, kp // tile, group=_LOADS_IN_FLIGHT)
+    rank = rank_count(key, i, load_tile, kp // tile, tile, group=_LOADS_IN_FLIGHT)
     return jnp.where(i < k, rank, k)

@@ -126,7 +126,7 @@ def _ranks_kernel(cnt_ref, ckey_ref, cval_ref, cidx_ref, val_ref, id_ref, *, k: 
         ok = own < n
         at = jnp.where(ok, own, 0)
         key, idx = load(ckey_ref.at[r, at], mask=ok, other=0), load(cidx_ref.at[r, at], mask=ok, other=0)
-        rank = rank_count(key, idx, candidates, (n + _RANK_TILE - 1) // _RANK_TILE, group=8)
+        rank = rank_count(key, idx, candidates, (n + _RANK_TILE - 1) // _RANK_TILE, _RANK_TILE, group=8)
         win = ok & (rank < k)
         out = jnp.where(win, rank, k)  # column k: the spare
         pltriton.store(val_ref.at[r, out], load(cval_ref.at[r, at], mask=ok, other=0), mask=win)
