@@ -2,14 +2,13 @@
 Qwen3-vocabulary draft logits [B, 15, V] (3 x a standard normal, f32); trees checked first against XLA's forms (the
 chunked top-k, rank counting, XLA's ancestor bits), on those logits and on rounded ones (heavy ties).
 
-    PYTHONPATH=. python benchmarks/tree_profile.py OUT.json [--budgets 64,256] [--batch 1] [--chain]
+    PYTHONPATH=. python benchmarks/tree_profile.py OUT.json [--budgets 64,256] [--batch 1]
 
 One jitted build is called on 8 distinct inputs, one call at a time (no loop, no host clock in the figure); each
 call's device events form one cluster: ``span_us`` = its first kernel's start to its last kernel's end (the build's
 latency on the stream, kernel boundaries included), ``busy_us`` = the time some kernel ran, medians over the calls;
-``kernels_us``: each kernel's time per call. ``--chain`` also times the chain kernels of the twenty-fourth run
-(``git apply benchmarks/tree_chain_kernels.patch`` first: ``pallas_kernels.vocab_top_k2`` and ``best_first2``).
-Results: benchmarks/PERF.md (twenty-fourth and twenty-fifth runs), benchmarks/results/h200_details.json.
+``kernels_us``: each kernel's time per call. Results: benchmarks/PERF.md (twenty-fourth to twenty-sixth runs),
+benchmarks/results/h200_details.json.
 """
 
 import argparse
@@ -41,18 +40,6 @@ def default_build(x, budget):
 
 def xla_build(x, budget):
     return fields(trees.best_first(x, budget, chunk=trees.default_topk_chunk(budget), select="count", bits="xla"))
-
-
-def chain_build(x, budget):
-    from pallas_kernels import best_first2, vocab_top_k2  # benchmarks/tree_chain_kernels.patch
-
-    b, dp, v = x.shape
-    k, interpret = min(budget, v), jax.default_backend() != "gpu"
-    lse = jax.nn.logsumexp(x.astype(jnp.float32), axis=-1).reshape(-1)
-    vals, ids = vocab_top_k2.top_k_padded(x.reshape(-1, v), k, lse, interpret=interpret)
-    tokens, depths, parents, bits = best_first2.best_first(vals.reshape(b, dp, k + 1), ids.reshape(b, dp, k + 1),
-                                                           budget, k, interpret=interpret)
-    return tokens, depths, jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parents], 1), bits
 
 
 def profile(f, xs):
@@ -98,12 +85,11 @@ def main(argv=None):
     p.add_argument("--budgets", default="64,256", help="tree budgets (default: 64,256)")
     p.add_argument("--vocab", type=int, default=151936, help="vocabulary size (default: Qwen3's)")
     p.add_argument("--batch", type=int, default=1, help="sequences per build (default: 1)")
-    p.add_argument("--chain", action="store_true", help="also the chain kernels (needs tree_chain_kernels.patch)")
     args = p.parse_args(argv)
     res = {"device": jax.devices()[0].device_kind, "vocab": args.vocab, "depths": DEPTHS, "batch": args.batch}
     xs = [3.0 * jax.random.normal(jax.random.key(i), (args.batch, DEPTHS, args.vocab), jnp.float32) for i in range(R)]
     ties = [jnp.round(x * 2) / 2 for x in xs[:2]]
-    forms = {"default": default_build} | ({"chain": chain_build} if args.chain else {})
+    forms = {"default": default_build}
     for budget in [int(s) for s in args.budgets.split(",")]:
         want = [jax.jit(xla_build, static_argnums=1)(x, budget) for x in xs[:2] + ties]
         row = {}

@@ -14,9 +14,10 @@ answer extend frontier paths of depth d. Frontier and per-depth top-k lists are 
 Each depth then selects the best ``budget`` of those candidates, and a last selection takes the best ``budget``
 over all depths. ``select="sort"`` does it with ``lax.top_k`` (a sort on GPU: 15 dependent sorts per tree);
 ``select="count"`` ranks every candidate by counting the candidates before it (one compare-and-sum fusion, no
-sort), the same result bit for bit; ``select="kernel"`` runs the whole scan and the last selection as one Pallas
-program per sequence (``pallas_kernels.best_first``), the same result again. Defaults (:func:`default_select`): on GPU
-at batch 1 the kernel up to budget 96, "count" up to 512; "sort" otherwise (benchmarks/PERF.md).
+sort), the same result bit for bit; ``select="kernel"`` runs the scan, the last selection and the ancestor bits as
+a chain of Pallas kernels, one per depth, of many programs each (``pallas_kernels.best_first``), the same result again.
+Defaults (:func:`default_select`): on GPU at batch 1 the kernels up to budget 256, "count" up to 512; "sort" otherwise
+(benchmarks/PERF.md).
 
 Before the depths, the per-depth top-k over the vocabulary; after them, the packed ancestor mask. Both have Pallas
 kernels (``pallas_kernels.vocab_top_k``, ``pallas_kernels.ancestor_bits``) beside their XLA forms here, the GPU
@@ -238,18 +239,18 @@ def default_kernels(batch: int = 1) -> bool:
 
 
 COUNT_MAX_BUDGET = 512  # the largest budget at which rank counting was measured faster (H200, batch 1)
-KERNEL_MAX_BUDGET = 96  # the largest budget at which the best_first kernel was measured faster (H200, batch 1)
+KERNEL_MAX_BUDGET = 256  # the largest budget at which the best_first kernels were measured faster (H200, batch 1)
 
 
 def default_select(budget: int, batch: int = 1) -> str:
-    """The selection :func:`best_first` uses unless told: on GPU for one sequence, the ``best_first`` kernel up to
+    """The selection :func:`best_first` uses unless told: on GPU for one sequence, the ``best_first`` kernels up to
     ``KERNEL_MAX_BUDGET`` where :func:`default_kernels`, then rank counting up to ``COUNT_MAX_BUDGET``, ``lax.top_k``
-    otherwise. H200, whole builds at batch 1 (twenty-fifth run): the kernel 69 / 86 / 99 us against rank counting's
-    103 / 119 / 108 at budgets 32 / 64 / 96 (32, 64 before the ranks' barrier), slower at 112 / 128: 106 / 112
-    against 92 / 98. Rank counting's O(n^2) compares grow with
-    the budget squared and with the batch: it built a tree faster than ``lax.top_k`` at batch 1 and budgets 64-512
-    (229 / 287 / 354 against 314 / 440 / 679 us) and slower at batch 8, budget 256 (715 against 648 us;
-    benchmarks/PERF.md, seventh and nineteenth runs)."""
+    otherwise. H200, whole builds at batch 1 (twenty-sixth run, benchmarks/PERF.md): the kernels 63 / 63 / 72 / 67 /
+    77 / 88 us at budgets 16 / 32 / 64 / 96 / 128 / 256 against the previous defaults' 65 / 69 / 88 / 94 (one Pallas
+    program for every depth) / 107 / 113 (rank counting); at 512 185 against rank counting's 182. Rank counting's
+    O(n^2) compares grow with the budget squared and with the batch: it built a tree faster than ``lax.top_k`` at
+    batch 1 and budgets 64-512 (229 / 287 / 354 against 314 / 440 / 679 us) and slower at batch 8, budget 256 (715
+    against 648 us; seventh and nineteenth runs)."""
     if default_kernels(batch) and budget <= KERNEL_MAX_BUDGET:
         return "kernel"
     return "count" if _on_gpu() and batch == 1 and budget <= COUNT_MAX_BUDGET else "sort"
@@ -292,18 +293,20 @@ def tree_from_lists(lp: Array, ids: Array, budget: int, *, select: str, unroll: 
                     bits: str | None = None) -> Tree:
     """The best-first tree of ``budget`` nodes from per-depth lists sorted descending, lp [B, Dp, K] f32 and ids
     [B, Dp, K] int32 (:func:`top_log_probs`): the tree build proper, after the vocabulary top-k. ``bits``: how the
-    ancestor bits are made (:func:`ancestor_bits`; default :func:`default_bits`). ``select="kernel"`` beyond the
-    kernel's sizes (``pallas_kernels.best_first.supports``: budgets above 1024 at 15 depths) takes "count": the same
-    tree."""
+    ancestor bits are made (:func:`ancestor_bits`; default: by the kernels with ``select="kernel"``, else
+    :func:`default_bits`). ``select="kernel"`` beyond the kernels' sizes (``pallas_kernels.best_first.supports``:
+    budgets above 1024 at 15 depths) takes "count": the same tree."""
     b, depth_count, k = lp.shape
+    words = None
     if select == "kernel" and best_first_kernel.supports(budget, k, depth_count):
-        tokens, depths, parents = best_first_kernel.best_first(lp, ids, budget, interpret=not _on_gpu())
+        tokens, depths, parents, words = best_first_kernel.best_first(lp, ids, budget, interpret=not _on_gpu())
     else:
         one = functools.partial(_best_first_one, budget=budget, unroll=unroll, select=select)
         tokens, depths, parents = jax.vmap(one)(lp, ids)
     parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parents], axis=1)
-    bits = bits or default_bits(budget + 1, b)
-    return Tree(tokens, depths, parents, ancestor_bits(parents, depth_count, bits))
+    if words is None or bits is not None:
+        words = ancestor_bits(parents, depth_count, bits or default_bits(budget + 1, b))
+    return Tree(tokens, depths, parents, words)
 
 
 def chain(draft_logits: Array) -> Tree:

@@ -1,28 +1,39 @@
-"""DDTree's best-first tree from sorted per-depth lists in one Pallas (Triton) program per sequence.
+"""DDTree's best-first tree from sorted per-depth lists as a chain of short Pallas (Triton) kernels of many programs.
 
-The same tokens, depths and parents as ``ddtree_jax.tree``'s depth scan (``tree._best_first_one``, see its module
-doc for the method): the frontier of depth 0 is the first list's best; each later depth takes the ``budget`` best of
-the candidate pairs (frontier slot i, token rank j) with (i + 1)(j + 1) <= budget, sorted as ``lax.top_k`` sorts;
-a last selection takes the ``budget`` best paths over all depths (ties: shallower, then lower slot first) and maps
-each node's parent slot to its tree index. XLA's forms of this are two or three kernels per depth (a sort, or a rank
-count and a one-hot gather; 15 depths for DFlash's block of 16); here the whole scan is one launch, and a depth is
-an exact selection (``pallas_kernels.selection``: block-wide counts cutting the threshold's interval to a third each,
-bounded by the sorted lists, then a cumsum), a compaction through memory and a rank count of the ``budget`` selected.
-One SM runs it all: faster than XLA's forms up to budget 96 on an H200, slower above (benchmarks/PERF.md,
-nineteenth and twenty-fifth runs).
+The same tokens, depths and parents as ``ddtree_jax.tree``'s depth scan (``tree._best_first_one``; see its module doc
+for the method), and the ancestor bits of ``tree.ancestor_bits`` with them. The frontier of depth 0 is the first
+list's best; the frontier of depth d is the ``budget`` best candidate pairs (slot i of frontier d-1, rank j of list
+d), (i + 1)(j + 1) <= budget, in ``lax.top_k``'s order (value, then pair index); the tree is the ``budget`` best
+paths over all depths (value, then depth, then slot). No step iterates a selection: every order is a rank count (a
+pair's rank = the pairs before it), spread over the programs of one kernel, and a kernel boundary is the only
+synchronisation (about 1.3 µs on an H200, against 2-6 µs for an atomic barrier between programs:
+benchmarks/launch_probe.py).
 
-Each depth reads what other threads of the program stored (the frontier before it, the compacted selection), so
-a block barrier (``pallas.triton.debug_barrier``) separates the stores from the loads: one after depth 0, two per
-later depth, two at the end. The Pallas interpreter, which runs these kernels on CPU (the tests), runs a program as
-one sequence of whole-array operations and has no rule for the barrier, so there it is left out: the interpreter
-checks the arithmetic, the GPU (``benchmarks/tree_kernels.py``, trees equal to XLA's) the barriers. Sizes: see
-``supports`` (each selection at most ``selection.MAX_KEYS`` keys: budgets up to 1024 at 15 depths).
+Kernel ``depth`` runs once per depth d = 1 .. Dp (the same compiled program from d = 2; d is an operand):
+  - for d < Dp, each program ranks a few candidate pairs of depth d (``own_per_program``), each a scalar compared
+    with every pair, whose keys the program loads itself (the pairs' slots and ranks, then the frontier's and the
+    list's values: two dependent loads, not one per tile), and writes the winners (rank < budget) at their rank:
+    frontier d, with each winner's parent slot and its ancestors' slots (its parent's, then the parent);
+  - every call merges frontier d - 1 into the running best paths (the ``budget`` best of depths < d - 1, sorted):
+    an element's place = its own position + the other list's elements before it (the shallower list first on
+    ties), kept if < budget, and written to ``place`` (flat depth * budget + slot -> its tree position; the last
+    merge writes every tree node's final place).
+Kernel ``nodes`` then gives each tree position its token, depth, parent (its parent's place + 1) and ancestor-or-self
+bits (one gather per ancestor, all independent).
 
-Shapes (B sequences, Dp depths, K <= W list entries, W = budget; P padded to a power of two):
+On an H200 (benchmarks/PERF.md, twenty-sixth run) a depth kernel takes about 2 µs at budget 64 and 3.7 at 256, the
+whole build (with the vocabulary top-k) 63 / 72 / 77 / 88 µs at budgets 16 / 64 / 128 / 256, faster than one
+program doing every depth (the kernel this one replaced, 12 µs a depth at 256) and than XLA's rank counting; at 512
+no faster than rank counting (185 against 182 µs). The twenty-fourth run's first form of this chain ranked 32 pairs
+a program against tiles of 64 loaded one after another, each tile two dependent loads and a reduction across the
+program's threads: 24 µs a depth.
+
+Shapes (B sequences, Dp depths, K <= W list entries, W = budget):
     lp [B, Dp, K] float32, ids [B, Dp, K] int32 (each row sorted descending, as tree.top_log_probs gives them)
-    -> tokens [B, W] int32 (-1: an unused slot), depths [B, W] int32 (1-based), parents [B, W] int32 (tree indices)
-    scratch outputs: the frontiers [B, Dp, P(W) + 1] (scores, tokens, parent slots), the compacted selection
-    [B, P(W) + 1] (values, two payloads), each path's place in the tree [B, P(Dp * P(W)) + 1]
+    -> tokens [B, W] int32 (-1: an unused slot), depths [B, W] int32 (1-based), parents [B, W] int32 (tree indices),
+       bits [B, 1 + W, ceil((1 + W) / 32)] uint32
+    scratch: frontiers [B, Dp, W + 1] (score, token, parent slot), ancestor slots [B, Dp, W + 1, P(Dp)], the best
+    paths [B, 2, W + 1] (score, flat index; two buffers, one read and one written per call), places [B, Dp * W + 1]
 """
 
 from __future__ import annotations
@@ -34,9 +45,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.blocks import pow2
-from pallas_kernels.selection import MAX_KEYS, MIN, order_key, ranks, select
+from pallas_kernels.selection import order_key
 
-_RANK_TILE = 32  # columns of the rank count at a time
+NODES_OWN = 32  # tree nodes per program of the nodes kernel
+WARPS = 4  # of each program (2 and 8 no faster at budgets 64-256, twenty-sixth run)
+MAX_PAIRS = 8192  # candidate pairs (padded to a power of two) one program loads at most: budgets up to 1024
+
+
+def own_per_program(pairs: int) -> int:
+    """Pairs (and merge elements) one program of the depth kernel ranks, for ``pairs`` candidate pairs: each program
+    loads every pair's key, so fewer programs load less, but each rank is a reduction over all pairs. H200 (twenty-sixth
+    run, whole builds): 1 up to 1024 padded pairs (budgets up to 128; 2 and 3 slower), 2 at 2048 (256: 87.6 against 99.7
+    with 1, 98.9 with 4), 3 at 4096 (512: 184.8 against 193.5 with 2)."""
+    padded = pow2(pairs)
+    return 1 if padded <= 1024 else 2 if padded <= 2048 else 3
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,130 +73,190 @@ def candidate_pairs(budget: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(ii, np.int32), np.asarray(jj, np.int32)
 
 
-def _kernel(lp_ref, ids_ref, ii_ref, jj_ref,  # inputs
-            tok_ref, dep_ref, par_ref,  # outputs [B, wp + 1]
-            score_ref, htok_ref, hpar_ref,  # the frontiers [B, dp, wp + 1]
-            cval_ref, cpay_ref, cpay2_ref,  # the compacted selection [B, wp + 1]
-            place_ref,  # [B, fp + 1]: each selected path's node index
-            *, w: int, wp: int, k: int, dp: int, n: int, np_: int, fp: int, interpret: bool):
+def _count_before(key, idx, keys, idxs, oks):
+    """Scalars key, idx -> how many of keys, idxs, oks [all] come before them (larger key, ties: lower index)."""
+    before = (keys > key) | ((keys == key) & (idxs < idx))
+    return jnp.sum((before & oks).astype(jnp.int32))
+
+
+def _depth_kernel(d_ref, lp_ref, ids_ref, ii_ref, jj_ref, *refs, w: int, k: int, dp: int, dpp: int, n: int,
+                  own_p: int, own_m: int, progs_p: int, first: bool):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as pltriton
 
     load, store = pltriton.load, pltriton.store
-    b = pl.program_id(0)
-    sync = (lambda: None) if interpret else pltriton.debug_barrier
-    s = jnp.arange(wp, dtype=jnp.int32)
-    oks = s < w
+    score_ref, tok_ref, par_ref, anc_ref, rs_ref, rq_ref, place_ref = refs[-7:]  # after the aliased inputs, if any
+    b, t = pl.program_id(0), pl.program_id(1)
+    d = load(d_ref.at[jnp.int32(0)])
+    m = d - 1  # the frontier this call reads (and merges)
+    wp, np_ = pow2(w), pow2(n)
+    neg = jnp.float32(-jnp.inf)
+    i32 = jnp.int32
 
-    def best(x, key, pay, pay2, lo, hi):
-        """x, key, payloads [m] in index order -> the w best (lax.top_k's), compacted in index order, and their
-        ranks (``selection.ranks``): (x [wp], pay [wp], pay2 [wp], rank [wp]; entries s >= w padding). ``lo``, ``hi``:
-        bounds of the w-th largest key (``selection.select``)."""
-        sel, slot = select(key, w, lo, hi)
-        store(cval_ref.at[b, slot], x, mask=sel)
-        store(cpay_ref.at[b, slot], pay, mask=sel)
-        store(cpay2_ref.at[b, slot], pay2, mask=sel)
-        sync()
-        xs = load(cval_ref.at[b, s], mask=oks, other=0)
+    def frontier(s, ok):
+        """Scores of frontier m's slots s [...] or a scalar: the first list itself at depth 0 (-inf past its k
+        entries; ``first``: this call reads depth 0)."""
+        if first:
+            ok = ok & (s < k)
+            return jnp.where(ok, load(lp_ref.at[b, i32(0), jnp.where(ok, s, 0)], mask=ok, other=neg), neg)
+        return load(score_ref.at[b, m, jnp.where(ok, s, 0)], mask=ok, other=neg)
 
-        def load_key(j):
-            return jnp.where(j < w, order_key(load(cval_ref.at[b, j], mask=j < w, other=0)), MIN)
+    dd = jnp.minimum(d, dp - 1)
 
-        rank = ranks(jnp.where(oks, order_key(xs), MIN), load_key, w, wp, min(wp, _RANK_TILE))
-        return xs, load(cpay_ref.at[b, s], mask=oks, other=0), load(cpay2_ref.at[b, s], mask=oks, other=0), rank
+    def pair_keys(u, ok):  # pairs u [...] or a scalar -> (x, i, j)
+        i = load(ii_ref.at[jnp.where(ok, u, 0)], mask=ok, other=0)
+        j = load(jj_ref.at[jnp.where(ok, u, 0)], mask=ok, other=0)
+        return frontier(i, ok) + load(lp_ref.at[b, dd, jnp.where(ok, j, 0)], mask=ok, other=0), i, j
 
-    # Depth 0: the first list's best min(k, w); the other slots -inf.
-    first = s < min(k, w)
-    store(score_ref.at[b, 0, s], jnp.where(first, load(lp_ref.at[b, 0, s], mask=first, other=0), -jnp.inf))
-    store(htok_ref.at[b, 0, s], jnp.where(first, load(ids_ref.at[b, 0, s], mask=first, other=0), -1))
-    store(hpar_ref.at[b, 0, s], jnp.full((wp,), -1, jnp.int32))
-    sync()
+    # ---- frontier d from frontier d - 1 (d < dp): rank every pair, write the winners at their rank
+    @pl.when((t < progs_p) & (d < dp))
+    def _():
+        u = jnp.arange(np_, dtype=i32)
+        oku = u < n
+        xu, _, _ = pair_keys(u, oku)
+        keys = order_key(xu)
+        e = jnp.arange(dpp, dtype=i32)
+        for o in range(own_p):
+            own = t * own_p + o
+            okp = own < n
+            x, i, j = pair_keys(own, okp)
+            rank = _count_before(order_key(x), own, keys, u, oku)
+            win = okp & (rank < w)
+            at = jnp.where(win, rank, w)  # column w: a spare (the interpreter writes masked stores' old values back)
+            store(score_ref.at[b, dd, at], x, mask=win)
+            store(tok_ref.at[b, dd, at], load(ids_ref.at[b, dd, jnp.where(okp, j, 0)], mask=okp, other=0), mask=win)
+            store(par_ref.at[b, dd, at], i, mask=win)
+            up = win & (e < m)  # the parent's ancestors, then the parent
+            anc = load(anc_ref.at[b, jnp.maximum(m, 0), jnp.where(up, i, 0), jnp.where(up, e, 0)], mask=up, other=0)
+            store(anc_ref.at[b, dd, at, e], jnp.where(e == m, i, anc), mask=win & (e <= m))
 
-    # Depths 1 .. dp-1: the w best candidate pairs, written to the frontier in lax.top_k's order.
-    c = jnp.arange(np_, dtype=jnp.int32)
-    okc = c < n
-    ii = load(ii_ref.at[c], mask=okc, other=0)
-    jj = load(jj_ref.at[c], mask=okc, other=0)
-
-    # Bounds of the w-th best pair: pair (0, 0) is the largest; the a x (w / a) pairs (i < a, j < w / a) are all
-    # candidates and none below pair (a - 1, w / a - 1), so the w-th best is at least the largest of those.
-    corners = [(a - 1, w // a - 1) for a in range(1, w + 1) if w % a == 0 and w // a <= k]
-
-    def depth(d, carry):
-        x = load(score_ref.at[b, d - 1, ii], mask=okc, other=0) + load(lp_ref.at[b, d, jj], mask=okc, other=0)
-        tok = load(ids_ref.at[b, d, jj], mask=okc, other=0)
-        def pair(i, j):  # the key of one candidate pair (scalar loads; Python ints as int32 for the interpreter)
-            return order_key(load(score_ref.at[b, d - 1, jnp.int32(i)]) + load(lp_ref.at[b, d, jnp.int32(j)]))
-
-        lo = functools.reduce(jnp.maximum, [pair(i, j) for i, j in corners]) if corners else None
-        xs, tok, parent_slot, rank = best(x, jnp.where(okc, order_key(x), MIN), tok, ii, lo, pair(0, 0))
-        store(score_ref.at[b, d, rank], xs, mask=oks)
-        store(htok_ref.at[b, d, rank], tok, mask=oks)
-        store(hpar_ref.at[b, d, rank], parent_slot, mask=oks)
-        sync()
-        return carry
-
-    jax.lax.fori_loop(1, dp, depth, 0)
-
-    # The w best paths over all depths (flat index q = depth * wp + slot: ties shallower, then lower slot first).
-    q = jnp.arange(fp, dtype=jnp.int32)
-    qd, qs = q // wp, q % wp
-    okq = (qd < dp) & (qs < w)
-    x = jnp.where(okq, load(score_ref.at[b, qd, qs], mask=okq, other=0), -jnp.inf)
-    key = jnp.where(okq, order_key(x), MIN)
-    # depth 0 holds w paths at least as good as its w-th
-    lo = order_key(load(score_ref.at[b, jnp.int32(0), jnp.int32(w - 1)])) if k >= w else None
-    xs, qf, _, rank = best(x, key, q, q, lo, jnp.max(key))
-    store(place_ref.at[b, jnp.where(oks, qf, fp)], rank, mask=oks)  # padding to the spare column (see select)
-    sync()
-    dq, sq = qf // wp, qf % wp
-    valid = oks & (xs > -jnp.inf)
-    tok = load(htok_ref.at[b, dq, sq], mask=oks, other=0)
-    parent_slot = load(hpar_ref.at[b, dq, sq], mask=oks, other=0)
-    has_parent = valid & (dq > 0)
-    parent = load(place_ref.at[b, jnp.maximum((dq - 1) * wp + parent_slot, 0)], mask=has_parent, other=0) + 1
-    store(tok_ref.at[b, rank], jnp.where(valid, tok, -1), mask=oks)
-    store(dep_ref.at[b, rank], jnp.where(valid, dq + 1, 1), mask=oks)
-    store(par_ref.at[b, rank], jnp.where(has_parent, parent, 0), mask=oks)
-
-
-def supports(budget: int, k: int, depths: int) -> bool:
-    """Whether the kernel takes lists of ``depths`` x k for a tree of ``budget``: 0 < k <= budget, at least budget
-    candidate pairs, and both selections (a depth's pairs, every depth's paths, each padded to a power of two) within
-    ``selection.MAX_KEYS`` (at 15 depths: budgets up to 1024)."""
-    if not 0 < k <= budget or depths < 1:
-        return False
-    n = len(candidate_pairs(budget, k)[0])
-    return n >= budget and max(pow2(n), pow2(depths * pow2(budget))) <= MAX_KEYS
+    # ---- merge frontier m into the best paths: R (depths < m, sorted) and F (frontier m, sorted) -> the w best
+    @pl.when(t < -(-2 * w // own_m))
+    def _():
+        src, dst = jax.lax.bitwise_and(m + 1, 1), jax.lax.bitwise_and(m, 1)
+        u = jnp.arange(wp, dtype=i32)
+        oku = u < w
+        f_all = order_key(frontier(u, oku))
+        okr = oku & (m > 0)
+        r_all = order_key(load(rs_ref.at[b, src, jnp.where(okr, u, 0)], mask=okr, other=neg))
+        for o in range(own_m):
+            el = t * own_m + o
+            is_r = el < w
+            pos = jnp.where(is_r, el, el - w)
+            okm = (el < 2 * w) & ((~is_r) | (m > 0))  # no R before depth 0
+            r_val = load(rs_ref.at[b, src, jnp.where(okm & is_r, pos, 0)], mask=okm & is_r, other=neg)
+            f_val = frontier(pos, okm & ~is_r)
+            val = jnp.where(is_r, r_val, f_val)
+            kv = order_key(val)
+            # F's elements before an R element: strictly larger (index 1 against 0); R's before an F: not smaller
+            other = jnp.where(is_r, _count_before(kv, i32(0), f_all, jnp.ones_like(u), oku),
+                              _count_before(kv, i32(1), r_all, jnp.zeros_like(u), okr))
+            place = pos + other
+            keep = okm & (place < w)
+            q = jnp.where(is_r, load(rq_ref.at[b, src, jnp.where(okm & is_r, pos, 0)], mask=okm & is_r, other=0),
+                          m * w + pos)
+            at = jnp.where(keep, place, w)
+            store(rs_ref.at[b, dst, at], val, mask=keep)
+            store(rq_ref.at[b, dst, at], q, mask=keep)
+            store(place_ref.at[b, jnp.where(keep, q, dp * w)], place, mask=keep)
+            if first:  # frontier 0 is the first list: written by the call that merges it
+                first_row = okm & ~is_r
+                s0 = jnp.where(first_row, pos, w)
+                store(score_ref.at[b, i32(0), s0], val, mask=first_row)
+                tok0 = load(ids_ref.at[b, i32(0), jnp.where(first_row & (pos < k), pos, 0)],
+                            mask=first_row & (pos < k), other=-1)
+                store(tok_ref.at[b, i32(0), s0], tok0, mask=first_row)
+                store(par_ref.at[b, i32(0), s0], i32(-1), mask=first_row)
 
 
-@functools.partial(jax.jit, static_argnames=("budget", "interpret", "warps"))
-def best_first(lp: jax.Array, ids: jax.Array, budget: int, *, interpret: bool = False,
-               warps: int = 8) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(tokens, depths, parents) [B, budget] of DDTree's tree from lp [B, Dp, K] float32 and ids [B, Dp, K] int32
-    sorted descending per depth (K <= budget), as ``tree._best_first_one`` gives them (parents: tree indices, the
-    root 0). ``interpret``: the Pallas interpreter (CPU); ``warps``: of the program."""
+def _nodes_kernel(score_ref, tok_ref, anc_ref, rs_ref, rq_ref, place_ref, tok_out, dep_out, par_out, bits_out,
+                  *, w: int, dp: int, dpp: int, nw: int, fin: int):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as pltriton
 
-    b, dp, k = lp.shape
-    if lp.dtype != jnp.float32 or ids.shape != lp.shape or not supports(budget, k, dp):
-        raise ValueError(f"best_first takes float32 lists [B, Dp, K] with 0 < K <= budget, at least budget candidate "
-                         f"pairs and at most {MAX_KEYS} keys per selection (supports()), got {lp.dtype} {lp.shape}, "
-                         f"ids {ids.shape}, budget {budget}")
-    ii, jj = candidate_pairs(budget, k)
-    w, wp = budget, pow2(budget)
-    np_, fp = pow2(len(ii)), pow2(dp * wp)
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    outs = pl.pallas_call(
-        functools.partial(_kernel, w=w, wp=wp, k=k, dp=dp, n=len(ii), np_=np_, fp=fp, interpret=interpret),
-        grid=(b,),
-        out_shape=(i32(b, wp + 1), i32(b, wp + 1), i32(b, wp + 1),
-                   f32(b, dp, wp + 1), i32(b, dp, wp + 1), i32(b, dp, wp + 1),
-                   f32(b, wp + 1), i32(b, wp + 1), i32(b, wp + 1), i32(b, fp + 1)),
-        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=1),
-        interpret=interpret,
-        name="best_first",
-    )(lp, ids.astype(jnp.int32), jnp.asarray(ii), jnp.asarray(jj))
-    return tuple(o[:, :w] for o in outs[:3])
+    load, store = pltriton.load, pltriton.store
+    b, t = pl.program_id(0), pl.program_id(1)
+    p = t * NODES_OWN + jnp.arange(NODES_OWN, dtype=jnp.int32)
+    ok = p < w
+    x = load(rs_ref.at[b, jnp.int32(fin), jnp.where(ok, p, 0)], mask=ok, other=0)
+    q = load(rq_ref.at[b, jnp.int32(fin), jnp.where(ok, p, 0)], mask=ok, other=0)
+    valid = ok & (x > -jnp.inf)
+    d, s = q // w, q % w
+    tok = load(tok_ref.at[b, jnp.where(valid, d, 0), jnp.where(valid, s, 0)], mask=valid, other=-1)
+    word = jnp.arange(nw, dtype=jnp.int32)[None, :]
+
+    def bit(idx, on):  # [NODES_OWN] tree indices -> their bits in the words [NODES_OWN, nw]
+        return jnp.where(on[:, None] & (word == (idx >> 5)[:, None]), jnp.left_shift(1, idx & 31)[:, None], 0)
+
+    words = bit(p + 1, ok) | bit(jnp.zeros_like(p), ok)  # self and the root
+    parent = jnp.zeros_like(p)
+    for e in range(dp - 1):  # every ancestor's tree index: independent gathers
+        has = valid & (d > e)
+        a = load(anc_ref.at[b, jnp.where(has, d, 0), jnp.where(has, s, 0), jnp.int32(e)], mask=has, other=0)
+        idx = load(place_ref.at[b, jnp.where(has, e * w + a, 0)], mask=has, other=0) + 1
+        words = words | bit(idx, has)
+        parent = jnp.where(has & (d == e + 1), idx, parent)
+    out = jnp.where(ok, p, w)
+    store(tok_out.at[b, out], jnp.where(valid, tok, -1), mask=ok)
+    store(dep_out.at[b, out], jnp.where(valid, d + 1, 1), mask=ok)
+    store(par_out.at[b, out], parent, mask=ok)
+    store(bits_out.at[b, (out + 1)[:, None], word], words, mask=ok[:, None] & (word >= 0))
+    first = (t == 0) & (word[0] >= 0)  # the root's row: itself only
+    store(bits_out.at[b, jnp.int32(0), word[0]], jnp.where(word[0] == 0, 1, 0), mask=first)
+
+
+def supports(budget: int, k: int, depths: int) -> bool:
+    """Whether the kernels take lists of ``depths`` x k for a tree of ``budget``: 0 < k <= budget, depths >= 1, at
+    most ``MAX_PAIRS`` candidate pairs (padded; budgets up to 1024; run on a GPU up to 512)."""
+    return 0 < k <= budget and depths >= 1 and pow2(len(candidate_pairs(budget, k)[0])) <= MAX_PAIRS
+
+
+@functools.partial(jax.jit, static_argnames=("budget", "k", "interpret", "warps"))
+def best_first(lp: jax.Array, ids: jax.Array, budget: int, k: int | None = None, *, interpret: bool = False,
+               warps: int = WARPS):
+    """(tokens, depths, parents) [B, budget] and bits [B, 1 + budget, ceil((1 + budget) / 32)] uint32 of DDTree's tree
+    from lp [B, Dp, K] float32 and ids [B, Dp, K] int32 sorted descending per depth in their first k <= K columns
+    (default K; k <= budget), as ``tree._best_first_one`` and ``tree.ancestor_bits`` give them (parents: tree indices,
+    the root 0). ``interpret``: the Pallas interpreter (CPU); ``warps``: of each program."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.triton as pltriton
+
+    b, dp, kk = lp.shape
+    k = kk if k is None else k
+    if lp.dtype != jnp.float32 or ids.shape != lp.shape or k > kk or not supports(budget, k, dp):
+        raise ValueError(f"best_first takes float32 lists [B, Dp, K] with 0 < K <= budget and at most {MAX_PAIRS} "
+                         f"candidate pairs (supports()), got {lp.dtype} {lp.shape}, ids {ids.shape}, k {k}, "
+                         f"budget {budget}")
+    w = budget
+    ii, jj = candidate_pairs(w, k)
+    n, dpp, nw = len(ii), pow2(dp), pow2(-(-(w + 1) // 32))
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+    params = pltriton.CompilerParams(num_warps=warps, num_stages=1)
+    scratch = (f32(b, dp, w + 1), i32(b, dp, w + 1), i32(b, dp, w + 1), i32(b, dp, w + 1, dpp), f32(b, 2, w + 1),
+               i32(b, 2, w + 1), i32(b, dp * w + 1))
+
+    own_p = own_m = own_per_program(n)
+    progs_p = -(-n // own_p)
+
+    def depth(first: bool):  # the first call reads none of the scratch: fresh (unwritten) buffers, no zero fill
+        return pl.pallas_call(
+            functools.partial(_depth_kernel, w=w, k=k, dp=dp, dpp=dpp, n=n, own_p=own_p, own_m=own_m, progs_p=progs_p,
+                              first=first),
+            grid=(b, max(progs_p, -(-2 * w // own_m))), out_shape=scratch,
+            input_output_aliases={} if first else {5 + a: a for a in range(len(scratch))}, compiler_params=params,
+            interpret=interpret, name="best_first_depth")
+
+    args = (lp, ids.astype(jnp.int32), jnp.asarray(ii), jnp.asarray(jj))
+    bufs = depth(True)(jnp.ones((1,), jnp.int32), *args)
+    for d in range(2, dp + 1):
+        bufs = depth(False)(jnp.full((1,), d, jnp.int32), *args, *bufs)
+    score, tok, _, anc, rs, rq, place = bufs
+    tokens, depths, parents, bits = pl.pallas_call(
+        functools.partial(_nodes_kernel, w=w, dp=dp, dpp=dpp, nw=nw, fin=(dp - 1) % 2),
+        grid=(b, -(-w // NODES_OWN)), out_shape=(i32(b, w + 1), i32(b, w + 1), i32(b, w + 1), i32(b, w + 2, nw)),
+        compiler_params=params, interpret=interpret, name="best_first_nodes",
+    )(score, tok, anc, rs, rq, place)
+    words = -(-(w + 1) // 32)
+    return (tokens[:, :w], depths[:, :w], parents[:, :w],
+            jax.lax.bitcast_convert_type(bits[:, : w + 1, :words], jnp.uint32))

@@ -1,11 +1,12 @@
 """Exact selection inside one Pallas (Triton) program, without a sort: ``lax.top_k``'s order (larger first, ties:
-lower index first) from counts and cumsums. ``vocab_top_k`` and ``best_first`` build on these.
+lower index first) from counts and cumsums. ``vocab_top_k``'s chunk selection builds on these, and ``best_first`` on
+``order_key``.
 
 Keys are the float32 bits mapped to int32 in the float total order (-0.0 below +0.0; ``order_key``). The largest key
 t with count(key >= t) >= k is found by a search that cuts its interval to a third per count (two thresholds
 counted at once: at most 21 counts, fewer from known bounds); every key > t is taken, then the first
 k - count(key > t) keys equal to t in index order (a cumsum): exactly the k entries ``lax.top_k`` returns.
-Positions among them come from a cumsum too, and their order from a rank count (``ranks``).
+Positions among them come from a cumsum too.
 
 Everything here is one-dimensional where it can be: the Triton lowering reduces a 2-D tensor axis by axis, with a
 layout change in between.
@@ -17,11 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.ranking import rank_count
-
 MIN = np.int32(-(2**31))  # below every key: padding
 MAX_KEYS = 2**15 - 1  # keys one select takes at most (its counts share an int32, 16 bits each)
-_LOADS_IN_FLIGHT = 8  # tiles of ``ranks`` whose loads are issued together, before their compares (bounds the registers)
 
 
 def order_key(x):
@@ -75,18 +73,3 @@ def select_from(key, k: int, t):
     eq_so_far, gt_so_far = both & 0xFFFF, both >> 16
     sel = gt | (eq & (eq_so_far <= need))
     return sel, jnp.where(sel, gt_so_far + jnp.minimum(eq_so_far, need) - 1, k)
-
-
-def ranks(key, load_key, k: int, kp: int, tile: int):
-    """Each of k entries' place in lax.top_k's order among them (a permutation of 0..k-1; k for the padding).
-    key [kp] int32 (entries i < k real), ``load_key(j)`` -> the keys of entries j [tile] (MIN where j >= k): a rank
-    count (``ranking.rank_count``) of [kp, tile] compares at a time, since a [kp, kp] tensor would not fit in
-    registers, a few tiles' loads issued together."""
-    i = jnp.arange(kp, dtype=jnp.int32)
-
-    def load_tile(t):
-        j = t * tile + jnp.arange(tile, dtype=jnp.int32)
-        return load_key(j), j, j < k
-
-    rank = rank_count(key, i, load_tile, kp // tile, tile, group=_LOADS_IN_FLIGHT)
-    return jnp.where(i < k, rank, k)

@@ -601,7 +601,8 @@ def test_selection_takes_lax_top_k_s_entries_with_and_without_bounds(seed):
     (1, 1, 8, 20, "continuous"),  # one depth: no scan
 ])
 def test_best_first_kernel_builds_the_xla_scan_s_tree(b, depths, budget, vocab, case):
-    """The best_first kernel (Pallas interpreter) gives tree._best_first_one's tokens, depths and parents."""
+    """The best_first kernels (Pallas interpreter) give tree._best_first_one's tokens, depths and parents, and
+    tree.ancestor_bits' words for them."""
     rng = np.random.default_rng(budget + depths)
     x = rng.standard_normal((b, depths, vocab)).astype(np.float32) * 2
     x = {"ties": np.round(x), "zeros": np.zeros_like(x)}.get(case, x)
@@ -609,18 +610,21 @@ def test_best_first_kernel_builds_the_xla_scan_s_tree(b, depths, budget, vocab, 
     if case == "ties" and depths > 3:
         lp = lp.at[:, 3, 2:].set(-jnp.inf)
     want = jax.vmap(lambda lp_, ids_: trees._best_first_one(lp_, ids_, budget, select="sort"))(lp, ids)
-    got = bf.best_first(lp, ids, budget, interpret=True)
-    for w, g in zip(want, got):
+    *got, bits = bf.best_first(lp, ids, budget, interpret=True)
+    for w, g in zip(want, got, strict=True):
         assert g.shape == w.shape == (b, budget)
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), want[2]], axis=1)
+    np.testing.assert_array_equal(np.asarray(bits), np.asarray(trees.ancestor_bits(parents, depths)))
 
 
-def test_best_first_kernel_refuses_lists_longer_than_the_budget_and_selections_too_long():
+def test_best_first_kernel_refuses_lists_longer_than_the_budget_and_too_many_pairs():
     with pytest.raises(ValueError, match="0 < K <= budget"):
         bf.best_first(jnp.zeros((1, 3, 9)), jnp.zeros((1, 3, 9), jnp.int32), 8, interpret=True)
-    assert bf.supports(1024, 1024, 15) and not bf.supports(2048, 2048, 15)  # 15 x 2048 paths > selection.MAX_KEYS
-    with pytest.raises(ValueError, match="at most 32767 keys"):
+    assert bf.supports(1024, 1024, 15) and not bf.supports(2048, 2048, 15)  # 16,8xx pairs: 32768 padded
+    with pytest.raises(ValueError, match="at most 8192 candidate pairs"):
         bf.best_first(jnp.zeros((1, 15, 2048)), jnp.zeros((1, 15, 2048), jnp.int32), 2048, interpret=True)
+    assert [bf.own_per_program(n) for n in (280, 1024, 1025, 1466, 3280)] == [1, 1, 2, 2, 3]
     with pytest.raises(ValueError, match="at most 32767 keys"):
         selection.select(jnp.zeros((2**15,), jnp.int32), 4)
 

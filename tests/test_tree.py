@@ -218,13 +218,13 @@ def test_selections_build_the_same_tree(budget, vocab, scale):
 
 
 def test_default_selection_counts_on_gpu_where_timed_faster(monkeypatch):
-    """On GPU at batch 1 the best_first kernel up to budget 96, rank counting up to 512 (each timed faster there),
+    """On GPU at batch 1 the best_first kernels up to budget 256, rank counting up to 512 (each timed faster there),
     a sort beyond, at batch 8, and on CPU."""
     monkeypatch.setattr(trees.jax, "default_backend", lambda: "gpu")
-    assert [trees.default_select(b) for b in (16, 96, 97, 128, 256, 512, 513)] == [
-        "kernel", "kernel", "count", "count", "count", "count", "sort"]
+    assert [trees.default_select(b) for b in (16, 96, 128, 256, 257, 512, 513)] == [
+        "kernel", "kernel", "kernel", "kernel", "count", "count", "sort"]
     assert [trees.default_select(64, b) for b in (1, 2, 8)] == ["kernel", "sort", "sort"]
-    assert [trees.default_select(256, b) for b in (1, 2, 8)] == ["count", "sort", "sort"]
+    assert [trees.default_select(384, b) for b in (1, 2, 8)] == ["count", "sort", "sort"]
     monkeypatch.setattr(trees.jax, "default_backend", lambda: "cpu")
     assert trees.default_select(16) == "sort"
 
