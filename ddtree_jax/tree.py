@@ -21,7 +21,8 @@ Defaults (:func:`default_select`): on GPU at batch 1 the kernels up to budget 25
 
 Before the depths, the per-depth top-k over the vocabulary; after them, the packed ancestor mask. Both have Pallas
 kernels (``pallas_kernels.vocab_top_k``, ``pallas_kernels.ancestor_bits``) beside their XLA forms here, the GPU
-defaults for one sequence (:func:`default_kernels`); the same trees either way.
+defaults for one sequence (:func:`default_kernels`); the same trees either way. With ``select="kernel"`` the mask
+comes from ``best_first``'s own last kernel.
 """
 
 from __future__ import annotations
