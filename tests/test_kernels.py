@@ -10,6 +10,7 @@ random / chain (full depth) / star trees. The GPU grid (prefixes to 32k, T to 10
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import numpy as np
@@ -22,15 +23,29 @@ from ddtree_jax import shapes, tree as trees
 from pallas_kernels import ancestor_bits, best_first as bf, selection, stacked_matmul as sm, tree_accept as ta
 from pallas_kernels import vocab_top_k
 from pallas_kernels import tree_attention as tat
-from pallas_kernels.inputs import accept_inputs, ancestor_mask, attention_inputs, qkv_write_inputs, random_parents
+from pallas_kernels import inputs
+from pallas_kernels.inputs import accept_inputs, ancestor_mask, qkv_write_inputs, random_parents
 from pallas_kernels.bitmask import pack_bits, unpack_bits
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "ddtree_reference")
 
 
+def attention_inputs(*args, **kw):
+    """pallas_kernels.inputs.attention_inputs traced into one program (its arguments are all static: the numpy tree
+    masks are built while tracing): the same arrays as eagerly, without compiling each jax.random and bit-packing
+    op on its own for every new shape."""
+    return jax.jit(lambda: inputs.attention_inputs(*args, **kw))()
+
+
+# The references and the kernels' wrappers jitted, one program per shape (as the model calls them), rather than
+# dispatched op by op, each op compiled on its own for every new shape
+@jax.jit
 def _f32_reference(q, k, v, p, bits):
     with jax.default_matmul_precision("highest"):
         return tat.tree_attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), p, bits)
+
+
+_xla_reference = jax.jit(tat.tree_attention_reference)
 
 
 # ------------------------------------------------------------------------------------ tree attention
@@ -50,11 +65,11 @@ def test_tree_attention_interpret_matches_reference(case):
     b, t, h, kv, hd, plens, kind, cfg = case
     s = max(plens) + t + 64  # slack: the interpreter need not emulate TMA's zero fill past the end
     q, k, v, p, bits = attention_inputs(sum(plens) + t, b, t, h, kv, s, hd, plens, kind)
-    out = tat.tree_attention(q, k, v, p, bits, interpret=True, config=cfg)
+    out = jax.jit(functools.partial(tat.tree_attention, interpret=True, config=cfg))(q, k, v, p, bits)
     assert out.shape == q.shape and out.dtype == q.dtype
     out = np.asarray(out, np.float32)
     ref = np.asarray(_f32_reference(q, k, v, p, bits))
-    xla = np.asarray(tat.tree_attention_reference(q, k, v, p, bits), np.float32)  # the bf16 XLA path
+    xla = np.asarray(_xla_reference(q, k, v, p, bits), np.float32)  # the bf16 XLA path
     assert not np.isnan(out).any()
     err = np.abs(out - ref).max()
     # bf16 output rounding dominates: the kernel must be about as close to f32 as the XLA path is
@@ -74,10 +89,10 @@ def test_tree_attention_reads_a_layer_of_the_stacked_cache_in_place():
     k, v = jnp.stack([k0, k1, k2]), jnp.stack([v0, v1, v2])
     run = jax.jit(lambda q, k, v, p, bits, layer: tat.tree_attention(q, k, v, p, bits, interpret=True, layer=layer))
     got = run(q, k, v, p, bits, jnp.int32(1))
-    want = tat.tree_attention(q, k1, v1, p, bits, interpret=True)
+    want = jax.jit(functools.partial(tat.tree_attention, interpret=True))(q, k1, v1, p, bits)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    np.testing.assert_array_equal(np.asarray(tat.tree_attention_reference(q, k, v, p, bits, layer=2), np.float32),
-                                  np.asarray(tat.tree_attention_reference(q, k2, v2, p, bits), np.float32))
+    np.testing.assert_array_equal(np.asarray(_xla_reference(q, k, v, p, bits, layer=2), np.float32),
+                                  np.asarray(_xla_reference(q, k2, v2, p, bits), np.float32))
     with pytest.raises(ValueError, match="L, B, S, K, hd"):
         tat.tree_attention(q, k1, v1, p, bits, interpret=True, layer=0)
 
@@ -123,7 +138,7 @@ def test_tree_attention_separate_partial_buffers(monkeypatch):
     """The fallback layout (f32 partials in their own SMEM, no ping-pong) stays correct."""
     monkeypatch.setattr(tat, "_SPLIT_PARTIALS_IN_RING", False)
     q, k, v, p, bits = attention_inputs(4, 2, 6, 4, 2, 200, 64, [9, 120], "random")
-    out = tat.tree_attention(q, k, v, p, bits, config=(2, 64, 3, 3, False), interpret=True)
+    out = jax.jit(functools.partial(tat.tree_attention, config=(2, 64, 3, 3, False), interpret=True))(q, k, v, p, bits)
     ref = np.asarray(_f32_reference(q, k, v, p, bits))
     assert np.linalg.norm(np.asarray(out, np.float32) - ref) / np.linalg.norm(ref) < 1e-2
     assert tat.default_config(1, 65, 32, 8, 8192, 128)[1:3] == (64, 3)  # smaller ring when split
