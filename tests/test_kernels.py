@@ -452,8 +452,8 @@ def test_add_norm_is_the_residual_add_and_rms_norm(shape):
     kernel = jax.jit(functools.partial(add_norm.add_norm, eps=1e-6, interpret=True))
     s, h = kernel(x, d, w)
     want_s, want_h = jax.jit(functools.partial(add_norm.reference, eps=1e-6))(x, d, w)
-    np.testing.assert_array_equal(np.asarray(want_h, np.float32),
-                                  np.asarray(jax.jit(lambda x, d, w: model.rms_norm(x + d, w, 1e-6))(x, d, w), np.float32))
+    normed = jax.jit(lambda x, d, w: model.rms_norm(x + d, w, 1e-6))(x, d, w)
+    np.testing.assert_array_equal(np.asarray(want_h, np.float32), np.asarray(normed, np.float32))
     np.testing.assert_array_equal(np.asarray(s), np.asarray(want_s))
     np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(want_h, np.float32), rtol=2**-7, atol=0)
     assert h.dtype == jnp.bfloat16 and h.shape == shape
