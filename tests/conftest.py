@@ -47,28 +47,28 @@ def pytest_configure(config):
         jax.config.update("jax_compilation_cache_max_size", 8 << 30)
 
 
-# Test modules, longest first (seconds on one of two busy xdist workers, 2026-12-02): xdist hands whole modules
-# (--dist loadfile) to whichever worker asks next, in collection order (--no-loadscope-reorder keeps it; xdist's own
-# order is by test count), so the long ones start at once and the short ones fill the end, instead of the 8-device
-# sharding subprocess or the sampling test starting last on one worker while the other idles. Modules not listed run
-# after these, in file order.
+# Test modules, longest first (seconds on one of two busy xdist workers, 2026-12-02, after the suite-speed-2 branch's
+# cuts): xdist hands whole modules (--dist loadfile) to whichever worker asks next, in collection order
+# (--no-loadscope-reorder keeps it; xdist's own order is by test count), so the long ones start at once and the short
+# ones fill the end, instead of the 8-device sharding subprocess or the sampling test (one test: it cannot be split)
+# starting last on one worker while the other idles. Modules not listed run after these, in file order.
 LONGEST_FIRST = (
-    "test_kernels.py",  # 250: the Pallas interpreter
-    "test_sharding.py",  # 220: one 8-device subprocess, besides the worker
-    "test_decode.py",  # 230
-    "test_tree.py",  # 140
-    "test_bench.py",  # 120
-    "test_serve.py",  # 100: four servers, besides the worker
-    "test_train_draft.py",  # 90
-    "test_sampling.py",  # 90
+    "test_sharding.py",  # 200: one 8-device subprocess, besides the worker
+    "test_kernels.py",  # 180: the Pallas interpreter
+    "test_decode.py",  # 180
+    "test_bench.py",  # 150
+    "test_sampling.py",  # 120: one test
+    "test_train_draft.py",  # 110
+    "test_serve.py",  # 105: four servers, besides the worker
+    "test_tree.py",  # 95
     "test_engine.py",  # 70
-    "test_notebooks.py",  # 50
-    "test_model.py",  # 45
-    "test_oracle.py",  # 35
-    "test_cli.py",  # 35
-    "test_convert.py",  # 35
-    "test_gguf.py",  # 30 (3 s without the cached SmolLM2 GGUF)
-    "test_accept.py",  # 30
+    "test_notebooks.py",  # 55
+    "test_model.py",  # 40
+    "test_convert.py",  # 30
+    "test_oracle.py",  # 30
+    "test_gguf.py",  # 25 (3 s without the cached SmolLM2 GGUF)
+    "test_cli.py",  # 20
+    "test_accept.py",  # 20
 )
 
 

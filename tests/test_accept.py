@@ -9,6 +9,12 @@ from ddtree_jax import accept
 from ddtree_jax.tree import Tree, ancestor_bits
 from tests.conftest import fixture_path
 
+# jitted (one program per shape) rather than dispatched op by op, each op compiled on its own for every new shape
+ancestor_bits_jit = jax.jit(ancestor_bits, static_argnums=1)
+node_keys = jax.jit(accept.node_keys, static_argnums=2)
+choose = jax.jit(accept.choose, static_argnames=("sampling", "filtering"))
+filter_logits = jax.jit(accept.filter_logits)
+
 
 def depths_from_parents(parents):
     depths = np.zeros(len(parents), np.int32)
@@ -32,7 +38,7 @@ def make_tree(cases, size):
         choice[i, : n + 1] = c["posterior"]
     max_depth = int(depths.max())
     parents = jnp.asarray(parents)
-    tree = Tree(jnp.asarray(tokens), jnp.asarray(depths), parents, ancestor_bits(parents, max_depth))
+    tree = Tree(jnp.asarray(tokens), jnp.asarray(depths), parents, ancestor_bits_jit(parents, max_depth))
     return tree, jnp.asarray(choice), max_depth
 
 
@@ -93,8 +99,9 @@ def test_walk_rejects_unused_slots_and_matches_a_python_walk():
     choice = rng.integers(0, vocab, (b, n + 1)).astype(np.int32)
     depths = np.stack([depths_from_parents(p)[1:] for p in parents])
     md = int(depths.max())
-    tree = Tree(jnp.asarray(tokens), jnp.asarray(depths), jnp.asarray(parents), ancestor_bits(jnp.asarray(parents), md))
-    path, length, bonus = accept.walk(tree, jnp.asarray(choice), md)
+    parents_ = jnp.asarray(parents)
+    tree = Tree(jnp.asarray(tokens), jnp.asarray(depths), parents_, ancestor_bits_jit(parents_, md))
+    path, length, bonus = walk(tree, jnp.asarray(choice), md)
     for r in range(b):
         want = accept.walk_host(tokens[r], parents[r], choice[r])  # follow_verified_tree, step by step
         assert int(length[r]) == len(want)
@@ -106,18 +113,18 @@ def test_walk_rejects_unused_slots_and_matches_a_python_walk():
 def test_greedy_choice_is_argmax():
     rng = np.random.default_rng(1)
     logits = jnp.asarray(rng.standard_normal((3, 9, 256)).astype(np.float32))
-    keys = accept.node_keys(jax.vmap(jax.random.key)(jnp.arange(3, dtype=jnp.uint32)), jnp.asarray([5, 6, 7]), 9)
+    keys = node_keys(jax.vmap(jax.random.key)(jnp.arange(3, dtype=jnp.uint32)), jnp.asarray([5, 6, 7]), 9)
     zeros = jnp.zeros(3)
-    got = accept.choose(logits, keys, zeros, jnp.full(3, 0.5), jnp.full(3, 3, jnp.int32))
+    got = choose(logits, keys, zeros, jnp.full(3, 0.5), jnp.full(3, 3, jnp.int32))
     np.testing.assert_array_equal(got, np.asarray(logits).argmax(-1))
 
 
 def test_node_keys_are_distinct_and_depend_only_on_own_seed_and_position():
     seq = jax.vmap(jax.random.key)(jnp.asarray([0, 1, 0], jnp.uint32))
-    keys = accept.node_keys(seq, jnp.asarray([10, 10, 11]), 6)
+    keys = node_keys(seq, jnp.asarray([10, 10, 11]), 6)
     data = np.asarray(jax.random.key_data(keys)).reshape(18, -1)
     assert len({tuple(r) for r in data}) == 18
-    alone = accept.node_keys(seq[1:2], jnp.asarray([10]), 6)
+    alone = node_keys(seq[1:2], jnp.asarray([10]), 6)
     np.testing.assert_array_equal(jax.random.key_data(alone[0]), jax.random.key_data(keys[1]))
 
 
@@ -134,7 +141,7 @@ def hand_logits():
 
 def kept(temperature, top_p, top_k):
     lg = jnp.asarray(np.tile(hand_logits(), (1, 1, 1)))
-    out = accept.filter_logits(lg, jnp.asarray([temperature]), jnp.asarray([top_p]), jnp.asarray([top_k], jnp.int32))
+    out = filter_logits(lg, jnp.asarray([temperature]), jnp.asarray([top_p]), jnp.asarray([top_k], jnp.int32))
     out = np.asarray(out[0, 0])
     keep = np.isfinite(out)
     np.testing.assert_allclose(out[keep], hand_logits()[keep] / temperature, rtol=1e-6)
@@ -193,7 +200,9 @@ def test_filter_matches_a_sorted_cumulative_sum_on_random_logits(seed, form, mon
     x = x.astype(np.float32)
     top_p = np.asarray([1.0, 0.9, 0.5, 0.99, 1.0, 0.7], np.float32)
     top_k = np.asarray([0, 0, 0, 40, 7, 300], np.int32)
-    out = np.asarray(accept.filter_logits(jnp.asarray(x), jnp.ones(b), jnp.asarray(top_p), jnp.asarray(top_k)))
+    # a fresh function to trace: the patched sharding module decides the form while tracing
+    out = np.asarray(jax.jit(lambda *a: accept.filter_logits(*a))(jnp.asarray(x), jnp.ones(b), jnp.asarray(top_p),
+                                                                   jnp.asarray(top_k)))
     for i in range(b):
         for j in range(t):
             want = sorted_filter(x[i, j].astype(np.float64), float(top_p[i]), int(top_k[i]))
@@ -203,7 +212,7 @@ def test_filter_matches_a_sorted_cumulative_sum_on_random_logits(seed, form, mon
 
 def test_filter_is_per_sequence():
     lg = jnp.asarray(np.tile(hand_logits(), (4, 2, 1)))
-    out = accept.filter_logits(
+    out = filter_logits(
         lg, jnp.asarray([1.0, 1.0, 1.0, 0.5]), jnp.asarray([1.0, 0.5, 1.0, 0.7]), jnp.asarray([0, 0, 3, 0], jnp.int32)
     )
     sets = [set(np.flatnonzero(np.isfinite(np.asarray(out[b, t]))).tolist()) for b in range(4) for t in range(2)]
@@ -265,12 +274,12 @@ def test_the_choice_has_no_branch_and_each_program_agrees_where_it_applies():
     gives the general one's tokens: greedy rows the argmax, unfiltered sampled rows the same sample (same keys)."""
     rng = np.random.default_rng(2)
     logits = jnp.asarray(rng.standard_normal((3, 5, 64)).astype(np.float32))
-    keys = accept.node_keys(jax.vmap(jax.random.key)(jnp.arange(3, dtype=jnp.uint32)), jnp.asarray([3, 4, 5]), 5)
+    keys = node_keys(jax.vmap(jax.random.key)(jnp.arange(3, dtype=jnp.uint32)), jnp.asarray([3, 4, 5]), 5)
     greedy = (logits, keys, jnp.zeros(3), jnp.ones(3), jnp.zeros(3, jnp.int32))
-    np.testing.assert_array_equal(accept.choose(*greedy, sampling=False), np.asarray(logits).argmax(-1))
-    np.testing.assert_array_equal(accept.choose(*greedy, sampling=False), accept.choose(*greedy))
+    np.testing.assert_array_equal(choose(*greedy, sampling=False), np.asarray(logits).argmax(-1))
+    np.testing.assert_array_equal(choose(*greedy, sampling=False), choose(*greedy))
     hot = (logits, keys, jnp.asarray([0.0, 1.0, 0.7]), jnp.ones(3), jnp.zeros(3, jnp.int32))
-    plain, general = accept.choose(*hot, filtering=False), accept.choose(*hot)
+    plain, general = choose(*hot, filtering=False), choose(*hot)
     np.testing.assert_array_equal(plain, general)
     assert (np.asarray(plain)[1:] != np.asarray(logits).argmax(-1)[1:]).any()  # the hot rows sampled
     np.testing.assert_array_equal(plain[0], np.asarray(logits)[0].argmax(-1))

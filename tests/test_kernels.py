@@ -10,6 +10,7 @@ random / chain (full depth) / star trees. The GPU grid (prefixes to 32k, T to 10
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import numpy as np
@@ -22,15 +23,29 @@ from ddtree_jax import shapes, tree as trees
 from pallas_kernels import ancestor_bits, best_first as bf, selection, stacked_matmul as sm, tree_accept as ta
 from pallas_kernels import vocab_top_k
 from pallas_kernels import tree_attention as tat
-from pallas_kernels.inputs import accept_inputs, ancestor_mask, attention_inputs, qkv_write_inputs, random_parents
+from pallas_kernels import inputs
+from pallas_kernels.inputs import accept_inputs, ancestor_mask, qkv_write_inputs, random_parents
 from pallas_kernels.bitmask import pack_bits, unpack_bits
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "ddtree_reference")
 
 
+def attention_inputs(*args, **kw):
+    """pallas_kernels.inputs.attention_inputs traced into one program (its arguments are all static: the numpy tree
+    masks are built while tracing): the same arrays as eagerly, without compiling each jax.random and bit-packing
+    op on its own for every new shape."""
+    return jax.jit(lambda: inputs.attention_inputs(*args, **kw))()
+
+
+# The references and the kernels' wrappers jitted, one program per shape (as the model calls them), rather than
+# dispatched op by op, each op compiled on its own for every new shape
+@jax.jit
 def _f32_reference(q, k, v, p, bits):
     with jax.default_matmul_precision("highest"):
         return tat.tree_attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), p, bits)
+
+
+_xla_reference = jax.jit(tat.tree_attention_reference)
 
 
 # ------------------------------------------------------------------------------------ tree attention
@@ -50,11 +65,11 @@ def test_tree_attention_interpret_matches_reference(case):
     b, t, h, kv, hd, plens, kind, cfg = case
     s = max(plens) + t + 64  # slack: the interpreter need not emulate TMA's zero fill past the end
     q, k, v, p, bits = attention_inputs(sum(plens) + t, b, t, h, kv, s, hd, plens, kind)
-    out = tat.tree_attention(q, k, v, p, bits, interpret=True, config=cfg)
+    out = jax.jit(functools.partial(tat.tree_attention, interpret=True, config=cfg))(q, k, v, p, bits)
     assert out.shape == q.shape and out.dtype == q.dtype
     out = np.asarray(out, np.float32)
     ref = np.asarray(_f32_reference(q, k, v, p, bits))
-    xla = np.asarray(tat.tree_attention_reference(q, k, v, p, bits), np.float32)  # the bf16 XLA path
+    xla = np.asarray(_xla_reference(q, k, v, p, bits), np.float32)  # the bf16 XLA path
     assert not np.isnan(out).any()
     err = np.abs(out - ref).max()
     # bf16 output rounding dominates: the kernel must be about as close to f32 as the XLA path is
@@ -74,10 +89,10 @@ def test_tree_attention_reads_a_layer_of_the_stacked_cache_in_place():
     k, v = jnp.stack([k0, k1, k2]), jnp.stack([v0, v1, v2])
     run = jax.jit(lambda q, k, v, p, bits, layer: tat.tree_attention(q, k, v, p, bits, interpret=True, layer=layer))
     got = run(q, k, v, p, bits, jnp.int32(1))
-    want = tat.tree_attention(q, k1, v1, p, bits, interpret=True)
+    want = jax.jit(functools.partial(tat.tree_attention, interpret=True))(q, k1, v1, p, bits)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    np.testing.assert_array_equal(np.asarray(tat.tree_attention_reference(q, k, v, p, bits, layer=2), np.float32),
-                                  np.asarray(tat.tree_attention_reference(q, k2, v2, p, bits), np.float32))
+    np.testing.assert_array_equal(np.asarray(_xla_reference(q, k, v, p, bits, layer=2), np.float32),
+                                  np.asarray(_xla_reference(q, k2, v2, p, bits), np.float32))
     with pytest.raises(ValueError, match="L, B, S, K, hd"):
         tat.tree_attention(q, k1, v1, p, bits, interpret=True, layer=0)
 
@@ -123,7 +138,7 @@ def test_tree_attention_separate_partial_buffers(monkeypatch):
     """The fallback layout (f32 partials in their own SMEM, no ping-pong) stays correct."""
     monkeypatch.setattr(tat, "_SPLIT_PARTIALS_IN_RING", False)
     q, k, v, p, bits = attention_inputs(4, 2, 6, 4, 2, 200, 64, [9, 120], "random")
-    out = tat.tree_attention(q, k, v, p, bits, config=(2, 64, 3, 3, False), interpret=True)
+    out = jax.jit(functools.partial(tat.tree_attention, config=(2, 64, 3, 3, False), interpret=True))(q, k, v, p, bits)
     ref = np.asarray(_f32_reference(q, k, v, p, bits))
     assert np.linalg.norm(np.asarray(out, np.float32) - ref) / np.linalg.norm(ref) < 1e-2
     assert tat.default_config(1, 65, 32, 8, 8192, 128)[1:3] == (64, 3)  # smaller ring when split
@@ -150,12 +165,13 @@ def test_pad_rows_adds_rows_that_see_themselves_only(n, t):
     from pallas_kernels.bitmask import pad_rows
 
     vis = np.random.default_rng(n).random((2, n, n)) < 0.5
-    got = np.asarray(unpack_bits(pad_rows(pack_bits(jnp.asarray(vis)), t), t))
+    padded = jax.jit(lambda x: pad_rows(pack_bits(x), t))(jnp.asarray(vis))
+    got = np.asarray(jax.jit(unpack_bits, static_argnums=1)(padded, t))
     want = np.zeros((2, t, t), bool)
     want[:, :n, :n] = vis
     want[:, np.arange(n, t), np.arange(n, t)] = True
     np.testing.assert_array_equal(got, want)
-    assert pad_rows(pack_bits(jnp.asarray(vis)), t).shape == (2, t, -(-t // 32))
+    assert padded.shape == (2, t, -(-t // 32))
 
 
 @pytest.mark.parametrize("t", [1, 31, 33, 100])
@@ -166,8 +182,8 @@ def test_shifted_bits(t):
     vis = rng.random((b, t, t)) < 0.5
     plens = np.arange(b) * 13 + 5  # every residue mod 8
     words = tat._tree_tiles(t, 64) * 2
-    got = unpack_bits(tat._shifted_bits(pack_bits(jnp.asarray(vis)), jnp.asarray(plens, jnp.int32), t, words),
-                      32 * words)
+    got = jax.jit(lambda x, p: unpack_bits(tat._shifted_bits(pack_bits(x), p, t, words), 32 * words))(
+        jnp.asarray(vis), jnp.asarray(plens, jnp.int32))
     want = np.zeros((b, t, 32 * words), bool)
     for i, p in enumerate(plens):
         off = p % 8
@@ -209,12 +225,12 @@ def _check_golden(path, length, bonus, cases):
 
 def test_tree_accept_reference_golden():
     tok, par, tgt, cases = _golden_batch()
-    _check_golden(*ta.tree_accept_reference(tok, par, tgt, max_depth=7), cases)
+    _check_golden(*jax.jit(functools.partial(ta.tree_accept_reference, max_depth=7))(tok, par, tgt), cases)
 
 
 def test_tree_accept_interpret_golden():
     tok, par, tgt, cases = _golden_batch()
-    _check_golden(*ta.tree_accept(tok, par, tgt, max_depth=7, interpret=True), cases)
+    _check_golden(*jax.jit(functools.partial(ta.tree_accept, max_depth=7, interpret=True))(tok, par, tgt), cases)
 
 
 @pytest.mark.parametrize("n1,kind,max_depth", [(65, "random", 7), (33, "chain", 32), (40, "star", 3),
@@ -222,8 +238,8 @@ def test_tree_accept_interpret_golden():
 def test_tree_accept_interpret_matches_reference(n1, kind, max_depth):
     rng = np.random.default_rng(n1)
     tok, par, tgt = accept_inputs(rng, 4, n1, kind, max_depth)
-    got = ta.tree_accept(tok, par, tgt, max_depth=max_depth, interpret=True)
-    want = ta.tree_accept_reference(tok, par, tgt, max_depth=max_depth)
+    got = jax.jit(functools.partial(ta.tree_accept, max_depth=max_depth, interpret=True))(tok, par, tgt)
+    want = jax.jit(functools.partial(ta.tree_accept_reference, max_depth=max_depth))(tok, par, tgt)
     for g, w in zip(got, want):
         assert g.dtype == jnp.int32
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
@@ -233,7 +249,7 @@ def test_tree_accept_reference_is_the_walk():
     """The loop-free reference equals a literal host walk of the official algorithm."""
     rng = np.random.default_rng(0)
     tok, par, tgt = accept_inputs(rng, 32, 50, "random", 6)
-    path, length, bonus = ta.tree_accept_reference(tok, par, tgt, max_depth=6)
+    path, length, bonus = jax.jit(functools.partial(ta.tree_accept_reference, max_depth=6))(tok, par, tgt)
     from ddtree_jax import accept
 
     tok, par, tgt = np.asarray(tok), np.asarray(par), np.asarray(tgt)
@@ -297,14 +313,21 @@ def test_auto_prefers_in_place_then_sliced_then_xla_on_a_gpu(monkeypatch):
 _TWO_LAYERS = dataclasses.replace(shapes.SHAPES["tiny"], layers=2)
 
 
+@functools.cache
+def _two_layer_target():
+    """(target config, its random bf16 parameters) of _TWO_LAYERS, built once for the tests that read them (building
+    compiles the random initialisation of every leaf: seconds)."""
+    tcfg, dcfg = shapes.model_configs(_TWO_LAYERS)
+    return tcfg, shapes.build_params(tcfg, dcfg, jnp.bfloat16)[0]
+
+
 def test_the_model_reads_the_stacked_cache_in_place_with_pallas_inplace():
     """model.forward with the attention reading each layer's K/V in place ('pallas-inplace') computes exactly what
     the kernel on copied slices does ('pallas'), on a bf16 model of head_dim 64 with a cache holding a prefix."""
-    from ddtree_jax import cache as kvcache, model, shapes
+    from ddtree_jax import cache as kvcache, model
     from pallas_kernels.bitmask import causal_bits
 
-    tcfg, dcfg = shapes.model_configs(_TWO_LAYERS)
-    tparams, _ = shapes.build_params(tcfg, dcfg, jnp.bfloat16)
+    tcfg, tparams = _two_layer_target()
     b, t, prefix, capacity = 2, 4, 21, 128
     rng = np.random.default_rng(0)
     cache = kvcache.init(tcfg.num_layers, b, capacity, tcfg.num_kv_heads, tcfg.head_dim, jnp.bfloat16)
@@ -312,7 +335,8 @@ def test_the_model_reads_the_stacked_cache_in_place_with_pallas_inplace():
     cache = kvcache.KVCache(k, v, jnp.full((b,), prefix, jnp.int32))
     tokens = jnp.asarray(rng.integers(0, tcfg.vocab_size, (b, t)), jnp.int32)
     positions = prefix + jnp.arange(t)[None].repeat(b, 0)
-    outs = {impl: model.forward(tparams, tcfg, tokens, positions, cache, causal_bits(b, t), attention=impl)
+    outs = {impl: jax.jit(lambda p, c, impl=impl: model.forward(p, tcfg, tokens, positions, c, causal_bits(b, t),
+                                                                attention=impl))(tparams, cache)
             for impl in ("pallas-interpret", "pallas-inplace-interpret", "xla")}
     sliced, in_place, xla = (np.asarray(outs[i][0], np.float32) for i in outs)
     np.testing.assert_array_equal(in_place, sliced)
@@ -339,7 +363,8 @@ def test_decode_attention_matches_the_reference(b, h, kv, hd, slots, prefixes, b
     k, v = (jnp.asarray(rng.standard_normal((3, b, slots, kv, hd)), jnp.bfloat16) for _ in range(2))
     p = jnp.asarray(prefixes, jnp.int32)
     bits = jnp.full((b, 1, 1), bit, jnp.uint32)
-    got = np.asarray(da.decode_attention(q, k, v, p, bits, jnp.int32(1), splits=splits, interpret=True), np.float32)
+    kernel = jax.jit(functools.partial(da.decode_attention, splits=splits, interpret=True))
+    got = np.asarray(kernel(q, k, v, p, bits, jnp.int32(1)), np.float32)
     want = np.asarray(_f32_reference(q, k[1], v[1], p, bits))
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-3
     with pytest.raises(ValueError, match="decode_attention takes"):
@@ -393,8 +418,9 @@ def test_qkv_write_is_its_definition(b, t, h, kv, hd, start, normed):
 
     slots = 40
     args = qkv_write_inputs(b * 100 + t, b, t, h, kv, hd, layers=3, slots=slots, start=start, normed=normed)
-    got = qw.qkv_write(*args, heads=h, eps=1e-6, interpret=True)
-    want = qw.reference(*args, heads=h, eps=1e-6)
+    kernel = jax.jit(functools.partial(qw.qkv_write, heads=h, eps=1e-6, interpret=True))
+    got = kernel(*args)
+    want = jax.jit(functools.partial(qw.reference, heads=h, eps=1e-6))(*args)
     for x, y in zip(got, want):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
     k_old, k_new = np.asarray(args[5], np.float32), np.asarray(got[1], np.float32)
@@ -407,7 +433,7 @@ def test_qkv_write_is_its_definition(b, t, h, kv, hd, start, normed):
     if normed:  # every layer's norm weights, read at the layer in place: the same result
         qn, kn, layer = args[1], args[2], int(args[7])
         q_all, k_all = (jnp.stack([w if i == layer else -w for i in range(3)]) for w in (qn, kn))
-        stacked = qw.qkv_write(args[0], q_all, k_all, *args[3:], heads=h, eps=1e-6, interpret=True)
+        stacked = kernel(args[0], q_all, k_all, *args[3:])
         for x, y in zip(stacked, got):
             np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
         with pytest.raises(ValueError, match="both be"):
@@ -423,10 +449,11 @@ def test_add_norm_is_the_residual_add_and_rms_norm(shape):
     rng = np.random.default_rng(shape[-1])
     x, d = (jnp.asarray(rng.standard_normal(shape) * 4, jnp.float32) for _ in range(2))
     w = jnp.asarray(1 + 0.3 * rng.standard_normal(shape[-1]), jnp.bfloat16)
-    s, h = add_norm.add_norm(x, d, w, eps=1e-6, interpret=True)
-    want_s, want_h = add_norm.reference(x, d, w, eps=1e-6)
-    np.testing.assert_array_equal(np.asarray(want_h, np.float32),
-                                  np.asarray(model.rms_norm(x + d, w, 1e-6), np.float32))
+    kernel = jax.jit(functools.partial(add_norm.add_norm, eps=1e-6, interpret=True))
+    s, h = kernel(x, d, w)
+    want_s, want_h = jax.jit(functools.partial(add_norm.reference, eps=1e-6))(x, d, w)
+    normed = jax.jit(lambda x, d, w: model.rms_norm(x + d, w, 1e-6))(x, d, w)
+    np.testing.assert_array_equal(np.asarray(want_h, np.float32), np.asarray(normed, np.float32))
     np.testing.assert_array_equal(np.asarray(s), np.asarray(want_s))
     np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(want_h, np.float32), rtol=2**-7, atol=0)
     assert h.dtype == jnp.bfloat16 and h.shape == shape
@@ -434,7 +461,7 @@ def test_add_norm_is_the_residual_add_and_rms_norm(shape):
         add_norm.add_norm(x.astype(jnp.bfloat16), d, w, eps=1e-6, interpret=True)
     w_all = jnp.stack([-w, w, 2 * w])  # every layer's weights, read at the layer (in the lengths operand) in place;
     lens = jnp.zeros((shape[0],), jnp.int32)  # a kernel reading a prefix length as the layer would take row 0
-    s2, h2 = add_norm.add_norm(x, d, w_all, jnp.int32(1), lens, eps=1e-6, interpret=True)
+    s2, h2 = kernel(x, d, w_all, jnp.int32(1), lens)
     np.testing.assert_array_equal(np.asarray(s2), np.asarray(s))
     np.testing.assert_array_equal(np.asarray(h2, np.float32), np.asarray(h, np.float32))
     with pytest.raises(ValueError, match="with layer and prefix_len"):
@@ -465,11 +492,10 @@ def test_the_model_writes_q_k_v_by_the_kernel_with_pallas_inplace(monkeypatch):
     (DDTREE_JAX_QKV_WRITE=xla / DDTREE_JAX_ADD_NORM=xla, or unfused weights for the first, XLA's
     forms); both give the same hidden states and caches (on CPU to the bit here; on a GPU XLA may keep f32 between
     the operations qkv_write rounds, and sums a mean square in another order)."""
-    from ddtree_jax import cache as kvcache, decode, model, shapes
+    from ddtree_jax import cache as kvcache, decode, model
     from pallas_kernels.bitmask import causal_bits
 
-    tcfg, dcfg = shapes.model_configs(_TWO_LAYERS)
-    plain, _ = shapes.build_params(tcfg, dcfg, jnp.bfloat16)
+    tcfg, plain = _two_layer_target()
     fused = decode.device_layout(plain, layout="stacked-out-major-fused")
     b, t, prefix = 2, 4, 21
     rng = np.random.default_rng(0)
@@ -525,7 +551,7 @@ def test_the_drafter_reads_its_q_k_norms_in_place_with_pallas_inplace():
     cache = kvcache.KVCache(k, v, jnp.asarray([17, 40], jnp.int32))
     bonus = jnp.asarray([3, 5], jnp.int32)
     impl = "pallas-inplace-interpret"
-    run = lambda p, a: draft.propose(p, dcfg, tparams, cache, bonus, attention=a)  # noqa: E731
+    run = jax.jit(lambda p, a: draft.propose(p, dcfg, tparams, cache, bonus, attention=a), static_argnums=1)
     calls = _pallas_calls(jax.make_jaxpr(lambda p: run(p, impl))(fused))
     norms = [c[2:4] for c in calls if c[0] == "qkv_write"]
     assert norms == [((lc.num_layers, lc.head_dim), (lc.num_layers, lc.head_dim))]
@@ -549,10 +575,12 @@ def test_vocab_top_k_is_lax_top_k_exactly(rows, vocab, k, dtype):
     rng = np.random.default_rng(vocab + k)
     x = np.round(2 * rng.standard_normal((rows, vocab))).astype(np.float32)
     x[:, ::7], x[:, 3::11], x[:, 5::13] = -0.0, 0.0, -np.inf
+    reference = jax.jit(lambda a: jax.lax.top_k(a.astype(jnp.float32), k))
+    kernel = jax.jit(lambda a: vocab_top_k.top_k(a, k, interpret=True))  # one program for the three arrays
     for arr in (x, rng.standard_normal((rows, vocab)).astype(np.float32), np.full((rows, vocab), 1.5, np.float32)):
         arr = jnp.asarray(arr).astype(dtype)
-        want = jax.lax.top_k(arr.astype(jnp.float32), k)
-        got = vocab_top_k.top_k(arr, k, interpret=True)
+        want = reference(arr)
+        got = kernel(arr)
         for w, g in zip(want, got):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
             assert g.dtype == w.dtype
@@ -606,11 +634,11 @@ def test_best_first_kernel_builds_the_xla_scan_s_tree(b, depths, budget, vocab, 
     rng = np.random.default_rng(budget + depths)
     x = rng.standard_normal((b, depths, vocab)).astype(np.float32) * 2
     x = {"ties": np.round(x), "zeros": np.zeros_like(x)}.get(case, x)
-    lp, ids = trees.top_log_probs(jnp.asarray(x), min(budget, vocab))
+    lp, ids = jax.jit(trees.top_log_probs, static_argnums=1)(jnp.asarray(x), min(budget, vocab))
     if case == "ties" and depths > 3:
         lp = lp.at[:, 3, 2:].set(-jnp.inf)
-    want = jax.vmap(lambda lp_, ids_: trees._best_first_one(lp_, ids_, budget, select="sort"))(lp, ids)
-    *got, bits = bf.best_first(lp, ids, budget, interpret=True)
+    want = jax.jit(jax.vmap(lambda lp_, ids_: trees._best_first_one(lp_, ids_, budget, select="sort")))(lp, ids)
+    *got, bits = jax.jit(functools.partial(bf.best_first, budget=budget, interpret=True))(lp, ids)
     for w, g in zip(want, got, strict=True):
         assert g.shape == w.shape == (b, budget)
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
@@ -636,15 +664,16 @@ def test_kernel_sizes_beyond_the_selection_s_limit_fall_back_to_xla_s_forms(monk
     assert vocab_top_k.supports(151936, 1024) and not vocab_top_k.supports(32 * 1023, 1024)
     assert not vocab_top_k.supports(64 * 2**15, 16)  # 32768 chunk maxima: one more than a selection takes
     x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 40000)).astype(np.float32))
-    for g, w in zip(trees.top_k_by_kernel(x, 2000), jax.lax.top_k(x, 2000)):
+    for g, w in zip(jax.jit(trees.top_k_by_kernel, static_argnums=1)(x, 2000),
+                    jax.jit(jax.lax.top_k, static_argnums=1)(x, 2000)):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     with pytest.raises(ValueError, match="at least 2000 chunks of 32"):
         vocab_top_k.top_k(x, 2000, interpret=True)
     calls = []
-    lp, ids = trees.top_log_probs(x.reshape(1, 4, 10000), 16)
-    want = trees.tree_from_lists(lp, ids, 16, select="count")
+    lp, ids = jax.jit(trees.top_log_probs, static_argnums=1)(x.reshape(1, 4, 10000), 16)
+    want = jax.jit(functools.partial(trees.tree_from_lists, budget=16, select="count"))(lp, ids)
     monkeypatch.setattr(bf, "supports", lambda *a: calls.append(a) or False)  # as if beyond the kernel's sizes
-    got = trees.tree_from_lists(lp, ids, 16, select="kernel")
+    got = jax.jit(functools.partial(trees.tree_from_lists, budget=16, select="kernel"))(lp, ids)
     assert calls == [(16, 16, 4)]
     for name in ("tokens", "depths", "parents", "bits"):
         np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)))
@@ -657,8 +686,8 @@ def test_ancestor_bits_kernel_is_the_xla_form(n1, kind, max_depth):
     words, a budget-256 tree, stars and a full-depth chain."""
     rng = np.random.default_rng(n1)
     parents = jnp.asarray(np.stack([random_parents(rng, n1, kind, max_depth) for _ in range(3)]))
-    got = ancestor_bits.ancestor_bits(parents, max_depth, interpret=True)
-    want = trees.ancestor_bits(parents, max_depth)
+    got = jax.jit(functools.partial(ancestor_bits.ancestor_bits, max_depth=max_depth, interpret=True))(parents)
+    want = jax.jit(trees.ancestor_bits, static_argnums=1)(parents, max_depth)
     assert got.dtype == want.dtype == jnp.uint32 and got.shape == want.shape == (3, n1, -(-n1 // 32))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
@@ -677,7 +706,8 @@ def test_stacked_matmul_is_the_product_of_the_layer(rows, n, k, config):
     rng = np.random.default_rng(rows + n)
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((3, n, k)), jnp.bfloat16)
-    got = sm.stacked_matmul(x, w, jnp.int32(1), out_dtype=jnp.float32, config=config, interpret=True)
+    got = jax.jit(functools.partial(sm.stacked_matmul, out_dtype=jnp.float32, config=config, interpret=True))(
+        x, w, jnp.int32(1))
     want = np.asarray(x, np.float32) @ np.asarray(w[1], np.float32).T
     assert got.shape == (rows, n) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-3)

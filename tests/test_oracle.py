@@ -111,19 +111,22 @@ def check_caches(target, drafter, state):
     """Every row's committed target K/V, and its drafter context K/V, equal a fresh causal pass over its
     tokens (the tokens after a row's committed length only follow it: causality makes them irrelevant)."""
     fresh, taps, dfresh = fresh_caches(*target, *drafter, state.out)
+    # on the host: slicing device arrays at each row's own length would compile a slice per length
+    fresh, taps, dfresh, cache, dcache, context = jax.tree.map(
+        np.asarray, (fresh, taps, dfresh, state.cache, state.dcache, state.context))
     for b in range(state.out.shape[0]):
-        n = int(state.cache.length[b])
-        np.testing.assert_allclose(state.cache.k[:, b, :n], fresh.k[:, b, :n], atol=2e-4, rtol=1e-4)
-        np.testing.assert_allclose(state.cache.v[:, b, :n], fresh.v[:, b, :n], atol=2e-4, rtol=1e-4)
+        n = int(cache.length[b])
+        np.testing.assert_allclose(cache.k[:, b, :n], fresh.k[:, b, :n], atol=2e-4, rtol=1e-4)
+        np.testing.assert_allclose(cache.v[:, b, :n], fresh.v[:, b, :n], atol=2e-4, rtol=1e-4)
         # the drafter's context: every committed token but the last round's (appended at the next round;
         # a row that finished early and sat through another round has them all)
-        m = int(state.dcache.length[b])
+        m = int(dcache.length[b])
         count = int(state.context_count[b])
         assert 0 < m <= n and m + count == n
-        np.testing.assert_allclose(state.dcache.k[:, b, :m], dfresh.k[:, b, :m], atol=2e-4, rtol=1e-4)
-        np.testing.assert_allclose(state.dcache.v[:, b, :m], dfresh.v[:, b, :m], atol=2e-4, rtol=1e-4)
+        np.testing.assert_allclose(dcache.k[:, b, :m], dfresh.k[:, b, :m], atol=2e-4, rtol=1e-4)
+        np.testing.assert_allclose(dcache.v[:, b, :m], dfresh.v[:, b, :m], atol=2e-4, rtol=1e-4)
         # the pending context rows are the last accepted path's taps
-        np.testing.assert_allclose(state.context[b, :count], taps[b, m:n], atol=2e-4, rtol=1e-4)
+        np.testing.assert_allclose(context[b, :count], taps[b, m:n], atol=2e-4, rtol=1e-4)
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,9 @@ def paths_by_index(tokens, parents):
 
 
 best_first = jax.jit(trees.best_first, static_argnums=1)
+# jitted (one program per shape) rather than dispatched op by op, each op compiled on its own for every new shape
+top_log_probs = jax.jit(trees.top_log_probs, static_argnums=(1, 2, 3))
+top_k = jax.jit(jax.lax.top_k, static_argnums=1)
 
 
 def unpacked(tree, b=0):
@@ -75,7 +78,7 @@ def node_scores(lp, ids, tokens, parents, n):
 
 def check_invariants(tree, draft_logits, budget):
     b, depth_count, vocab = draft_logits.shape
-    lp, ids = (np.asarray(a) for a in trees.top_log_probs(jnp.asarray(draft_logits), min(budget, vocab)))
+    lp, ids = (np.asarray(a) for a in top_log_probs(jnp.asarray(draft_logits), min(budget, vocab)))
     for r in range(b):
         tokens, depths, parents = (np.asarray(a[r]) for a in (tree.tokens, tree.depths, tree.parents))
         assert tokens.shape == (budget,) and depths.shape == (budget,) and parents.shape == (budget + 1,)
@@ -146,7 +149,7 @@ def test_random_trees_equal_heap_algorithm_and_keep_invariants(batch, depth, voc
     logits = (scale * rng.standard_normal((batch, depth, vocab))).astype(np.float32)
     tree = best_first(jnp.asarray(logits), budget)
     check_invariants(tree, logits, budget)
-    lp, ids = (np.asarray(a) for a in trees.top_log_probs(jnp.asarray(logits), min(budget, vocab)))
+    lp, ids = (np.asarray(a) for a in top_log_probs(jnp.asarray(logits), min(budget, vocab)))
     for r in range(batch):
         tokens, parents = np.asarray(tree.tokens[r]), np.asarray(tree.parents[r])
         n = int((tokens >= 0).sum())
@@ -172,7 +175,7 @@ def test_brute_force_frontier_over_full_product():
     for budget, vocab, depth in [(16, 256, 7), (48, 6, 5), (10, 10, 4)]:
         logits = (2 * rng.standard_normal((1, depth, vocab))).astype(np.float32)
         k = min(budget, vocab)
-        lp, ids = (np.asarray(a[0]) for a in trees.top_log_probs(jnp.asarray(logits), k))
+        lp, ids = (np.asarray(a[0]) for a in top_log_probs(jnp.asarray(logits), k))
         # brute force: per depth, every (frontier path, token) extension, keep the top `budget`
         frontier = [((int(t),), np.float32(s)) for s, t in zip(lp[0][:budget], ids[0][:budget])]
         everything = list(frontier)
@@ -195,9 +198,10 @@ def test_top_k_by_count_is_lax_top_k_exactly(shape, k):
     x = np.round(rng.standard_normal(shape)).astype(np.float32)
     x[..., ::3] = -np.inf
     x[..., 1::5] = -0.0
+    by_count = jax.jit(trees.top_k_by_count, static_argnums=1)
     for arr in (x, rng.standard_normal(shape).astype(np.float32)):
-        want = jax.lax.top_k(jnp.asarray(arr), k)
-        got = trees.top_k_by_count(jnp.asarray(arr), k)
+        want = top_k(jnp.asarray(arr), k)
+        got = by_count(jnp.asarray(arr), k)
         for w, g in zip(want, got):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
             assert g.dtype == w.dtype
@@ -242,7 +246,8 @@ def test_best_first_is_jittable_and_batch_independent():
 def test_chain_tree():
     rng = np.random.default_rng(1)
     logits = rng.standard_normal((3, 7, 50)).astype(np.float32)
-    tree = trees.chain(jnp.asarray(logits))
+    chain = jax.jit(trees.chain)
+    tree = chain(jnp.asarray(logits))
     assert tree.size == 7
     assert tree.tokens.shape == (3, 7) and tree.depths.shape == (3, 7)
     assert tree.parents.shape == (3, 8) and tree.bits.shape == (3, 8, 1) and tree.bits.dtype == jnp.uint32
@@ -253,9 +258,9 @@ def test_chain_tree():
         np.testing.assert_array_equal(unpacked(tree, b), np.tril(np.ones((8, 8), bool)))
     # a chain is the best-first tree of budget = depth when every depth has one dominant token
     peaked = jnp.asarray(logits + 100 * jax.nn.one_hot(logits.argmax(-1), 50))
-    bf = trees.best_first(peaked, 7)
+    bf = best_first(peaked, 7)
     for name in ("tokens", "depths", "parents", "bits"):
-        np.testing.assert_array_equal(getattr(bf, name), getattr(trees.chain(peaked), name))
+        np.testing.assert_array_equal(getattr(bf, name), getattr(chain(peaked), name))
 
 
 def test_chain_tree_long_block_uses_several_words():
@@ -293,7 +298,7 @@ def test_ancestor_bits_match_walking_up_the_parents(m, max_depth):
             while j >= 0:
                 want[b, i, j] = True
                 j = parents[b, j]
-    got = np.asarray(unpack_bits(trees.ancestor_bits(jnp.asarray(parents), int(depth.max())), m))
+    got = np.asarray(jax.jit(lambda p: unpack_bits(trees.ancestor_bits(p, int(depth.max())), m))(jnp.asarray(parents)))
     np.testing.assert_array_equal(got, want)
 
 
@@ -305,13 +310,13 @@ def test_top_k_chunked_is_lax_top_k_exactly(n, k, chunk):
     rng = np.random.default_rng(n + k)
     x = np.round(3 * rng.standard_normal((2, 3, n)), 1).astype(np.float32)
     x[..., ::7] = -np.inf
-    want = jax.lax.top_k(jnp.asarray(x), k)
+    want = top_k(jnp.asarray(x), k)
     for top in (jax.lax.top_k, trees.top_k_by_count):
-        got = trees.top_k_chunked(jnp.asarray(x), k, chunk, top)
+        got = jax.jit(trees.top_k_chunked, static_argnums=(1, 2, 3))(jnp.asarray(x), k, chunk, top)
         for w, g in zip(want, got):
             np.testing.assert_array_equal(np.asarray(w), np.asarray(g))
     assert trees.default_topk_chunk(256) == (64, 8) and trees.default_topk_chunk(512) == 32
-    plain, chunked = (trees.top_log_probs(jnp.asarray(x), k, *how) for how in ((), (chunk, trees.top_k_by_count)))
+    plain, chunked = (top_log_probs(jnp.asarray(x), k, *how) for how in ((), (chunk, trees.top_k_by_count)))
     for w, g in zip(plain, chunked):  # the log-probs too: any chunks, either selection
         np.testing.assert_array_equal(np.asarray(w), np.asarray(g))
 
