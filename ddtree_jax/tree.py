@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from ddtree_jax import sharding
 from pallas_kernels import ancestor_bits as bits_kernel, best_first as best_first_kernel, selection, vocab_top_k
 from pallas_kernels.bitmask import pack_bits
+from pallas_kernels.ranking import comes_before
 
 Array = jax.Array
 
@@ -93,7 +94,7 @@ def count_ranks(x: Array) -> Array:
     idx = jnp.arange(x.shape[-1], dtype=jnp.int32)
     key = selection.order_key(x)  # int32 order = float total order
     xi, xj = key[..., :, None], key[..., None, :]
-    before = (xj > xi) | ((xj == xi) & (idx[None, :] < idx[:, None]))  # [..., n, n]: j comes before i
+    before = comes_before(xj, idx[None, :], xi, idx[:, None])  # [..., n, n]: j comes before i
     return jnp.sum(before, axis=-1, dtype=jnp.int32)
 
 

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.blocks import pow2
+from pallas_kernels.ranking import comes_before
 from pallas_kernels.selection import order_key
 
 NODES_OWN = 32  # tree nodes per program of the nodes kernel
@@ -75,8 +76,7 @@ def candidate_pairs(budget: int, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _count_before(key, idx, keys, idxs, oks):
     """Scalars key, idx -> how many of keys, idxs, oks [all] come before them (larger key, ties: lower index)."""
-    before = (keys > key) | ((keys == key) & (idxs < idx))
-    return jnp.sum((before & oks).astype(jnp.int32))
+    return jnp.sum((comes_before(keys, idxs, key, idx) & oks).astype(jnp.int32))
 
 
 def _depth_kernel(d_ref, lp_ref, ids_ref, ii_ref, jj_ref, *refs, w: int, k: int, dp: int, dpp: int, n: int,

@@ -19,6 +19,12 @@ import jax.numpy as jnp
 GROUP = 16  # tiles whose loads are issued together
 
 
+def comes_before(keys, idxs, key, idx):
+    """Whether entries (keys, idxs) come before (key, idx) in ``lax.top_k``'s order: a larger order key (see
+    ``selection.order_key``), or an equal one at a lower index. Any broadcastable shapes (Pallas or XLA)."""
+    return (keys > key) | ((keys == key) & (idxs < idx))
+
+
 def rank_count(key, idx, load_tile, n_tiles, tile: int, group: int = GROUP):
     """key, idx [own] int32 (order keys, tie-break indices) -> rank [own] int32: the others before each.
     ``load_tile(t)`` -> (keys [tile], indices [tile], valid [tile]) of tile t (a traced or Python int);
@@ -28,7 +34,7 @@ def rank_count(key, idx, load_tile, n_tiles, tile: int, group: int = GROUP):
 
     def compare(count, tiles):
         for ku, iu, oku in tiles:
-            before = (ku[None, :] > col) | ((ku[None, :] == col) & (iu[None, :] < col_idx))
+            before = comes_before(ku[None, :], iu[None, :], col, col_idx)
             count = count + (before & oku[None, :]).astype(jnp.int32)
         return count
 
