@@ -16,12 +16,12 @@ over all depths. ``select="sort"`` does it with ``lax.top_k`` (a sort on GPU: 15
 ``select="count"`` ranks every candidate by counting the candidates before it (one compare-and-sum fusion, no
 sort), the same result bit for bit; ``select="kernel"`` runs the scan, the last selection and the ancestor bits as
 a chain of Pallas kernels, one per depth, of many programs each (``pallas_kernels.best_first``), the same result again.
-Defaults (:func:`default_select`): on GPU at batch 1 the kernels up to budget 256, "count" up to 512; "sort" otherwise
-(benchmarks/PERF.md).
+Defaults (:func:`default_select`): on GPU up to batch 8 the kernels up to budget 256; at batch 1 "count" up to
+512; "sort" otherwise (benchmarks/PERF.md).
 
 Before the depths, the per-depth top-k over the vocabulary; after them, the packed ancestor mask. Both have Pallas
 kernels (``pallas_kernels.vocab_top_k``, ``pallas_kernels.ancestor_bits``) beside their XLA forms here, the GPU
-defaults for one sequence (:func:`default_kernels`); the same trees either way. With ``select="kernel"`` the mask
+defaults up to batch 8 (:func:`default_kernels`); the same trees either way. With ``select="kernel"`` the mask
 comes from ``best_first``'s own last kernel.
 """
 
@@ -230,14 +230,20 @@ def default_topk_chunk(k: int, kernels: bool = False) -> int | tuple[int, ...] |
     return (64, 8) if k <= 256 else 32
 
 
+KERNEL_MAX_BATCH = 8  # the largest batch at which the kernels were measured faster (H200, twenty-seventh run)
+
+
 def default_kernels(batch: int = 1) -> bool:
     """Whether the tree build uses its Pallas kernels (the vocabulary top-k up to ``KERNEL_MAX_K``, the depth scan up
     to ``KERNEL_MAX_BUDGET``, the ancestor bits up to ``pallas_kernels.ancestor_bits.MAX_NODES``) unless told: on GPU
-    for one sequence without a mesh (measured faster there on an H200, at Qwen3's vocabulary and the default pair's,
-    benchmarks/PERF.md, thirteenth, fourteenth and nineteenth runs; beyond those sizes slower). Not for batches: at
-    batch 8 no Qwen3-8B round was faster with them (fourteenth run). Meshes not timed, though the top-k kernels run
-    per vocabulary shard: tests/test_sharding.py."""
-    return _on_gpu() and batch == 1 and sharding.active() is None
+    up to ``KERNEL_MAX_BATCH`` sequences without a mesh (measured faster there on an H200, at Qwen3's vocabulary and
+    the default pair's, benchmarks/PERF.md, thirteenth, fourteenth, nineteenth and twenty-seventh runs). At batch 8
+    whole builds took 121 / 127 / 152 / 222 / 370 / 640 us at budgets 16 / 32 / 64 / 128 / 256 / 512 against XLA's
+    forms' 264 / 236 / 276 / 330 / 458 / 903-1069, and Qwen3-8B ddtree-32 rounds 0.1 ms less (twenty-seventh run;
+    the fourteenth run's kernels, before the depth-scan chain and the top-k's rank count, had gained nothing at batch
+    8). Larger batches not timed. Meshes not timed, though the top-k kernels run per vocabulary shard:
+    tests/test_sharding.py."""
+    return _on_gpu() and batch <= KERNEL_MAX_BATCH and sharding.active() is None
 
 
 COUNT_MAX_BUDGET = 512  # the largest budget at which rank counting was measured faster (H200, batch 1)
@@ -245,14 +251,14 @@ KERNEL_MAX_BUDGET = 256  # the largest budget at which the best_first kernels we
 
 
 def default_select(budget: int, batch: int = 1) -> str:
-    """The selection :func:`best_first` uses unless told: on GPU for one sequence, the ``best_first`` kernels up to
-    ``KERNEL_MAX_BUDGET`` where :func:`default_kernels`, then rank counting up to ``COUNT_MAX_BUDGET``, ``lax.top_k``
-    otherwise. H200, whole builds at batch 1 (twenty-sixth run, benchmarks/PERF.md): the kernels 63 / 63 / 72 / 67 /
+    """The selection :func:`best_first` uses unless told: on GPU the ``best_first`` kernels up to
+    ``KERNEL_MAX_BUDGET`` where :func:`default_kernels` (up to batch 8), then for one sequence rank counting up to
+    ``COUNT_MAX_BUDGET``, ``lax.top_k`` otherwise. H200, whole builds at batch 1 (twenty-sixth run, benchmarks/PERF.md): the kernels 63 / 63 / 72 / 67 /
     77 / 88 us at budgets 16 / 32 / 64 / 96 / 128 / 256 against the previous defaults' 65 / 69 / 88 / 94 (one Pallas
     program for every depth) / 107 / 113 (rank counting); at 512 185 against rank counting's 182. Rank counting's
     O(n^2) compares grow with the budget squared and with the batch: it built a tree faster than ``lax.top_k`` at
     batch 1 and budgets 64-512 (229 / 287 / 354 against 314 / 440 / 679 us) and slower at batch 8, budget 256 (715
-    against 648 us; seventh and nineteenth runs)."""
+    against 648 us; seventh and nineteenth runs). At batch 8 the kernels: twenty-seventh run, :func:`default_kernels`."""
     if default_kernels(batch) and budget <= KERNEL_MAX_BUDGET:
         return "kernel"
     return "count" if _on_gpu() and batch == 1 and budget <= COUNT_MAX_BUDGET else "sort"

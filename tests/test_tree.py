@@ -222,13 +222,14 @@ def test_selections_build_the_same_tree(budget, vocab, scale):
 
 
 def test_default_selection_counts_on_gpu_where_timed_faster(monkeypatch):
-    """On GPU at batch 1 the best_first kernels up to budget 256, rank counting up to 512 (each timed faster there),
-    a sort beyond, at batch 8, and on CPU."""
+    """On GPU up to batch 8 the best_first kernels up to budget 256; at batch 1 rank counting up to 512 (each timed
+    faster there); a sort beyond, above batch 8, and on CPU."""
     monkeypatch.setattr(trees.jax, "default_backend", lambda: "gpu")
     assert [trees.default_select(b) for b in (16, 96, 128, 256, 257, 512, 513)] == [
         "kernel", "kernel", "kernel", "kernel", "count", "count", "sort"]
-    assert [trees.default_select(64, b) for b in (1, 2, 8)] == ["kernel", "sort", "sort"]
+    assert [trees.default_select(64, b) for b in (1, 2, 8, 9)] == ["kernel", "kernel", "kernel", "sort"]
     assert [trees.default_select(384, b) for b in (1, 2, 8)] == ["count", "sort", "sort"]
+    assert [trees.default_kernels(b) for b in (1, 8, 9)] == [True, True, False]
     monkeypatch.setattr(trees.jax, "default_backend", lambda: "cpu")
     assert trees.default_select(16) == "sort"
 
@@ -336,10 +337,11 @@ def test_the_tree_kernels_build_the_same_tree(budget, vocab, scale):
 
 
 def test_tree_kernels_are_the_gpu_default_where_timed_faster(monkeypatch):
-    """On GPU, for one sequence, the vocabulary top-k kernels up to k = 512 and the ancestor-bits kernel up to 512
-    tree indices (both timed faster there); XLA's forms beyond, for batches (not timed) and on CPU."""
+    """On GPU, up to batch 8, the vocabulary top-k kernels up to k = 512 and the ancestor-bits kernel up to 512
+    tree indices (both timed faster there); XLA's forms beyond, above batch 8 (not timed) and on CPU."""
     monkeypatch.setattr(trees.jax, "default_backend", lambda: "gpu")
-    assert trees.default_kernels() and not trees.default_kernels(8) and trees.default_bits(65, 8) == "xla"
+    assert trees.default_kernels() and trees.default_kernels(8) and not trees.default_kernels(9)
+    assert trees.default_bits(65, 8) == "kernel" and trees.default_bits(65, 9) == "xla"
     with trees.sharding.use_mesh(jax.make_mesh((1,), ("model",))):
         assert not trees.default_kernels()
     assert [trees.default_topk_chunk(k, True) for k in (64, 256, 512, 513)] == ["kernel", "kernel", "kernel", 32]
