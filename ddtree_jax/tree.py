@@ -253,12 +253,13 @@ KERNEL_MAX_BUDGET = 256  # the largest budget at which the best_first kernels we
 def default_select(budget: int, batch: int = 1) -> str:
     """The selection :func:`best_first` uses unless told: on GPU the ``best_first`` kernels up to
     ``KERNEL_MAX_BUDGET`` where :func:`default_kernels` (up to batch 8), then for one sequence rank counting up to
-    ``COUNT_MAX_BUDGET``, ``lax.top_k`` otherwise. H200, whole builds at batch 1 (twenty-sixth run, benchmarks/PERF.md): the kernels 63 / 63 / 72 / 67 /
-    77 / 88 us at budgets 16 / 32 / 64 / 96 / 128 / 256 against the previous defaults' 65 / 69 / 88 / 94 (one Pallas
-    program for every depth) / 107 / 113 (rank counting); at 512 185 against rank counting's 182. Rank counting's
-    O(n^2) compares grow with the budget squared and with the batch: it built a tree faster than ``lax.top_k`` at
-    batch 1 and budgets 64-512 (229 / 287 / 354 against 314 / 440 / 679 us) and slower at batch 8, budget 256 (715
-    against 648 us; seventh and nineteenth runs). At batch 8 the kernels: twenty-seventh run, :func:`default_kernels`."""
+    ``COUNT_MAX_BUDGET``, ``lax.top_k`` otherwise. H200, whole builds at batch 1 (twenty-sixth run,
+    benchmarks/PERF.md): the kernels 63 / 63 / 72 / 67 / 77 / 88 us at budgets 16 / 32 / 64 / 96 / 128 / 256 against
+    the previous defaults' 65 / 69 / 88 / 94 (one Pallas program for every depth) / 107 / 113 (rank counting); at 512
+    185 against rank counting's 182. Rank counting's O(n^2) compares grow with the budget squared and with the batch:
+    it built a tree faster than ``lax.top_k`` at batch 1 and budgets 64-512 (229 / 287 / 354 against 314 / 440 / 679
+    us) and slower at batch 8, budget 256 (715 against 648 us; seventh and nineteenth runs). At batch 8 the kernels:
+    twenty-seventh run, :func:`default_kernels`."""
     if default_kernels(batch) and budget <= KERNEL_MAX_BUDGET:
         return "kernel"
     return "count" if _on_gpu() and batch == 1 and budget <= COUNT_MAX_BUDGET else "sort"
