@@ -239,10 +239,11 @@ def default_kernels(batch: int = 1) -> bool:
     up to ``KERNEL_MAX_BATCH`` sequences without a mesh (measured faster there on an H200, at Qwen3's vocabulary and
     the default pair's, benchmarks/PERF.md, thirteenth, fourteenth, nineteenth and twenty-seventh runs). At batch 8
     whole builds took 121 / 127 / 152 / 222 / 370 / 640 us at budgets 16 / 32 / 64 / 128 / 256 / 512 against XLA's
-    forms' 264 / 236 / 276 / 330 / 458 / 903-1069, and Qwen3-8B ddtree-32 rounds 0.1 ms less (twenty-seventh run;
-    the fourteenth run's kernels, before the depth-scan chain and the top-k's rank count, had gained nothing at batch
-    8). Larger batches not timed. Meshes not timed, though the top-k kernels run per vocabulary shard:
-    tests/test_sharding.py."""
+    forms' 264 / 236 / 276 / 330 / 458 / 903-1069, and Qwen3-8B ddtree-16 / 32 rounds 0.13 / 0.10 ms less
+    (twenty-seventh run; the fourteenth run's kernels, before the depth-scan chain and the top-k's rank count, had
+    gained nothing at batch 8). At batch 16 they were faster at budget 32 (198 against 307 us) and slower at 256 (664
+    against 564), so XLA's forms above 8; larger batches not timed. Meshes not timed, though the top-k kernels run per
+    vocabulary shard: tests/test_sharding.py."""
     return _on_gpu() and batch <= KERNEL_MAX_BATCH and sharding.active() is None
 
 
