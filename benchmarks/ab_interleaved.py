@@ -6,7 +6,8 @@ the paired differences against the first variant, and how many pairs the variant
 A variant is NAME:FIELD=VALUE,... with fields ``draft`` (the drafter's layout, decode.LAYOUTS; default
 decode.DRAFT_GPU_LAYOUT), ``layout`` (the target's; default decode.GPU_LAYOUT, decode.GPU_AR_LAYOUT for ar),
 ``sampling`` and ``filtering`` (0 or 1: the Spec's flags; default what the sequences' --temperature / --top-p /
---top-k need, as decode.make_spec sets them), ``DDTREE_JAX_*`` environment variables (set while the variant is
+--top-k need, as decode.make_spec sets them), ``unroll`` (the Spec's layer_unroll: target layers per iteration of the
+layer loop; default decode.default_layer_unroll), ``DDTREE_JAX_*`` environment variables (set while the variant is
 traced and compiled, e.g. DDTREE_JAX_QKV_WRITE=xla) and any XLA option (added to decode.XLA_OPTIONS, as
 ``bench models --ab``).
 
@@ -37,7 +38,7 @@ def variant(text: str) -> tuple[str, dict]:
     """NAME:FIELD=VALUE,... -> (NAME, {"layout"?, "draft"?, "options": XLA options})."""
     name, colon, rest = text.partition(":")
     pieces = [x for x in rest.split(",") if x]
-    own = ("draft=", "layout=", "sampling=", "filtering=")
+    own = ("draft=", "layout=", "sampling=", "filtering=", "unroll=")
     fields = dict(x.split("=", 1) for x in pieces if x.startswith(own))
     fields["env"] = dict(x.split("=", 1) for x in pieces if x.startswith("DDTREE_JAX_") and "=" in x)
     others = ",".join(x for x in pieces if not x.startswith((*own, "DDTREE_JAX_")))
@@ -50,6 +51,8 @@ def variant(text: str) -> tuple[str, dict]:
     for key in ("sampling", "filtering"):
         if fields.get(key, "0") not in ("0", "1"):
             raise argparse.ArgumentTypeError(f"{key}={fields[key]!r}: expected 0 or 1")
+    if not fields.get("unroll", "1").isdigit() or int(fields.get("unroll", "1")) < 1:
+        raise argparse.ArgumentTypeError(f"unroll={fields['unroll']!r}: expected a positive integer")
     return name, fields
 
 
@@ -94,6 +97,8 @@ def main() -> None:
         tl, dl = fields.get("layout", own), fields.get("draft", decode.DRAFT_GPU_LAYOUT)
         opts = fields["options"]
         flags = {k: fields[k] == "1" for k in ("sampling", "filtering") if k in fields}
+        if "unroll" in fields:
+            flags["layer_unroll"] = int(fields["unroll"])
         vspec = dataclasses.replace(spec, **flags)
         tp = lay(tp0, tl)
         dp = lay(dp0, dl) if args.method != "ar" else None
@@ -116,9 +121,11 @@ def main() -> None:
                 f.write(compiled.as_text())
         state = jax.block_until_ready(compiled(tp, dp, bench.reset(state, args.prompt), jnp.int32(2)))  # warm
         runs[name] = dict(compiled=compiled, tp=tp, dp=dp, layout=tl, draft_layout=dl, options=opts,
+                          unroll=vspec.layer_unroll,
                           sampling=vspec.sampling, filtering=vspec.filtering,
                           env=fields["env"], compile_s=cs, ms=[])
-        print(f"{name}: layout {tl}, draft {dl}, options {opts}, env {fields['env']}, compiled in {cs:.1f}s",
+        print(f"{name}: layout {tl}, draft {dl}, options {opts}, env {fields['env']}, layer unroll "
+              f"{vspec.layer_unroll or 'default'}, compiled in {cs:.1f}s",
               flush=True)
 
     names = list(runs)
@@ -148,6 +155,7 @@ def main() -> None:
         diffs = [m - b for m, b in zip(r["ms"], base)]
         out["variants"][name] = {
             "layout": r["layout"], "draft_layout": r["draft_layout"], "xla_options": r["options"], "env": r["env"],
+            "layer_unroll": r["unroll"],
             "sampling": r["sampling"], "filtering": r["filtering"],
             "compile_s": r["compile_s"], "median_ms": statistics.median(r["ms"]), "ms": r["ms"],
             "median_diff_ms_vs_first": statistics.median(diffs), "pairs_faster_than_first": sum(d < 0 for d in diffs),

@@ -6,7 +6,8 @@ pads the G = H / K query heads of a KV head to its 64-row tiles, and with the pa
 an AR step's attention is three kernels of about 8 µs together per layer on an H200 (Qwen3-4B, prompt 512;
 benchmarks/PERF.md, seventeenth run). Here: a grid of (sequence x KV head, split); each program takes the G query rows
 (padded to 16, the smallest dot), walks its share of the visible slots in blocks of 64 with an online softmax, and
-stores its partial (accumulator, running max, running sum) for the G rows; XLA merges the splits (:func:`combine`).
+stores its partial (accumulator, running max, running sum) for the G rows; XLA merges the splits in one kernel
+(:func:`combine`).
 With one split the kernel writes the output itself.
 
 Merging in the kernel instead (the last program of a sequence x KV head, found by an atomic count, reads the others'
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.blocks import pow2
 from pallas_kernels.lengths import lengths
+from pallas_kernels.split_merge import merge_splits
 
 _BLOCK = 64  # keys per step
 _MIN_ROWS = 16  # the smallest M of a Triton dot
@@ -38,12 +40,15 @@ MAX_KEYS = 24576
 
 
 def default_splits(slots: int, rows: int = 1) -> int:
-    """Programs per (sequence, KV head) for a cache of ``slots`` and ``rows`` = batch x KV heads: one per 256 slots,
+    """Programs per (sequence, KV head) for a cache of ``slots`` and ``rows`` = batch x KV heads: one per 128 slots,
     2 to 32, at most 512 programs in all unless that leaves fewer than 2. Each split's share of the visible slots is
-    set at run time (whole blocks of 64), and XLA's combine reads every split: more splits shorten the kernel and
-    lengthen the combine (eighteenth run's sweep, H200, Qwen3-8B heads: batch 1 best at 4-8 splits for 513 visible
-    slots, 16-32 for 2k, 32 for 8k; batch 8 at 4-8)."""
-    return max(2, min(32, slots // 256, 512 // max(rows, 1)))
+    set at run time (whole blocks of 64), and :func:`combine` reads every split: more splits shorten the kernel and
+    lengthen the combine (eighteenth run's sweep, H200, Qwen3-8B heads, with XLA's reduction as the combine: batch 1
+    best at 4-8 splits for 513 visible slots, 16-32 for 2k, 32 for 8k; batch 8 at 4-8). With the combine one kernel
+    (twenty-eighth run), one split per 128 slots instead of 256 made AR steps at prompt 512 0.9-1.4% shorter (both
+    models at batch 1, Qwen3-8B at batch 8) and changed nothing at 2k; one per 64 or 32 was 0.05-0.06 ms slower at
+    2k."""
+    return max(2, min(32, slots // 128, 512 // max(rows, 1)))
 
 
 def supports(q, k) -> bool:
@@ -98,9 +103,8 @@ def _kernel(q_ref, k_ref, v_ref, lens_ref, bits_ref, *out_refs, batch: int, kv: 
 
 def combine(acc, m, l):
     """The splits' partials (acc [N, S, G, hd], running max and sum m, l [N, S, G], f32) -> the softmax-weighted
-    output [N, G, hd] f32 (XLA: two or three small kernels). Splits that saw no slot (m = -inf, l = 0) weigh 0."""
-    w = jnp.exp(m - jnp.max(m, axis=1, keepdims=True))
-    return jnp.sum(w[..., None] * acc, axis=1) / jnp.sum(w * l, axis=1)[..., None]
+    output [N, G, hd] f32 (:func:`merge_splits`). Splits that saw no slot (m = -inf, l = 0) weigh 0."""
+    return merge_splits(acc, m, l, jnp.exp)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "interpret"))

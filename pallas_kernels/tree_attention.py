@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.bitmask import unpack_bits
 from pallas_kernels.lengths import lengths
+from pallas_kernels.split_merge import merge_splits
 
 
 def visibility(prefix_len: jax.Array, tree_bits: jax.Array, t: int, s: int) -> jax.Array:
@@ -433,10 +434,9 @@ def tree_attention(q, k, v, prefix_len, tree_bits, *, scale: float | None = None
     )
     res = call(qp, k, v, lens_in, bits)
     if splits > 1:
-        o_part, lse = res
-        mx = jnp.max(lse, axis=0)
-        wts = jnp.exp2(lse - mx[None])
-        out = jnp.sum(wts[..., None] * o_part, axis=0) / jnp.sum(wts, axis=0)[..., None]
+        o_part, lse = res  # [S, B, K, R, hd], [S, B, K, R]: merged in one XLA kernel with the reshape below
+        move = lambda x: jnp.moveaxis(x, 0, 1)  # noqa: E731  the split axis second
+        out = merge_splits(move(o_part), move(lse), jnp.ones_like(move(lse)), jnp.exp2)
     else:
         out = res
     out = out[:, :, :rows].reshape(b, kv, t, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd)

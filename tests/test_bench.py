@@ -103,13 +103,14 @@ def test_layout_flags_offer_decodes_layouts():
 
 
 def test_interleaved_ab_script(tmp_path):
-    """benchmarks/ab_interleaved.py on the tiny shape (CPU): each variant's layouts and XLA options as asked, one
-    timing per pair each, the paired differences against the first; a malformed variant is a one-line error."""
+    """benchmarks/ab_interleaved.py on the tiny shape (CPU): each variant's layouts, layer unroll and XLA options as
+    asked, one timing per pair each, the paired differences against the first; a malformed variant is a one-line
+    error."""
     root = Path(__file__).resolve().parents[1]
     script, out = root / "benchmarks" / "ab_interleaved.py", tmp_path / "ab.json"
     env = {**os.environ, "PYTHONPATH": str(root)}
     args = [sys.executable, str(script), "--model", "tiny", "--method", "ddtree", "--budget", "4", "--prompt", "16",
-            "--rounds", "2", "--pairs", "3", "--variant", "base:", "--variant", "dom:draft=stacked-out-major",
+            "--rounds", "2", "--pairs", "3", "--variant", "base:", "--variant", "dom:draft=stacked-out-major,unroll=2",
             "--variant", "env:DDTREE_JAX_QKV_WRITE=xla,sampling=1", "--json", str(out), "--hlo", str(tmp_path / "hlo")]
     done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -117,6 +118,7 @@ def test_interleaved_ab_script(tmp_path):
     base, dom = got["variants"]["base"], got["variants"]["dom"]
     assert got["model"] == "tiny" and got["budget"] == 4 and got["pairs"] == 3
     assert base["draft_layout"] == "stacked-out-major-fused" and dom["draft_layout"] == "stacked-out-major"
+    assert base["layer_unroll"] is None and dom["layer_unroll"] == 2  # the Spec's; None: decode's default
     assert len(base["ms"]) == len(dom["ms"]) == 3 and min(base["ms"] + dom["ms"]) > 0
     assert base["median_diff_ms_vs_first"] == 0 and base["pairs_faster_than_first"] == 0
     assert all(v["same_tokens_as_first"] for v in got["variants"].values())  # none of these changes the math
@@ -135,6 +137,9 @@ def test_interleaved_ab_script(tmp_path):
         module.variant("x:sampling=yes")
     with pytest.raises(argparse.ArgumentTypeError, match="filtering='2': expected 0 or 1"):
         module.variant("x:filtering=2")
+    for bad_unroll in ("0", "two"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"unroll='{bad_unroll}': expected a positive integer"):
+            module.variant(f"x:unroll={bad_unroll}")
 
 
 def test_the_recorded_h200_results_hold_issue_5s_fields_and_grid():

@@ -372,11 +372,38 @@ def test_decode_attention_matches_the_reference(b, h, kv, hd, slots, prefixes, b
 
 
 def test_decode_attention_splits_follow_the_cache_and_the_batch():
-    """One split per 256 cache slots, 2 to 32, at most 512 programs (batch x KV heads x splits) unless under 2."""
+    """One split per 128 cache slots, 2 to 32, at most 512 programs (batch x KV heads x splits) unless under 2."""
     from pallas_kernels import decode_attention as da
 
-    assert [da.default_splits(s, 8) for s in (321, 832, 2880, 8512, 33088)] == [2, 3, 11, 32, 32]
+    assert [da.default_splits(s, 8) for s in (321, 832, 2880, 8512, 33088)] == [2, 6, 22, 32, 32]
     assert da.default_splits(2880, 64) == 8 and da.default_splits(33088, 1024) == 2  # batch 8 / 128, 8 KV heads
+
+
+def test_split_merge_is_the_softmax_over_all_splits_and_one_fused_kernel():
+    """merge_splits: the partials of a row's key splits give softmax(s) . v over all its keys (a split that saw no key,
+    max -inf and sum 0, weighs nothing; base 2 as tree_attention stores its log-sum-exp), and it lowers to no
+    reduction, so that XLA fuses it with its consumer."""
+    from pallas_kernels.split_merge import merge_splits
+
+    rng = np.random.default_rng(0)
+    n, splits, per, hd = 3, 5, 7, 4
+    s = rng.normal(size=(n, splits, per)) * 4
+    v = rng.normal(size=(n, splits, per, hd))
+    s[1, 2] = -np.inf  # row 1's third split saw no key
+    m = s.max(-1)
+    p = np.exp(s - np.where(np.isfinite(m), m, 0)[..., None])
+    acc, l = np.einsum("nsk,nskd->nsd", p, v), p.sum(-1)
+    e = np.exp(s.reshape(n, -1) - s.reshape(n, -1).max(-1, keepdims=True))  # softmax over all keys of a row
+    want = np.einsum("nk,nkd->nd", e, v.reshape(n, -1, hd)) / e.sum(-1, keepdims=True)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    np.testing.assert_allclose(merge_splits(f32(acc), f32(m), f32(l)), want, rtol=2e-5, atol=2e-6)
+    lse2 = m / np.log(2) + np.log2(np.where(l > 0, l, 1))  # base-2 log-sum-exp, normalised partials, sums 1
+    lse2[1, 2] = -np.inf
+    norm = acc / np.where(l > 0, l, 1)[..., None]
+    np.testing.assert_allclose(merge_splits(f32(norm), f32(lse2), jnp.ones((n, splits)), jnp.exp2), want, rtol=2e-5,
+                               atol=2e-6)
+    hlo = jax.jit(merge_splits).lower(f32(acc), f32(m), f32(l)).as_text()
+    assert "reduce" not in hlo
 
 
 def test_ar_steps_take_the_one_row_kernel_with_pallas_inplace(monkeypatch):
