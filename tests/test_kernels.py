@@ -352,6 +352,7 @@ def test_the_model_reads_the_stacked_cache_in_place_with_pallas_inplace():
     (3, 4, 4, 64, 130, [5, 64, 128], 0, 2),  # GQA 1; the row's own slot masked out (bit 0 clear)
     (2, 8, 2, 64, 200, [0, 150], 1, 1),  # one split: the kernel writes the output itself
     (1, 9, 3, 64, 700, [600], 1, None),  # SmolLM2's heads (the default pair): 3 query heads per KV head
+    (1, 32, 8, 128, 1100, [1000], 1, None),  # Qwen3's heads, 8 default splits, the last one short
 ])
 def test_decode_attention_matches_the_reference(b, h, kv, hd, slots, prefixes, bit, splits):
     """decode_attention (Pallas interpreter) on layer 1 of a stacked cache whose other layers differ: the tree
