@@ -18,7 +18,7 @@ Stages
             the Qwen3-8B / 4B layer shapes and 72 / 16 / 8 rows: error, device time, weight-read bandwidth
   decode    decode_attention (one query row per sequence, the stacked cache in place) at Qwen3-8B's heads, batch 1
             and 8, prefixes 0..32k: error against the f32 reference, device time against the tree kernel at T = 1,
-            and at 1-32 splits
+            at 1-32 splits, and for the models grid's cache at batch 1 at other tilings (block, warps, stages)
   qkv       qkv_write (q/k norm, RoPE and the K/V cache write) at Qwen3-8B's heads, batch x rows 1x1 .. 8x72:
             against its per-operation-rounded definition computed in numpy (values off, in bf16 ulps), slots
             untouched, and device time per layer against XLA's form (split, norms, RoPE, two scatters)
@@ -490,6 +490,10 @@ def stage_matmul(rec, args, deadline):
 
 # (batch, prefix, cache slots: None for the prefix + 321, an AR step's own slot and a round's scratch; 2880 is the
 # models grid's capacity at prompts 512 and 2048)
+# decode_attention's (block, warps, stages) timed besides its defaults (64, 4, 2) where the cache has the grid's 2,880
+# slots at batch 1 (PERF.md, twenty-eighth run: at prompt 2k the kernel reads its K/V at about 0.9 TB/s)
+DECODE_TILINGS = [(64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3), (32, 4, 3), (256, 8, 2)]
+DECODE_TILING_SLOTS = 2880
 DECODE_CASES = [(1, 0, None), (1, 511, None), (1, 511, 2880), (1, 2047, None), (1, 2047, 2880), (1, 8191, None),
                 (1, 32767, None), (8, 511, None), (8, 511, 2880), (8, 2047, None), (8, 2047, 2880)]
 
@@ -525,6 +529,16 @@ def stage_decode(rec, args, deadline):
             assert _err(other(q, k, v, p, bits, layer), reference_f32(q, k[1], v[1], p, bits))["rel_l2_err"] < 5e-3
             total = device_time_us(other, [(q, k, v, p, bits, layer)], 20)[0]
             row["by_splits"][n] = [total, sum(t for name, t in LAST_BREAKDOWN if "decode_attention" in name)]
+        if b == 1 and slots == DECODE_TILING_SLOTS:  # the models grid's AR steps: other tilings, default splits
+            row["by_tiling"] = {}  # "block,warps,stages": [us all kernels, us the attention kernel]
+            for block, warps, stages in DECODE_TILINGS:
+                other = jax.jit(functools.partial(da.decode_attention, block=block, warps=warps, stages=stages, **KW))
+                assert _err(other(q, k, v, p, bits, layer), reference_f32(q, k[1], v[1], p, bits))["rel_l2_err"] < 5e-3
+                total = device_time_us(other, [(q, k, v, p, bits, layer)], 20)[0]
+                row["by_tiling"][f"{block},{warps},{stages}"] = [
+                    total, sum(t for name, t in LAST_BREAKDOWN if "decode_attention" in name)]
+            print("  by tiling (block,warps,stages: us all (kernel)): " + " ".join(
+                f"{name}: {t:.2f} ({k:.2f})" for name, (t, k) in row["by_tiling"].items()), flush=True)
         row["tree_kernel_us"], _, _ = device_time_us(tree, [(q, k, v, p, bits, layer)], 20)
         row["tree_breakdown"] = LAST_BREAKDOWN[:]
         rec.add(row)
@@ -625,8 +639,9 @@ def stage_qkv(rec, args, deadline):
 
 def _shrink_for_dry_run():
     global VALIDATION_CASES, SWEEP_SHAPES, SWEEP_CONFIGS, BENCH_PREFIXES, BENCH_BUDGETS, ACCEPT_SHAPES
-    global MATMUL_SHAPES, MATMUL_ROWS, MATMUL_SWEEP, QKV_CASES, DECODE_CASES
-    QKV_CASES, DECODE_CASES = [(2, 3)], [(2, 70, None)]
+    global MATMUL_SHAPES, MATMUL_ROWS, MATMUL_SWEEP, QKV_CASES, DECODE_CASES, DECODE_TILINGS, DECODE_TILING_SLOTS
+    QKV_CASES, DECODE_CASES = [(2, 3)], [(2, 70, None), (1, 70, 200)]
+    DECODE_TILINGS, DECODE_TILING_SLOTS = [(64, 4, 2), (32, 4, 3)], 200
     MATMUL_SHAPES, MATMUL_ROWS, MATMUL_SWEEP = [("8b.tiny", 128, 256)], [72, 8], [(1, 64, 2, 2), (2, 64, 2, 1)]
     KW["interpret"] = True
     QWEN3_8B.update(h=4, kv=2, hd=64)

@@ -29,7 +29,7 @@ from pallas_kernels.blocks import pow2
 from pallas_kernels.lengths import lengths
 from pallas_kernels.split_merge import merge_splits
 
-_BLOCK = 64  # keys per step
+BLOCK, WARPS, STAGES = 64, 4, 2  # keys per step; warps of a program; Triton's software-pipeline stages
 _MIN_ROWS = 16  # the smallest M of a Triton dot
 
 
@@ -58,7 +58,7 @@ def supports(q, k) -> bool:
 
 
 def _kernel(q_ref, k_ref, v_ref, lens_ref, bits_ref, *out_refs, batch: int, kv: int, g: int, gp: int, hd: int,
-            splits: int, scale: float):
+            splits: int, scale: float, block: int):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as pltriton
 
@@ -66,7 +66,7 @@ def _kernel(q_ref, k_ref, v_ref, lens_ref, bits_ref, *out_refs, batch: int, kv: 
     b, kh = bk // kv, bk % kv
     layer = pltriton.load(lens_ref.at[jnp.int32(batch)])  # lens = [prefix_len (B), layer]: qkv_write's operand too
     n = pltriton.load(lens_ref.at[b]) + (pltriton.load(bits_ref.at[b, jnp.int32(0)]) & 1)  # visible slots [0, n)
-    per = (n + splits * _BLOCK - 1) // (splits * _BLOCK) * _BLOCK  # slots per split, whole blocks
+    per = (n + splits * block - 1) // (splits * block) * block  # slots per split, whole blocks
     lo = sp * per
     hi = jnp.minimum(lo + per, n)
     d = jnp.arange(hd, dtype=jnp.int32)[None, :]
@@ -76,19 +76,19 @@ def _kernel(q_ref, k_ref, v_ref, lens_ref, bits_ref, *out_refs, batch: int, kv: 
 
     def step(i, carry):
         m, l, acc = carry
-        idx = lo + i * _BLOCK + jnp.arange(_BLOCK, dtype=jnp.int32)[:, None]  # [BLOCK, 1]
+        idx = lo + i * block + jnp.arange(block, dtype=jnp.int32)[:, None]  # [block, 1]
         ok = idx < hi
         k = pltriton.load(k_ref.at[layer, b, idx, kh, d], mask=ok, other=0)  # [BLOCK, hd]
         v = pltriton.load(v_ref.at[layer, b, idx, kh, d], mask=ok, other=0)  # issued with k's: one wait for both
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-        s = jnp.where(ok[:, 0][None, :], s, -jnp.inf)  # [gp, BLOCK]
+        s = jnp.where(ok[:, 0][None, :], s, -jnp.inf)  # [gp, block]
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
         acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
-    blocks = (jnp.maximum(hi - lo, 0) + _BLOCK - 1) // _BLOCK
+    blocks = (jnp.maximum(hi - lo, 0) + block - 1) // block
     init = (jnp.full((gp,), -jnp.inf, jnp.float32), jnp.zeros((gp,), jnp.float32), jnp.zeros((gp, hd), jnp.float32))
     m, l, acc = jax.lax.fori_loop(0, blocks, step, init)
     if splits == 1:  # the whole row here: the output
@@ -107,19 +107,23 @@ def combine(acc, m, l):
     return merge_splits(acc, m, l, jnp.exp)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "interpret", "block", "warps", "stages"))
 def decode_attention(q, k, v, prefix_len, tree_bits, layer, *, scale: float | None = None, splits: int | None = None,
-                     interpret: bool = False):
+                     interpret: bool = False, block: int = BLOCK, warps: int = WARPS, stages: int = STAGES):
     """See the module doc. ``splits``: programs per (sequence, KV head) (default :func:`default_splits`);
-    ``interpret``: the Pallas interpreter (CPU)."""
+    ``interpret``: the Pallas interpreter (CPU); ``block`` (keys per step, a power of two of at least 16),
+    ``warps``, ``stages``: the tiling (the same output up to the sums' order; ``pallas_kernels.bench_kernels``'
+    decode stage times them)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as pltriton
 
     b, t, h, hd = q.shape
     s, kv = k.shape[2], k.shape[3]
-    if not supports(q, k) or k.ndim != 5 or k.shape[1] != b or v.shape != k.shape:
+    if (not supports(q, k) or k.ndim != 5 or k.shape[1] != b or v.shape != k.shape or block < 16
+            or block & (block - 1)):
         raise ValueError(f"decode_attention takes q [B, 1, H, hd] and stacked caches [L, B, S, K, hd] of its 16-bit "
-                         f"dtype, got q {q.shape} {q.dtype}, k {k.shape} {k.dtype}")
+                         f"dtype and a block of a power of two >= 16, got q {q.shape} {q.dtype}, k {k.shape} "
+                         f"{k.dtype}, block {block}")
     g = h // kv
     gp = max(_MIN_ROWS, pow2(g))
     splits = splits or default_splits(s, b * kv)
@@ -128,10 +132,10 @@ def decode_attention(q, k, v, prefix_len, tree_bits, layer, *, scale: float | No
         jax.ShapeDtypeStruct((b * kv, splits, g, hd), jnp.float32),
         jax.ShapeDtypeStruct((b * kv, splits, g), jnp.float32), jax.ShapeDtypeStruct((b * kv, splits, g), jnp.float32)]
     outs = pl.pallas_call(
-        functools.partial(_kernel, batch=b, kv=kv, g=g, gp=gp, hd=hd, splits=splits, scale=float(scale)),
+        functools.partial(_kernel, batch=b, kv=kv, g=g, gp=gp, hd=hd, splits=splits, scale=float(scale), block=block),
         grid=(b * kv, splits),
         out_shape=out_shape,
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
         name="decode_attention",
     )(q, k, v, lengths(prefix_len, layer), jax.lax.bitcast_convert_type(tree_bits.reshape(b, -1), jnp.int32))

@@ -372,6 +372,26 @@ def test_decode_attention_matches_the_reference(b, h, kv, hd, slots, prefixes, b
         da.decode_attention(jnp.concatenate([q, q], axis=1), k, v, p, bits, jnp.int32(1), interpret=True)
 
 
+@pytest.mark.parametrize("block", [16, 128])
+def test_decode_attention_block_sizes_give_the_same_output(block):
+    """decode_attention's ``block`` (keys per step; its tiling knob besides warps and stages, which the interpreter
+    ignores) changes the steps, not the output: the f32 reference's within bf16's error; a block that is not a power
+    of two of at least 16 is a one-line error."""
+    from pallas_kernels import decode_attention as da
+
+    rng = np.random.default_rng(block)
+    b, h, kv, hd, slots = 2, 8, 2, 64, 300
+    q = jnp.asarray(rng.standard_normal((b, 1, h, hd)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((2, b, slots, kv, hd)), jnp.bfloat16) for _ in range(2))
+    p, bits = jnp.asarray([40, 250], jnp.int32), jnp.ones((b, 1, 1), jnp.uint32)
+    got = np.asarray(da.decode_attention(q, k, v, p, bits, jnp.int32(1), splits=3, block=block, interpret=True),
+                     np.float32)
+    want = np.asarray(_f32_reference(q, k[1], v[1], p, bits))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-3
+    with pytest.raises(ValueError, match="a block of a power of two >= 16, .* block 48"):
+        da.decode_attention(q, k, v, p, bits, jnp.int32(1), block=48, interpret=True)
+
+
 def test_decode_attention_splits_follow_the_cache_and_the_batch():
     """One split per 128 cache slots, 2 to 32, at most 512 programs (batch x KV heads x splits) unless under 2."""
     from pallas_kernels import decode_attention as da
