@@ -488,12 +488,12 @@ def stage_matmul(rec, args, deadline):
                   flush=True)
 
 
-# (batch, prefix, cache slots: None for the prefix + 321, an AR step's own slot and a round's scratch; 2880 is the
-# models grid's capacity at prompts 512 and 2048)
 # decode_attention's (block, warps, stages) timed besides its defaults (64, 4, 2) where the cache has the grid's 2,880
 # slots at batch 1 (PERF.md, twenty-eighth run: at prompt 2k the kernel reads its K/V at about 0.9 TB/s)
 DECODE_TILINGS = [(64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3), (32, 4, 3), (256, 8, 2)]
 DECODE_TILING_SLOTS = 2880
+# (batch, prefix, cache slots: None for the prefix + 321, an AR step's own slot and a round's scratch; 2880 is the
+# models grid's capacity at prompts 512 and 2048)
 DECODE_CASES = [(1, 0, None), (1, 511, None), (1, 511, 2880), (1, 2047, None), (1, 2047, 2880), (1, 8191, None),
                 (1, 32767, None), (8, 511, None), (8, 511, 2880), (8, 2047, None), (8, 2047, 2880)]
 

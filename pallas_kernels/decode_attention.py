@@ -5,7 +5,7 @@ mask row is set (always, for an AR step: a node sees itself), its own slot prefi
 pads the G = H / K query heads of a KV head to its 64-row tiles, and with the pad before it and the combine after it
 an AR step's attention is three kernels of about 8 µs together per layer on an H200 (Qwen3-4B, prompt 512;
 benchmarks/PERF.md, seventeenth run). Here: a grid of (sequence x KV head, split); each program takes the G query rows
-(padded to 16, the smallest dot), walks its share of the visible slots in blocks of 64 with an online softmax, and
+(padded to 16, the smallest dot), walks its share of the visible slots in blocks (of 64) with an online softmax, and
 stores its partial (accumulator, running max, running sum) for the G rows; XLA merges the splits in one kernel
 (:func:`combine`).
 With one split the kernel writes the output itself.
@@ -42,7 +42,7 @@ MAX_KEYS = 24576
 def default_splits(slots: int, rows: int = 1) -> int:
     """Programs per (sequence, KV head) for a cache of ``slots`` and ``rows`` = batch x KV heads: one per 128 slots,
     2 to 32, at most 512 programs in all unless that leaves fewer than 2. Each split's share of the visible slots is
-    set at run time (whole blocks of 64), and :func:`combine` reads every split: more splits shorten the kernel and
+    set at run time (whole blocks), and :func:`combine` reads every split: more splits shorten the kernel and
     lengthen the combine (eighteenth run's sweep, H200, Qwen3-8B heads, with XLA's reduction as the combine: batch 1
     best at 4-8 splits for 513 visible slots, 16-32 for 2k, 32 for 8k; batch 8 at 4-8). With the combine one kernel
     (twenty-eighth run), one split per 128 slots instead of 256 made AR steps at prompt 512 0.9-1.4% shorter (both
@@ -78,7 +78,7 @@ def _kernel(q_ref, k_ref, v_ref, lens_ref, bits_ref, *out_refs, batch: int, kv: 
         m, l, acc = carry
         idx = lo + i * block + jnp.arange(block, dtype=jnp.int32)[:, None]  # [block, 1]
         ok = idx < hi
-        k = pltriton.load(k_ref.at[layer, b, idx, kh, d], mask=ok, other=0)  # [BLOCK, hd]
+        k = pltriton.load(k_ref.at[layer, b, idx, kh, d], mask=ok, other=0)  # [block, hd]
         v = pltriton.load(v_ref.at[layer, b, idx, kh, d], mask=ok, other=0)  # issued with k's: one wait for both
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         s = jnp.where(ok[:, 0][None, :], s, -jnp.inf)  # [gp, block]
