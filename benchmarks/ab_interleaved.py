@@ -8,7 +8,9 @@ decode.DRAFT_GPU_LAYOUT), ``layout`` (the target's; default decode.GPU_LAYOUT, d
 ``sampling`` and ``filtering`` (0 or 1: the Spec's flags; default what the sequences' --temperature / --top-p /
 --top-k need, as decode.make_spec sets them), ``unroll`` (the Spec's layer_unroll: target layers per iteration of the
 layer loop; default decode.default_layer_unroll), ``DDTREE_JAX_*`` environment variables (set while the variant is
-traced and compiled, e.g. DDTREE_JAX_QKV_WRITE=xla) and any XLA option (added to decode.XLA_OPTIONS, as
+traced and compiled, e.g. DDTREE_JAX_QKV_WRITE=xla), module constants of the package read when tracing
+(``pallas_kernels.M.NAME=VALUE`` or ``ddtree_jax.M.NAME=VALUE``, a Python literal, set while the variant is traced
+and compiled, e.g. pallas_kernels.decode_attention.BLOCK=128) and any XLA option (added to decode.XLA_OPTIONS, as
 ``bench models --ab``).
 
     PYTHONPATH=. python benchmarks/ab_interleaved.py --model qwen3-8b --method ddtree --budget 64 --pairs 12 \\
@@ -18,7 +20,10 @@ traced and compiled, e.g. DDTREE_JAX_QKV_WRITE=xla) and any XLA option (added to
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
 import dataclasses
+import importlib
 import glob
 import gzip
 import json
@@ -34,6 +39,36 @@ from ddtree_jax import bench, cli, decode
 from ddtree_jax.shapes import SHAPES, build_params, model_configs
 
 
+PACKAGES = ("pallas_kernels.", "ddtree_jax.")
+
+
+def _constant(path: str, text: str):
+    """"pkg.module.NAME", "VALUE" -> the literal VALUE, once pkg.module is found to hold NAME."""
+    module, _, attr = path.rpartition(".")
+    try:
+        if not hasattr(importlib.import_module(module), attr):
+            raise ImportError
+        return ast.literal_eval(text)
+    except (ImportError, ValueError, SyntaxError):
+        raise argparse.ArgumentTypeError(f"{path}={text}: expected an existing module constant and a Python literal")
+
+
+@contextlib.contextmanager
+def constants_set(values: dict):
+    """Set module constants {"pkg.module.NAME": value} inside the block, restored after it."""
+    saved = {}
+    try:
+        for path, value in values.items():
+            module, _, attr = path.rpartition(".")
+            mod = importlib.import_module(module)
+            saved[path] = (mod, attr, getattr(mod, attr))
+            setattr(mod, attr, value)
+        yield
+    finally:
+        for mod, attr, value in saved.values():
+            setattr(mod, attr, value)
+
+
 def variant(text: str) -> tuple[str, dict]:
     """NAME:FIELD=VALUE,... -> (NAME, {"layout"?, "draft"?, "options": XLA options})."""
     name, colon, rest = text.partition(":")
@@ -41,7 +76,8 @@ def variant(text: str) -> tuple[str, dict]:
     own = ("draft=", "layout=", "sampling=", "filtering=", "unroll=")
     fields = dict(x.split("=", 1) for x in pieces if x.startswith(own))
     fields["env"] = dict(x.split("=", 1) for x in pieces if x.startswith("DDTREE_JAX_") and "=" in x)
-    others = ",".join(x for x in pieces if not x.startswith((*own, "DDTREE_JAX_")))
+    fields["constants"] = {k: _constant(k, v) for k, v in (x.split("=", 1) for x in pieces if x.startswith(PACKAGES))}
+    others = ",".join(x for x in pieces if not x.startswith((*own, "DDTREE_JAX_", *PACKAGES)))
     fields["options"] = bench.xla_options(others) if others else {}
     if not (name and colon) or fields["options"] is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not NAME:FIELD=VALUE,...")
@@ -107,7 +143,8 @@ def main() -> None:
         os.environ.update(fields["env"])
         jax.clear_caches()  # else run_rounds' trace is reused: an environment variable is read when tracing
         try:
-            compiled = decode.run_rounds.lower(vspec, tp, dp, state, n).compile({**decode.XLA_OPTIONS, **opts})
+            with constants_set(fields["constants"]):
+                compiled = decode.run_rounds.lower(vspec, tp, dp, state, n).compile({**decode.XLA_OPTIONS, **opts})
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -123,8 +160,9 @@ def main() -> None:
         runs[name] = dict(compiled=compiled, tp=tp, dp=dp, layout=tl, draft_layout=dl, options=opts,
                           unroll=vspec.layer_unroll,
                           sampling=vspec.sampling, filtering=vspec.filtering,
-                          env=fields["env"], compile_s=cs, ms=[])
-        print(f"{name}: layout {tl}, draft {dl}, options {opts}, env {fields['env']}, layer unroll "
+                          env=fields["env"], constants=fields["constants"], compile_s=cs, ms=[])
+        print(f"{name}: layout {tl}, draft {dl}, options {opts}, env {fields['env']}, constants "
+              f"{fields['constants']}, layer unroll "
               f"{vspec.layer_unroll or 'default'}, compiled in {cs:.1f}s",
               flush=True)
 
@@ -155,7 +193,7 @@ def main() -> None:
         diffs = [m - b for m, b in zip(r["ms"], base)]
         out["variants"][name] = {
             "layout": r["layout"], "draft_layout": r["draft_layout"], "xla_options": r["options"], "env": r["env"],
-            "layer_unroll": r["unroll"],
+            "layer_unroll": r["unroll"], "constants": r["constants"],
             "sampling": r["sampling"], "filtering": r["filtering"],
             "compile_s": r["compile_s"], "median_ms": statistics.median(r["ms"]), "ms": r["ms"],
             "median_diff_ms_vs_first": statistics.median(diffs), "pairs_faster_than_first": sum(d < 0 for d in diffs),

@@ -109,14 +109,16 @@ def combine(acc, m, l):
 
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "interpret", "block", "warps", "stages"))
 def decode_attention(q, k, v, prefix_len, tree_bits, layer, *, scale: float | None = None, splits: int | None = None,
-                     interpret: bool = False, block: int = BLOCK, warps: int = WARPS, stages: int = STAGES):
+                     interpret: bool = False, block: int | None = None, warps: int | None = None,
+                     stages: int | None = None):
     """See the module doc. ``splits``: programs per (sequence, KV head) (default :func:`default_splits`);
     ``interpret``: the Pallas interpreter (CPU); ``block`` (keys per step, a power of two of at least 16),
-    ``warps``, ``stages``: the tiling (the same output up to the sums' order; ``pallas_kernels.bench_kernels``'
-    decode stage times them)."""
+    ``warps``, ``stages``: the tiling (default the module's ``BLOCK``, ``WARPS``, ``STAGES``, read when traced; the same
+    output up to the sums' order; ``pallas_kernels.bench_kernels``' decode stage times them)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as pltriton
 
+    block, warps, stages = block or BLOCK, warps or WARPS, stages or STAGES
     b, t, h, hd = q.shape
     s, kv = k.shape[2], k.shape[3]
     if (not supports(q, k) or k.ndim != 5 or k.shape[1] != b or v.shape != k.shape or block < 16

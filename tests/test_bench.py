@@ -103,15 +103,16 @@ def test_layout_flags_offer_decodes_layouts():
 
 
 def test_interleaved_ab_script(tmp_path):
-    """benchmarks/ab_interleaved.py on the tiny shape (CPU): each variant's layouts, layer unroll and XLA options as
-    asked, one timing per pair each, the paired differences against the first; a malformed variant is a one-line
-    error."""
+    """benchmarks/ab_interleaved.py on the tiny shape (CPU): each variant's layouts, layer unroll, module constants and
+    XLA options as asked, one timing per pair each, the paired differences against the first; a malformed variant is
+    a one-line error."""
     root = Path(__file__).resolve().parents[1]
     script, out = root / "benchmarks" / "ab_interleaved.py", tmp_path / "ab.json"
     env = {**os.environ, "PYTHONPATH": str(root)}
     args = [sys.executable, str(script), "--model", "tiny", "--method", "ddtree", "--budget", "4", "--prompt", "16",
             "--rounds", "2", "--pairs", "3", "--variant", "base:", "--variant", "dom:draft=stacked-out-major,unroll=2",
-            "--variant", "env:DDTREE_JAX_QKV_WRITE=xla,sampling=1", "--json", str(out), "--hlo", str(tmp_path / "hlo")]
+            "--variant", "env:DDTREE_JAX_QKV_WRITE=xla,sampling=1,pallas_kernels.decode_attention.BLOCK=32",
+            "--json", str(out), "--hlo", str(tmp_path / "hlo")]
     done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(out.read_text())
@@ -123,6 +124,8 @@ def test_interleaved_ab_script(tmp_path):
     assert base["median_diff_ms_vs_first"] == 0 and base["pairs_faster_than_first"] == 0
     assert all(v["same_tokens_as_first"] for v in got["variants"].values())  # none of these changes the math
     assert got["variants"]["env"]["env"] == {"DDTREE_JAX_QKV_WRITE": "xla"} and base["env"] == {}
+    assert got["variants"]["env"]["constants"] == {"pallas_kernels.decode_attention.BLOCK": 32}
+    assert base["constants"] == {}
     assert got["variants"]["env"]["sampling"] and not base["sampling"] and not base["filtering"]
     hlo = {name: gzip.open(tmp_path / "hlo" / f"{name}.hlo.txt.gz", "rt").read() for name in ("base", "dom", "env")}
     assert all(text.startswith("HloModule") for text in hlo.values())  # --hlo: each variant's optimized HLO module
@@ -140,6 +143,18 @@ def test_interleaved_ab_script(tmp_path):
     for bad_unroll in ("0", "two"):
         with pytest.raises(argparse.ArgumentTypeError, match=f"unroll='{bad_unroll}': expected a positive integer"):
             module.variant(f"x:unroll={bad_unroll}")
+    from pallas_kernels import decode_attention as da  # module constants: set while a variant compiles, then restored
+
+    _, fields = module.variant("x:pallas_kernels.decode_attention.BLOCK=128,ddtree_jax.tree.KERNEL_MAX_BATCH=4")
+    assert fields["options"] == {} and fields["constants"] == {
+        "pallas_kernels.decode_attention.BLOCK": 128, "ddtree_jax.tree.KERNEL_MAX_BATCH": 4}
+    with module.constants_set(fields["constants"]):
+        assert da.BLOCK == 128
+    assert da.BLOCK == 64
+    for bad in ("pallas_kernels.decode_attention.NOPE=1", "pallas_kernels.nope.X=1",
+                "pallas_kernels.decode_attention.BLOCK=abc"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected an existing module constant and a Python"):
+            module.variant(f"x:{bad}")
 
 
 def test_the_recorded_h200_results_hold_issue_5s_fields_and_grid():
