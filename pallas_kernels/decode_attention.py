@@ -6,8 +6,8 @@ pads the G = H / K query heads of a KV head to its 64-row tiles, and with the pa
 an AR step's attention is three kernels of about 8 µs together per layer on an H200 (Qwen3-4B, prompt 512;
 benchmarks/PERF.md, seventeenth run). Here: a grid of (sequence x KV head, split); each program takes the G query rows
 (padded to 16, the smallest dot), walks its share of the visible slots in blocks (of 64) with an online softmax, and
-stores its partial (accumulator, running max, running sum) for the G rows; XLA merges the splits in one kernel
-(:func:`combine`).
+stores its partial (accumulator [B x K, S, G, hd], running max and sum [B x K, S, G]) for the G rows; XLA merges
+the splits in one kernel (``split_merge.merge_splits``; a split that saw no slot, max -inf and sum 0, weighs 0).
 With one split the kernel writes the output itself.
 
 Merging in the kernel instead (the last program of a sequence x KV head, found by an atomic count, reads the others'
@@ -42,7 +42,7 @@ MAX_KEYS = 24576
 def default_splits(slots: int, rows: int = 1) -> int:
     """Programs per (sequence, KV head) for a cache of ``slots`` and ``rows`` = batch x KV heads: one per 128 slots,
     2 to 32, at most 512 programs in all unless that leaves fewer than 2. Each split's share of the visible slots is
-    set at run time (whole blocks), and :func:`combine` reads every split: more splits shorten the kernel and
+    set at run time (whole blocks), and the merge reads every split: more splits shorten the kernel and
     lengthen the combine (eighteenth run's sweep, H200, Qwen3-8B heads, with XLA's reduction as the combine: batch 1
     best at 4-8 splits for 513 visible slots, 16-32 for 2k, 32 for 8k; batch 8 at 4-8). With the combine one kernel
     (twenty-eighth run), one split per 128 slots instead of 256 made AR steps at prompt 512 0.9-1.4% shorter (both
@@ -101,12 +101,6 @@ def _kernel(q_ref, k_ref, v_ref, lens_ref, bits_ref, *out_refs, batch: int, kv: 
     pltriton.store(l_ref.at[bk, sp, rows[:, 0]], l, mask=real[:, 0])
 
 
-def combine(acc, m, l):
-    """The splits' partials (acc [N, S, G, hd], running max and sum m, l [N, S, G], f32) -> the softmax-weighted
-    output [N, G, hd] f32 (:func:`merge_splits`). Splits that saw no slot (m = -inf, l = 0) weigh 0."""
-    return merge_splits(acc, m, l, jnp.exp)
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "interpret", "block", "warps", "stages"))
 def decode_attention(q, k, v, prefix_len, tree_bits, layer, *, scale: float | None = None, splits: int | None = None,
                      interpret: bool = False, block: int | None = None, warps: int | None = None,
@@ -118,7 +112,9 @@ def decode_attention(q, k, v, prefix_len, tree_bits, layer, *, scale: float | No
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as pltriton
 
-    block, warps, stages = block or BLOCK, warps or WARPS, stages or STAGES
+    block = BLOCK if block is None else block  # the module's tiling, read when traced
+    warps = WARPS if warps is None else warps
+    stages = STAGES if stages is None else stages
     b, t, h, hd = q.shape
     s, kv = k.shape[2], k.shape[3]
     if (not supports(q, k) or k.ndim != 5 or k.shape[1] != b or v.shape != k.shape or block < 16
@@ -143,4 +139,4 @@ def decode_attention(q, k, v, prefix_len, tree_bits, layer, *, scale: float | No
     )(q, k, v, lengths(prefix_len, layer), jax.lax.bitcast_convert_type(tree_bits.reshape(b, -1), jnp.int32))
     if splits == 1:
         return outs[0]
-    return combine(*outs).reshape(b, 1, h, hd).astype(q.dtype)
+    return merge_splits(*outs).reshape(b, 1, h, hd).astype(q.dtype)
