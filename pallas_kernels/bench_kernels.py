@@ -488,10 +488,15 @@ def stage_matmul(rec, args, deadline):
                   flush=True)
 
 
-# decode_attention's (block, warps, stages) timed besides its defaults (64, 4, 2) where the cache has the grid's 2,880
-# slots at batch 1 (PERF.md, twenty-eighth run: at prompt 2k the kernel reads its K/V at about 0.9 TB/s)
-DECODE_TILINGS = [(64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3), (32, 4, 3), (256, 8, 2)]
+# decode_attention's (block, warps, stages) timed where the cache has the grid's 2,880 slots at batch 1 (PERF.md,
+# twenty-eighth run: at prompt 2k the kernel seemed to read its K/V at about 0.9 TB/s; twenty-ninth: the sweep)
+DECODE_TILINGS = [(64, 4, 2), (64, 4, 3), (64, 8, 3), (64, 2, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3),
+                  (32, 4, 3), (256, 8, 2)]
 DECODE_TILING_SLOTS = 2880
+# Layers of the stacked caches, timed one after another so that a layer's K/V has left the L2 (50 MB) before it is
+# read again, as in a model's step. With one layer timed, its 8.4 MB of K/V at 2k slots came from the L2: the kernel
+# took 4.5 µs, against 6.1 read from HBM (twenty-ninth run).
+DECODE_LAYERS = 8
 # (batch, prefix, cache slots: None for the prefix + 321, an AR step's own slot and a round's scratch; 2880 is the
 # models grid's capacity at prompts 512 and 2048)
 DECODE_CASES = [(1, 0, None), (1, 511, None), (1, 511, 2880), (1, 2047, None), (1, 2047, 2880), (1, 8191, None),
@@ -500,8 +505,9 @@ DECODE_CASES = [(1, 0, None), (1, 511, None), (1, 511, 2880), (1, 2047, None), (
 
 def stage_decode(rec, args, deadline):
     """decode_attention against the f32 reference (relative L2 error) and its device time against the tree kernel
-    on the same one-row problem (its pad, Mosaic kernel and combine), layer 1 of a 2-layer stacked cache; and its
-    device time at 1-32 splits, all kernels and the attention kernel alone (each checked against the reference)."""
+    on the same one-row problem (its pad, Mosaic kernel and combine), layer 1 of an 8-layer stacked cache, timed over
+    the 8 layers in turn; its device time with the splits merged by XLA (``MERGE_KERNEL = False``), at 1-32 splits,
+    and in ``DECODE_TILINGS``, all kernels and the attention kernel alone (each checked against the reference)."""
     from pallas_kernels import decode_attention as da
 
     h, kv, hd = QWEN3_8B["h"], QWEN3_8B["kv"], QWEN3_8B["hd"]
@@ -512,39 +518,52 @@ def stage_decode(rec, args, deadline):
             return
         slots = slots or prefix + 1 + 320
         q = jnp.asarray(rng.standard_normal((b, 1, h, hd)), jnp.bfloat16)
-        k, v = (jax.random.normal(jax.random.key(i), (2, b, slots, kv, hd), jnp.float32).astype(jnp.bfloat16)
-                for i in range(2))
+        k, v = (jax.random.normal(jax.random.key(i), (DECODE_LAYERS, b, slots, kv, hd), jnp.float32)
+                .astype(jnp.bfloat16) for i in range(2))
         p = jnp.full((b,), prefix, jnp.int32)
         bits = jnp.ones((b, 1, 1), jnp.uint32)
         layer = jnp.int32(1)
+        cold = [(q, k, v, p, bits, jnp.int32(i)) for i in range(DECODE_LAYERS)]  # timed over the layers in turn
         fn = jax.jit(functools.partial(da.decode_attention, **KW))
         tree = jax.jit(lambda q, k, v, p, bits, layer: tat.tree_attention(q, k, v, p, bits, layer=layer, **KW))
         row = {"batch": b, "prefix": prefix, "slots": slots, "splits": da.default_splits(slots, b * kv),
                **_err(fn(q, k, v, p, bits, layer), reference_f32(q, k[1], v[1], p, bits))}
-        row["kernel_us"], _, _ = device_time_us(fn, [(q, k, v, p, bits, layer)], 20)
+        row["kernel_us"], _, _ = device_time_us(fn, cold, 24)
         row["kernel_breakdown"] = LAST_BREAKDOWN[:]
+        da.MERGE_KERNEL = False
+        jax.clear_caches()  # decode_attention reads MERGE_KERNEL when traced
+        try:
+            merged = jax.jit(functools.partial(da.decode_attention, **KW))
+            row["xla_merge_err"] = _err(merged(q, k, v, p, bits, layer), reference_f32(q, k[1], v[1], p, bits))
+            row["xla_merge_us"], _, _ = device_time_us(merged, cold, 24)
+            row["xla_merge_breakdown"] = LAST_BREAKDOWN[:]
+        finally:
+            da.MERGE_KERNEL = True
+            jax.clear_caches()
         row["by_splits"] = {}  # other splits: us, all kernels and the attention kernel alone (the same output)
         for n in (1, 2, 4, 8, 16, 32):
             other = jax.jit(functools.partial(da.decode_attention, splits=n, **KW))
             assert _err(other(q, k, v, p, bits, layer), reference_f32(q, k[1], v[1], p, bits))["rel_l2_err"] < 5e-3
-            total = device_time_us(other, [(q, k, v, p, bits, layer)], 20)[0]
+            total = device_time_us(other, cold, 24)[0]
             row["by_splits"][n] = [total, sum(t for name, t in LAST_BREAKDOWN if "decode_attention" in name)]
         if b == 1 and slots == DECODE_TILING_SLOTS:  # the models grid's AR steps: other tilings, default splits
             row["by_tiling"] = {}  # "block,warps,stages": [us all kernels, us the attention kernel]
             for block, warps, stages in DECODE_TILINGS:
                 other = jax.jit(functools.partial(da.decode_attention, block=block, warps=warps, stages=stages, **KW))
                 assert _err(other(q, k, v, p, bits, layer), reference_f32(q, k[1], v[1], p, bits))["rel_l2_err"] < 5e-3
-                total = device_time_us(other, [(q, k, v, p, bits, layer)], 20)[0]
+                total = device_time_us(other, cold, 24)[0]
                 row["by_tiling"][f"{block},{warps},{stages}"] = [
                     total, sum(t for name, t in LAST_BREAKDOWN if "decode_attention" in name)]
             print("  by tiling (block,warps,stages: us all (kernel)): " + " ".join(
                 f"{name}: {t:.2f} ({k:.2f})" for name, (t, k) in row["by_tiling"].items()), flush=True)
-        row["tree_kernel_us"], _, _ = device_time_us(tree, [(q, k, v, p, bits, layer)], 20)
+        row["tree_kernel_us"], _, _ = device_time_us(tree, cold, 24)
         row["tree_breakdown"] = LAST_BREAKDOWN[:]
         rec.add(row)
         print(f"decode b={b} prefix={prefix} slots={slots}: err {row['rel_l2_err']:.1e} | "
               f"kernel {row['kernel_us']:.2f} us "
-              f"({len(row['kernel_breakdown'])} kernels) vs tree kernel {row['tree_kernel_us']:.2f} us "
+              f"({len(row['kernel_breakdown'])} kernels; with XLA's merge {row['xla_merge_us']:.2f}: "
+              + " ".join(f"{n} {t:.2f}" for n, t in row["xla_merge_breakdown"])
+              + f") vs tree kernel {row['tree_kernel_us']:.2f} us "
               f"({len(row['tree_breakdown'])}); by splits "
               + " ".join(f"{n}: {t:.2f} ({k:.2f})" for n, (t, k) in row["by_splits"].items()), flush=True)
 

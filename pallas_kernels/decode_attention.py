@@ -6,9 +6,11 @@ pads the G = H / K query heads of a KV head to its 64-row tiles, and with the pa
 an AR step's attention is three kernels of about 8 µs together per layer on an H200 (Qwen3-4B, prompt 512;
 benchmarks/PERF.md, seventeenth run). Here: a grid of (sequence x KV head, split); each program takes the G query rows
 (padded to 16, the smallest dot), walks its share of the visible slots in blocks (of 64) with an online softmax, and
-stores its partial (accumulator [B x K, S, G, hd], running max and sum [B x K, S, G]) for the G rows; XLA merges
-the splits in one kernel (``split_merge.merge_splits``; a split that saw no slot, max -inf and sum 0, weighs 0).
-With one split the kernel writes the output itself.
+stores its partial (accumulator [S, B x K, G, hd], running max and sum [S, B x K, G]) for the G rows; a second
+Pallas kernel merges the splits (``split_merge.merge_splits_kernel``, a program per query row reading its S partials
+at once; a split that saw no slot, max -inf and sum 0, weighs 0). With one split the kernel writes the output itself.
+XLA's fusion of the merge (``MERGE_KERNEL = False``) made two kernels at 22 splits, 3.6 µs against 1.8, and AR steps
+at prompt 2k 0.08 ms longer (H200, twenty-ninth run).
 
 Merging in the kernel instead (the last program of a sequence x KV head, found by an atomic count, reads the others'
 partials) made the kernel 2.5-4 µs longer, more than XLA's kernels after it cost, and AR steps 0.02-0.03 ms slower
@@ -27,9 +29,14 @@ import jax.numpy as jnp
 
 from pallas_kernels.blocks import pow2
 from pallas_kernels.lengths import lengths
-from pallas_kernels.split_merge import merge_splits
+from pallas_kernels.split_merge import merge_splits, merge_splits_kernel
 
-BLOCK, WARPS, STAGES = 64, 4, 2  # keys per step; warps of a program; Triton's software-pipeline stages
+# keys per step; warps of a program; Triton's software-pipeline stages, None: 3 at batch 1, 2 above. At batch 1, 3
+# stages rather than 2 made AR steps 0.021-0.029 ms shorter on both models at prompts 512 and 2k (blocks of 128 with 2
+# stages, the other candidate of the kernel's sweep over ten tilings, 0.012 ms shorter at 2k and 0.038 at 512,
+# Qwen3-4B); at batch 8, prompt 2k, 0.070-0.075 ms longer (H200, twenty-ninth run, benchmarks/PERF.md)
+BLOCK, WARPS, STAGES = 64, 4, None
+MERGE_KERNEL = True  # the splits merged by split_merge's Pallas kernel instead of XLA's fusion (read when traced)
 _MIN_ROWS = 16  # the smallest M of a Triton dot
 
 
@@ -96,9 +103,9 @@ def _kernel(q_ref, k_ref, v_ref, lens_ref, bits_ref, *out_refs, batch: int, kv: 
         pltriton.store(o_ref.at[b, 0, kh * g + rows, d], (acc / l[:, None]).astype(o_ref.dtype), mask=real)
         return
     acc_ref, m_ref, l_ref = out_refs
-    pltriton.store(acc_ref.at[bk, sp, rows, d], acc, mask=real)
-    pltriton.store(m_ref.at[bk, sp, rows[:, 0]], m, mask=real[:, 0])
-    pltriton.store(l_ref.at[bk, sp, rows[:, 0]], l, mask=real[:, 0])
+    pltriton.store(acc_ref.at[sp, bk, rows, d], acc, mask=real)
+    pltriton.store(m_ref.at[sp, bk, rows[:, 0]], m, mask=real[:, 0])
+    pltriton.store(l_ref.at[sp, bk, rows[:, 0]], l, mask=real[:, 0])
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "interpret", "block", "warps", "stages"))
@@ -114,8 +121,8 @@ def decode_attention(q, k, v, prefix_len, tree_bits, layer, *, scale: float | No
 
     block = BLOCK if block is None else block  # the module's tiling, read when traced
     warps = WARPS if warps is None else warps
-    stages = STAGES if stages is None else stages
     b, t, h, hd = q.shape
+    stages = (STAGES or (3 if b == 1 else 2)) if stages is None else stages
     s, kv = k.shape[2], k.shape[3]
     if (not supports(q, k) or k.ndim != 5 or k.shape[1] != b or v.shape != k.shape or block < 16
             or block & (block - 1)):
@@ -127,8 +134,8 @@ def decode_attention(q, k, v, prefix_len, tree_bits, layer, *, scale: float | No
     splits = splits or default_splits(s, b * kv)
     scale = hd**-0.5 if scale is None else scale
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)] if splits == 1 else [
-        jax.ShapeDtypeStruct((b * kv, splits, g, hd), jnp.float32),
-        jax.ShapeDtypeStruct((b * kv, splits, g), jnp.float32), jax.ShapeDtypeStruct((b * kv, splits, g), jnp.float32)]
+        jax.ShapeDtypeStruct((splits, b * kv, g, hd), jnp.float32),
+        jax.ShapeDtypeStruct((splits, b * kv, g), jnp.float32), jax.ShapeDtypeStruct((splits, b * kv, g), jnp.float32)]
     outs = pl.pallas_call(
         functools.partial(_kernel, batch=b, kv=kv, g=g, gp=gp, hd=hd, splits=splits, scale=float(scale), block=block),
         grid=(b * kv, splits),
@@ -139,4 +146,6 @@ def decode_attention(q, k, v, prefix_len, tree_bits, layer, *, scale: float | No
     )(q, k, v, lengths(prefix_len, layer), jax.lax.bitcast_convert_type(tree_bits.reshape(b, -1), jnp.int32))
     if splits == 1:
         return outs[0]
-    return merge_splits(*outs).reshape(b, 1, h, hd).astype(q.dtype)
+    if MERGE_KERNEL:
+        return merge_splits_kernel(*outs, batch=b, dtype=q.dtype, interpret=interpret)
+    return merge_splits(*(jnp.moveaxis(x, 0, 1) for x in outs)).reshape(b, 1, h, hd).astype(q.dtype)

@@ -427,6 +427,23 @@ def test_split_merge_is_the_softmax_over_all_splits_and_one_fused_kernel():
     assert "reduce" not in hlo
 
 
+def test_split_merge_kernel_is_merge_splits_in_the_attention_layout():
+    """merge_splits_kernel (Pallas interpreter): merge_splits' answer (an empty split weighs nothing), written at
+    [batch, 1, KV head x group + head, hd] from the partials of each (sequence, KV head)."""
+    from pallas_kernels.split_merge import merge_splits, merge_splits_kernel
+
+    rng = np.random.default_rng(1)
+    splits, b, kv, g, hd = 5, 2, 3, 4, 16
+    acc = jnp.asarray(rng.normal(size=(splits, b * kv, g, hd)), jnp.float32)
+    m = jnp.asarray(rng.normal(size=(splits, b * kv, g)) * 4, jnp.float32).at[3, 1].set(-jnp.inf)
+    l = jnp.asarray(rng.uniform(1, 3, size=(splits, b * kv, g)), jnp.float32).at[3, 1].set(0)
+    want = merge_splits(*(jnp.moveaxis(x, 0, 1) for x in (acc, m, l))).reshape(b, 1, kv * g, hd)
+    got = merge_splits_kernel(acc, m, l, batch=b, dtype=jnp.float32, interpret=True)
+    assert got.shape == (b, 1, kv * g, hd)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert np.isfinite(np.asarray(got)).all()
+
+
 def test_ar_steps_take_the_one_row_kernel_with_pallas_inplace(monkeypatch):
     """'pallas-inplace' attention of one row per sequence over the stacked cache runs decode_attention (and the tree
     kernel with DDTREE_JAX_DECODE_ATTENTION=tree, for a longer block, or past MAX_KEYS batch x slots): the same
