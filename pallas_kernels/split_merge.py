@@ -1,4 +1,5 @@
-"""The merge of split-K attention partials that ``decode_attention`` and ``tree_attention`` leave to XLA.
+"""The merge of the attention kernels' split-K partials: ``merge_splits``, written for XLA to fuse (``tree_attention``'s
+merge), and ``merge_splits_kernel``, the same as one Pallas kernel (``decode_attention``'s).
 
 Each split of a row's keys gives a partial: an accumulator (the exp-weighted values), its running max and, for
 ``decode_attention``, its running sum (``tree_attention`` stores a base-2 log-sum-exp instead, max and sum in one:
@@ -26,8 +27,6 @@ def merge_splits(acc, m, l, exp=jnp.exp):
         num = w[..., None] * acc[:, s] if num is None else num + w[..., None] * acc[:, s]
         den = w * l[:, s] if den is None else den + w * l[:, s]
     return num / den[..., None]
-
-
 
 
 def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, splits: int, sp: int, kv: int, g: int, hd: int):
