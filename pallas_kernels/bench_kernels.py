@@ -530,7 +530,7 @@ def stage_decode(rec, args, deadline):
                **_err(fn(q, k, v, p, bits, layer), reference_f32(q, k[1], v[1], p, bits))}
         row["kernel_us"], _, _ = device_time_us(fn, cold, 24)
         row["kernel_breakdown"] = LAST_BREAKDOWN[:]
-        da.MERGE_KERNEL = False
+        saved, da.MERGE_KERNEL = da.MERGE_KERNEL, False
         jax.clear_caches()  # decode_attention reads MERGE_KERNEL when traced
         try:
             merged = jax.jit(functools.partial(da.decode_attention, **KW))
@@ -538,7 +538,7 @@ def stage_decode(rec, args, deadline):
             row["xla_merge_us"], _, _ = device_time_us(merged, cold, 24)
             row["xla_merge_breakdown"] = LAST_BREAKDOWN[:]
         finally:
-            da.MERGE_KERNEL = True
+            da.MERGE_KERNEL = saved
             jax.clear_caches()
         row["by_splits"] = {}  # other splits: us, all kernels and the attention kernel alone (the same output)
         for n in (1, 2, 4, 8, 16, 32):
