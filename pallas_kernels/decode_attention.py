@@ -114,8 +114,10 @@ def decode_attention(q, k, v, prefix_len, tree_bits, layer, *, scale: float | No
                      stages: int | None = None):
     """See the module doc. ``splits``: programs per (sequence, KV head) (default :func:`default_splits`);
     ``interpret``: the Pallas interpreter (CPU); ``block`` (keys per step, a power of two of at least 16),
-    ``warps``, ``stages``: the tiling (default the module's ``BLOCK``, ``WARPS``, ``STAGES``, read when traced; the same
-    output up to the sums' order; ``pallas_kernels.bench_kernels``' decode stage times them)."""
+    ``warps``, ``stages``: the tiling (default the module's ``BLOCK``, ``WARPS``, ``STAGES``, read when traced, ``STAGES``
+    None: 3 at batch 1, 2 above; the same output up to the sums' order; ``pallas_kernels.bench_kernels``' decode stage
+    times them). The splits' partials are merged by ``split_merge.merge_splits_kernel`` (``MERGE_KERNEL``, read when
+    traced; False: XLA's fusion of ``merge_splits``)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as pltriton
 
