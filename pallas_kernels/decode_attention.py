@@ -51,10 +51,11 @@ def default_splits(slots: int, rows: int = 1) -> int:
     2 to 32, at most 512 programs in all unless that leaves fewer than 2. Each split's share of the visible slots is
     set at run time (whole blocks), and the merge reads every split: more splits shorten the kernel and
     lengthen the combine (eighteenth run's sweep, H200, Qwen3-8B heads, with XLA's reduction as the combine: batch 1
-    best at 4-8 splits for 513 visible slots, 16-32 for 2k, 32 for 8k; batch 8 at 4-8). With the combine one kernel
-    (twenty-eighth run), one split per 128 slots instead of 256 made AR steps at prompt 512 0.9-1.4% shorter (both
-    models at batch 1, Qwen3-8B at batch 8) and changed nothing at 2k; one per 64 or 32 was 0.05-0.06 ms slower at
-    2k."""
+    best at 4-8 splits for 513 visible slots, 16-32 for 2k, 32 for 8k; batch 8 at 4-8). With XLA's combine written
+    split by split (twenty-eighth run: one kernel at 11 splits; at 22 it was two, twenty-ninth run), one split per 128
+    slots instead of 256 made AR steps at prompt 512 0.9-1.4% shorter (both models at batch 1, Qwen3-8B at batch 8) and
+    changed nothing at 2k; one per 64 or 32 was 0.05-0.06 ms slower at 2k. Not swept again with the Pallas merge
+    kernel of the twenty-ninth run."""
     return max(2, min(32, slots // 128, 512 // max(rows, 1)))
 
 
@@ -114,10 +115,10 @@ def decode_attention(q, k, v, prefix_len, tree_bits, layer, *, scale: float | No
                      stages: int | None = None):
     """See the module doc. ``splits``: programs per (sequence, KV head) (default :func:`default_splits`);
     ``interpret``: the Pallas interpreter (CPU); ``block`` (keys per step, a power of two of at least 16),
-    ``warps``, ``stages``: the tiling (default the module's ``BLOCK``, ``WARPS``, ``STAGES``, read when traced, ``STAGES``
-    None: 3 at batch 1, 2 above; the same output up to the sums' order; ``pallas_kernels.bench_kernels``' decode stage
-    times them). The splits' partials are merged by ``split_merge.merge_splits_kernel`` (``MERGE_KERNEL``, read when
-    traced; False: XLA's fusion of ``merge_splits``)."""
+    ``warps``, ``stages``: the tiling (default the module's ``BLOCK``, ``WARPS``, ``STAGES``, read when traced,
+    ``STAGES`` None: 3 at batch 1, 2 above; the same output up to the sums' order; ``pallas_kernels.bench_kernels``'
+    decode stage times them). The splits' partials are merged by ``split_merge.merge_splits_kernel``
+    (``MERGE_KERNEL``, read when traced; False: XLA's fusion of ``merge_splits``)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as pltriton
 

@@ -15,9 +15,10 @@ import jax.numpy as jnp
 def merge_splits(acc, m, l, exp=jnp.exp):
     """sum_s w_s acc_s / sum_s w_s l_s with w_s = exp(m_s - max_s m_s), over the static split axis 1 of acc [N, S,
     ...] and m, l [N, S, ...], written as one elementwise expression per split rather than as reductions over the
-    axis, so that XLA makes it one kernel with what follows it (with reductions it was two: H200, twenty-eighth run,
-    Qwen3-4B AR at prompt 2k 0.032 ms a token shorter, Qwen3-8B ddtree-64 rounds 0.064 ms; nothing slower). The sums
-    run in split order."""
+    axis, so that XLA can fuse it with what follows it (with reductions it was two kernels; written this way one at
+    ``decode_attention``'s 11 splits, H200, twenty-eighth run: Qwen3-4B AR at prompt 2k 0.032 ms a token shorter,
+    Qwen3-8B ddtree-64 rounds 0.064 ms; nothing slower; but two at 22 splits, the max apart, twenty-ninth run). The
+    sums run in split order."""
     top = m[:, 0]
     for s in range(1, m.shape[1]):
         top = jnp.maximum(top, m[:, s])
@@ -67,7 +68,7 @@ def merge_splits_kernel(acc, m, l, *, batch: int, dtype, interpret: bool = False
     splits, n, g, hd = acc.shape
     kv = n // batch
     return pl.pallas_call(
-        functools.partial(_merge_kernel, splits=splits, sp=max(2, pow2(splits)), kv=kv, g=g, hd=hd),
+        functools.partial(_merge_kernel, splits=splits, sp=pow2(splits), kv=kv, g=g, hd=hd),
         grid=(n, g),
         out_shape=jax.ShapeDtypeStruct((batch, 1, kv * g, hd), dtype),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),

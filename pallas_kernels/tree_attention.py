@@ -434,7 +434,7 @@ def tree_attention(q, k, v, prefix_len, tree_bits, *, scale: float | None = None
     )
     res = call(qp, k, v, lens_in, bits)
     if splits > 1:
-        o_part, lse = res  # [S, B, K, R, hd], [S, B, K, R]: merged in one XLA kernel with the reshape below
+        o_part, lse = res  # [S, B, K, R, hd], [S, B, K, R]: merged by XLA, fused with the reshape below
         move = lambda x: jnp.moveaxis(x, 0, 1)  # noqa: E731  the split axis second
         out = merge_splits(move(o_part), move(lse), jnp.ones_like(move(lse)), jnp.exp2)
     else:
