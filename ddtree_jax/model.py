@@ -159,20 +159,33 @@ def qkv(x: Array, w: LayerWeights, eps: float, cos: Array, sin: Array) -> tuple[
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
+TAP_IN_NORM = True  # the target's taps written by the add_norm kernel, not by an update of their own (read when traced)
+
+
 def residual_norm(x: Array, delta: Array, w: Array, eps: float, impl: str = "xla",
-                  stacked: tuple[Array, Array, Array] | None = None) -> tuple[Array, Array]:
+                  stacked: tuple[Array, Array, Array] | None = None, tap: tuple[Array, Array, Array] | None = None):
     """(x + delta, :func:`rms_norm` of it): the residual add and the norm after it, f32 x and delta [..., D]. With
     'pallas-inplace' attention on one device (no mesh) and ``DDTREE_JAX_ADD_NORM`` not "xla", one kernel
     (``pallas_kernels.add_norm``: the same math, its mean square summed in its own order). ``stacked``: (every
     layer's weights [L, D], the layer, the prefix lengths [B]), which the kernel reads in place instead of w (the
-    layer's row of them), so that XLA needs no slice kernel for it."""
+    layer's row of them), so that XLA needs no slice kernel for it. ``tap``: (taps [S, ..., D], slots [L] int32, the
+    layer): the sum is also written, in taps' dtype, at taps[slots[layer]], and the taps are returned third (by the
+    kernel where it reads ``stacked`` and ``TAP_IN_NORM`` holds, else by an update of their own)."""
     if _layer_kernels(impl) and x.dtype == jnp.float32 and kernel_on(ADD_NORM_ENV):
         kw = dict(eps=eps, interpret=impl.endswith("-interpret"))
+        if stacked is not None and (tap is None or TAP_IN_NORM):
+            return add_norm.add_norm(x, delta.astype(jnp.float32), *stacked, tap=None if tap is None else tap[:2], **kw)
         if stacked is not None:
-            return add_norm.add_norm(x, delta.astype(jnp.float32), *stacked, **kw)
-        return add_norm.add_norm(x, delta.astype(jnp.float32), w, **kw)
-    x = x + delta
-    return x, rms_norm(x, w, eps)
+            x, h = add_norm.add_norm(x, delta.astype(jnp.float32), *stacked, **kw)
+        else:
+            x, h = add_norm.add_norm(x, delta.astype(jnp.float32), w, **kw)
+    else:
+        x = x + delta
+        h = rms_norm(x, w, eps)
+    if tap is None:
+        return x, h
+    taps, slots, layer = tap
+    return x, h, jax.lax.dynamic_update_index_in_dim(taps, x.astype(taps.dtype), slots[layer], 0)
 
 
 def qkv_kernel_applies(impl: str, w: LayerWeights, x: Array, k_all: Array) -> bool:
@@ -229,10 +242,13 @@ def forward(
     cos, sin = rope_tables(cfg, positions)
     start = cache.length
     n_taps = len(taps)
-    slot_of_layer = [n_taps] * cfg.num_layers  # n_taps = "not tapped": a spare slot, written and never read
+    # Layer i's output is the sum its successor's first norm makes: there it is tapped, at the slot of layer i - 1.
+    # n_taps = "not tapped": a spare slot, written and never read (so every layer writes; no predicate).
+    prev_slot = [n_taps] * cfg.num_layers
     for j, layer in enumerate(taps):
-        slot_of_layer[layer] = j
-    slot_of_layer = jnp.asarray(slot_of_layer, jnp.int32)
+        if layer + 1 < cfg.num_layers:  # the last layer's output is taken after the final norm
+            prev_slot[layer + 1] = j
+    prev_slot = jnp.asarray(prev_slot, jnp.int32)
 
     eps = cfg.rms_norm_eps
 
@@ -245,14 +261,16 @@ def forward(
         def at(name):  # a norm weight of every layer, which the kernel reads at layer i
             return None if stacked is None else (getattr(stacked, name), i, start)
 
-        x, h = residual_norm(x, delta, w.attn_norm, eps, attention, at("attn_norm"))
+        if n_taps:  # the previous layer's output is this sum
+            x, h, tapped = residual_norm(x, delta, w.attn_norm, eps, attention, at("attn_norm"),
+                                         tap=(tapped, prev_slot, i))
+        else:
+            x, h = residual_norm(x, delta, w.attn_norm, eps, attention, at("attn_norm"))
         q, k_all, v_all = attention_inputs(h, w, eps, cos, sin, k_all, v_all, i, start, attention, stacked)
         o = attend(q, k_all, v_all, start, tree_bits, layer=i)
         x, h = residual_norm(x, linear(o, w.wo, "bthk,hkd->btd", w.output_major, jnp.float32), w.mlp_norm, eps,
                              attention, at("mlp_norm"))
         x, delta = (constrain(a, ("batch", "seq", "embed")) for a in (x, mlp(h, w)))
-        if n_taps:  # every layer writes (an in-place update, no predicate); the untapped ones into the spare slot
-            tapped = jax.lax.dynamic_update_index_in_dim(tapped, (x + delta).astype(tapped.dtype), slot_of_layer[i], 0)
         return (x, delta, k_all, v_all, tapped), None
 
     # [taps + 1, B, T, D] in the final norm's dtype (the features' dtype: one rounding, as when cast at the end)

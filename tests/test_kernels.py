@@ -554,6 +554,18 @@ def test_add_norm_is_the_residual_add_and_rms_norm(shape):
     np.testing.assert_array_equal(np.asarray(h2, np.float32), np.asarray(h, np.float32))
     with pytest.raises(ValueError, match="with layer and prefix_len"):
         add_norm.add_norm(x, d, w_all, eps=1e-6, interpret=True)
+    # the tap: s, cast to the taps' dtype, written in place at slots[layer] (here slot 0); the other slots kept
+    taps = jnp.asarray(rng.standard_normal((3, *shape)), jnp.bfloat16)
+    slots = jnp.asarray([2, 0, 1], jnp.int32)
+    s3, h3, taps3 = kernel(x, d, w_all, jnp.int32(1), lens, tap=(taps, slots))
+    np.testing.assert_array_equal(np.asarray(s3), np.asarray(s))
+    np.testing.assert_array_equal(np.asarray(h3, np.float32), np.asarray(h, np.float32))
+    want = jax.lax.dynamic_update_index_in_dim(taps, s.astype(jnp.bfloat16), 0, 0)
+    np.testing.assert_array_equal(np.asarray(taps3, np.float32), np.asarray(want, np.float32))
+    with pytest.raises(ValueError, match="tap takes stacked w"):
+        add_norm.add_norm(x, d, w, eps=1e-6, tap=(taps, slots), interpret=True)
+    with pytest.raises(ValueError, match="tap takes stacked w"):
+        add_norm.add_norm(x, d, w_all, jnp.int32(1), lens, eps=1e-6, tap=(taps, slots[:2]), interpret=True)
 
 
 def _pallas_calls(closed) -> list[tuple]:
@@ -595,22 +607,28 @@ def test_the_model_writes_q_k_v_by_the_kernel_with_pallas_inplace(monkeypatch):
     layer0 = jax.tree.map(lambda x: x[0], fused.layers)
     impl = "pallas-inplace-interpret"
 
+    def forward(p, c, taps=(0, 1)):  # both layers tapped: layer 0 by layer 1's first norm, layer 1 after the last
+        return model.forward(p, tcfg, tokens, positions, c, causal_bits(b, t), taps=taps, attention=impl)
+
     def run(params):
-        fn = jax.jit(lambda p, c: model.forward(p, tcfg, tokens, positions, c, causal_bits(b, t), attention=impl))
+        fn = jax.jit(lambda p, c: forward(p, c))  # a new function: jit's cache does not key on the switches
         return fn(params, cache), fn.lower(params, cache).as_text()
 
-    (hk, ck, _), text = run(fused)
+    (hk, ck, fk), text = run(fused)
     assert model.qkv_kernel_applies(impl, layer0, hk.astype(jnp.bfloat16), cache.k) and "qkv_write" in text
     assert "add_norm" in text  # the residual adds and norms: pallas_kernels.add_norm
-    calls = _pallas_calls(jax.make_jaxpr(lambda p, c: model.forward(p, tcfg, tokens, positions, c,
-                                                                    causal_bits(b, t), attention=impl))(fused, cache))
+    calls = _pallas_calls(jax.make_jaxpr(forward)(fused, cache))
     layers, d, hd = tcfg.num_layers, tcfg.hidden_size, tcfg.head_dim  # the layers' norm weights read in place:
     assert [c[3] for c in calls if c[0] == "add_norm"] == [(layers, d), (layers, d), (d,)]  # every layer's, final
+    norms = [c for c in calls if c[0] == "add_norm"]  # the first norm also writes the taps (+ a spare slot) in place
+    assert norms[0][5:] == ((layers,), (3, b * t, d)) and (len(norms[1]), len(norms[2])) == (5, 4)
+    untapped = _pallas_calls(jax.make_jaxpr(functools.partial(forward, taps=()))(fused, cache))
+    assert len([c for c in untapped if c[0] == "add_norm"][0]) == 5  # no taps: no taps operand
     assert [c[2:4] for c in calls if c[0] == "qkv_write"] == [((layers, hd), (layers, hd))]
     assert not model.qkv_kernel_applies("xla", layer0, hk.astype(jnp.bfloat16), cache.k)
     monkeypatch.setenv(model.QKV_WRITE_ENV, "xla")
     monkeypatch.setenv(model.ADD_NORM_ENV, "xla")
-    (hx, cx, _), text = run(fused)
+    (hx, cx, fx), text = run(fused)
     assert "qkv_write" not in text and "add_norm" not in text
     monkeypatch.delenv(model.QKV_WRITE_ENV)
     monkeypatch.setenv(model.ADD_NORM_ENV, "off")  # not a value of the switch: an error, not the default
@@ -619,6 +637,8 @@ def test_the_model_writes_q_k_v_by_the_kernel_with_pallas_inplace(monkeypatch):
     monkeypatch.delenv(model.ADD_NORM_ENV)
     assert "qkv_write" not in run(plain)[1]  # unfused weights: XLA's form
     np.testing.assert_array_equal(np.asarray(hk, np.float32), np.asarray(hx, np.float32))
+    np.testing.assert_array_equal(np.asarray(fk, np.float32), np.asarray(fx, np.float32))
+    assert fk.shape == (b, t, 2 * d) and np.abs(np.asarray(fk[..., :d], np.float32)).max() > 0  # layer 0 written
     for a, c in ((ck.k, cx.k), (ck.v, cx.v)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32))
 
