@@ -588,8 +588,8 @@ def _pallas_calls(closed) -> list[tuple]:
 
 def test_the_model_writes_q_k_v_by_the_kernel_with_pallas_inplace(monkeypatch):
     """model.forward with 'pallas-inplace' attention and fused q|k|v weights takes the qkv_write kernel and the
-    add_norm kernel, which read every layer's norm weights in place (no slice of them per layer)
-    (DDTREE_JAX_QKV_WRITE=xla / DDTREE_JAX_ADD_NORM=xla, or unfused weights for the first, XLA's
+    add_norm kernel, which read every layer's norm weights in place (no slice of them per layer), the first norm of
+    a layer also writing the previous layer's output into the taps (DDTREE_JAX_QKV_WRITE=xla / DDTREE_JAX_ADD_NORM=xla, or unfused weights for the first, XLA's
     forms); both give the same hidden states and caches (on CPU to the bit here; on a GPU XLA may keep f32 between
     the operations qkv_write rounds, and sums a mean square in another order)."""
     from ddtree_jax import cache as kvcache, decode, model
@@ -628,6 +628,10 @@ def test_the_model_writes_q_k_v_by_the_kernel_with_pallas_inplace(monkeypatch):
     assert not model.qkv_kernel_applies("xla", layer0, hk.astype(jnp.bfloat16), cache.k)
     monkeypatch.setenv(model.QKV_WRITE_ENV, "xla")
     monkeypatch.setenv(model.ADD_NORM_ENV, "xla")
+    monkeypatch.setattr(model, "TAP_IN_NORM", False)  # the taps by an update of their own: the same features
+    (_, _, fu), _ = run(fused)
+    np.testing.assert_array_equal(np.asarray(fu, np.float32), np.asarray(fk, np.float32))
+    monkeypatch.setattr(model, "TAP_IN_NORM", True)
     (hx, cx, fx), text = run(fused)
     assert "qkv_write" not in text and "add_norm" not in text
     monkeypatch.delenv(model.QKV_WRITE_ENV)
