@@ -589,9 +589,10 @@ def _pallas_calls(closed) -> list[tuple]:
 def test_the_model_writes_q_k_v_by_the_kernel_with_pallas_inplace(monkeypatch):
     """model.forward with 'pallas-inplace' attention and fused q|k|v weights takes the qkv_write kernel and the
     add_norm kernel, which read every layer's norm weights in place (no slice of them per layer), the first norm of
-    a layer also writing the previous layer's output into the taps (DDTREE_JAX_QKV_WRITE=xla / DDTREE_JAX_ADD_NORM=xla, or unfused weights for the first, XLA's
-    forms); both give the same hidden states and caches (on CPU to the bit here; on a GPU XLA may keep f32 between
-    the operations qkv_write rounds, and sums a mean square in another order)."""
+    a layer also writing the previous layer's output into the taps (DDTREE_JAX_QKV_WRITE=xla /
+    DDTREE_JAX_ADD_NORM=xla, or unfused weights for the first, XLA's forms); both give the same hidden states, caches
+    and taps (on CPU to the bit here; on a GPU XLA may keep f32 between the operations qkv_write rounds, and sums a
+    mean square in another order)."""
     from ddtree_jax import cache as kvcache, decode, model
     from pallas_kernels.bitmask import causal_bits
 
