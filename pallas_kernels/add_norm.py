@@ -10,13 +10,14 @@ Semantics (``reference``): s = x + delta (f32); h = round(w * (s * rsqrt(mean(s^
 
 Shapes: x, delta [..., D] float32, w [D] -> (s [..., D] float32, h [..., D] in w's dtype). Or w every layer's weights
 [L, D] with ``layer`` and ``prefix_len`` [B]: the kernel reads the layer index from the layer kernels' shared integer
-operand (``pallas_kernels.lengths``) and that row of w in place. With those, ``tap`` = (taps [S, ..., D], slots [L]
-int32) also writes s, cast to taps' dtype, into taps[slots[layer]] in place and returns the taps third: the target's
-layer loop records the hidden states its drafter reads this way (a layer's output is the sum its next layer's first
-norm makes), where an update of its own was a kernel of 2.4 µs a layer in a Qwen3-8B verify (benchmarks/PERF.md,
-thirtieth run). A layer's [D] row as an operand of its own is a slice
+operand (``pallas_kernels.lengths``) and that row of w in place. A layer's [D] row as an operand of its own is a slice
 that XLA copies in a kernel of its own (the norm weights' slices were four kernels of 1.3-1.5 µs per iteration of the
 4-layer loop in the eighteenth run's 4B AR profile; reading them in place took 0.06 ms off a 4B AR step).
+
+With those, ``tap`` = (taps [S, ..., D], slots [L] int32) also writes s, cast to taps' dtype, into taps[slots[layer]]
+in place and returns the taps third: the target's layer loop records the hidden states its drafter reads this way (a
+layer's output is the sum its next layer's first norm makes), where an update of its own was a kernel of 2.4 µs a
+layer in a Qwen3-8B verify (benchmarks/PERF.md, thirtieth run).
 """
 
 from __future__ import annotations

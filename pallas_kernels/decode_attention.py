@@ -37,6 +37,7 @@ from pallas_kernels.split_merge import merge_splits, merge_splits_kernel
 # Qwen3-4B); at batch 8, prompt 2k, 0.070-0.075 ms longer (H200, twenty-ninth run, benchmarks/PERF.md)
 BLOCK, WARPS, STAGES = 64, 4, None
 MERGE_KERNEL = True  # the splits merged by split_merge's Pallas kernel instead of XLA's fusion (read when traced)
+SLOTS_PER_SPLIT = 128  # default_splits' cache slots per program (read when traced)
 _MIN_ROWS = 16  # the smallest M of a Triton dot
 
 
@@ -47,16 +48,17 @@ MAX_KEYS = 24576
 
 
 def default_splits(slots: int, rows: int = 1) -> int:
-    """Programs per (sequence, KV head) for a cache of ``slots`` and ``rows`` = batch x KV heads: one per 128 slots,
-    2 to 32, at most 512 programs in all unless that leaves fewer than 2. Each split's share of the visible slots is
-    set at run time (whole blocks), and the merge reads every split: more splits shorten the kernel and
-    lengthen the combine (eighteenth run's sweep, H200, Qwen3-8B heads, with XLA's reduction as the combine: batch 1
-    best at 4-8 splits for 513 visible slots, 16-32 for 2k, 32 for 8k; batch 8 at 4-8). With XLA's combine written
-    split by split (twenty-eighth run: one kernel at 11 splits; at 22 it was two, twenty-ninth run), one split per 128
-    slots instead of 256 made AR steps at prompt 512 0.9-1.4% shorter (both models at batch 1, Qwen3-8B at batch 8) and
-    changed nothing at 2k; one per 64 or 32 was 0.05-0.06 ms slower at 2k. Not swept again with the Pallas merge
-    kernel of the twenty-ninth run."""
-    return max(2, min(32, slots // 128, 512 // max(rows, 1)))
+    """Programs per (sequence, KV head) for a cache of ``slots`` and ``rows`` = batch x KV heads: one per
+    ``SLOTS_PER_SPLIT`` (128) slots, 2 to 32, at most 512 programs in all unless that leaves fewer than 2. Each
+    split's share of the visible slots is set at run time (whole blocks), and the merge reads every split: more splits
+    shorten the kernel and lengthen the combine (eighteenth run's sweep, H200, Qwen3-8B heads, with XLA's reduction as
+    the combine: batch 1 best at 4-8 splits for 513 visible slots, 16-32 for 2k, 32 for 8k; batch 8 at 4-8). With
+    XLA's combine written split by split (twenty-eighth run: one kernel at 11 splits; at 22 it was two, twenty-ninth
+    run), one split per 128 slots instead of 256 made AR steps at prompt 512 0.9-1.4% shorter (both models at batch 1,
+    Qwen3-8B at batch 8) and changed nothing at 2k; one per 64 or 32 was 0.05-0.06 ms slower at 2k. With the Pallas
+    merge kernel (thirtieth run, AR A/Bs): 64 slots a split -0.021 ms on Qwen3-8B at 512, on Qwen3-4B -0.041 and
+    -0.002 at 512 in two processes, +0.019 at batch 8, +0.006 at 2k (8B +0.001); 256 +0.031 at 2k (4B): kept at 128."""
+    return max(2, min(32, slots // SLOTS_PER_SPLIT, 512 // max(rows, 1)))
 
 
 def supports(q, k) -> bool:

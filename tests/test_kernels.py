@@ -415,12 +415,15 @@ def test_decode_attention_merges_alike_in_its_kernel_and_in_xla(monkeypatch):
     np.testing.assert_allclose(outs[True], outs[False], atol=2e-2)
 
 
-def test_decode_attention_splits_follow_the_cache_and_the_batch():
-    """One split per 128 cache slots, 2 to 32, at most 512 programs (batch x KV heads x splits) unless under 2."""
+def test_decode_attention_splits_follow_the_cache_and_the_batch(monkeypatch):
+    """One split per 128 cache slots (SLOTS_PER_SPLIT, an A/B's switch), 2 to 32, at most 512 programs (batch x KV
+    heads x splits) unless under 2."""
     from pallas_kernels import decode_attention as da
 
     assert [da.default_splits(s, 8) for s in (321, 832, 2880, 8512, 33088)] == [2, 6, 22, 32, 32]
     assert da.default_splits(2880, 64) == 8 and da.default_splits(33088, 1024) == 2  # batch 8 / 128, 8 KV heads
+    monkeypatch.setattr(da, "SLOTS_PER_SPLIT", 64)
+    assert [da.default_splits(s, 8) for s in (321, 832, 2880)] == [5, 13, 32]
 
 
 def test_split_merge_is_the_softmax_over_all_splits_and_one_fused_kernel():
@@ -554,13 +557,13 @@ def test_add_norm_is_the_residual_add_and_rms_norm(shape):
     np.testing.assert_array_equal(np.asarray(h2, np.float32), np.asarray(h, np.float32))
     with pytest.raises(ValueError, match="with layer and prefix_len"):
         add_norm.add_norm(x, d, w_all, eps=1e-6, interpret=True)
-    # the tap: s, cast to the taps' dtype, written in place at slots[layer] (here slot 0); the other slots kept
+    # the tap: s, cast to the taps' dtype, written in place at slots[layer] (here slot 2); the other slots kept
     taps = jnp.asarray(rng.standard_normal((3, *shape)), jnp.bfloat16)
-    slots = jnp.asarray([2, 0, 1], jnp.int32)
+    slots = jnp.asarray([0, 2, 1], jnp.int32)
     s3, h3, taps3 = kernel(x, d, w_all, jnp.int32(1), lens, tap=(taps, slots))
     np.testing.assert_array_equal(np.asarray(s3), np.asarray(s))
     np.testing.assert_array_equal(np.asarray(h3, np.float32), np.asarray(h, np.float32))
-    want = jax.lax.dynamic_update_index_in_dim(taps, s.astype(jnp.bfloat16), 0, 0)
+    want = jax.lax.dynamic_update_index_in_dim(taps, s.astype(jnp.bfloat16), 2, 0)
     np.testing.assert_array_equal(np.asarray(taps3, np.float32), np.asarray(want, np.float32))
     with pytest.raises(ValueError, match="tap takes stacked w"):
         add_norm.add_norm(x, d, w, eps=1e-6, tap=(taps, slots), interpret=True)
@@ -627,12 +630,13 @@ def test_the_model_writes_q_k_v_by_the_kernel_with_pallas_inplace(monkeypatch):
     assert len([c for c in untapped if c[0] == "add_norm"][0]) == 5  # no taps: no taps operand
     assert [c[2:4] for c in calls if c[0] == "qkv_write"] == [((layers, hd), (layers, hd))]
     assert not model.qkv_kernel_applies("xla", layer0, hk.astype(jnp.bfloat16), cache.k)
-    monkeypatch.setenv(model.QKV_WRITE_ENV, "xla")
-    monkeypatch.setenv(model.ADD_NORM_ENV, "xla")
-    monkeypatch.setattr(model, "TAP_IN_NORM", False)  # the taps by an update of their own: the same features
-    (_, _, fu), _ = run(fused)
+    monkeypatch.setattr(model, "TAP_IN_NORM", False)  # the kernel's taps by an update of their own: the same ones
+    (_, _, fu), text = run(fused)
+    assert "add_norm" in text
     np.testing.assert_array_equal(np.asarray(fu, np.float32), np.asarray(fk, np.float32))
     monkeypatch.setattr(model, "TAP_IN_NORM", True)
+    monkeypatch.setenv(model.QKV_WRITE_ENV, "xla")
+    monkeypatch.setenv(model.ADD_NORM_ENV, "xla")
     (hx, cx, fx), text = run(fused)
     assert "qkv_write" not in text and "add_norm" not in text
     monkeypatch.delenv(model.QKV_WRITE_ENV)
