@@ -173,12 +173,9 @@ def residual_norm(x: Array, delta: Array, w: Array, eps: float, impl: str = "xla
     kernel where it reads ``stacked`` and ``TAP_IN_NORM`` holds, else by an update of their own)."""
     if _layer_kernels(impl) and x.dtype == jnp.float32 and kernel_on(ADD_NORM_ENV):
         kw = dict(eps=eps, interpret=impl.endswith("-interpret"))
-        if stacked is not None and (tap is None or TAP_IN_NORM):
-            return add_norm.add_norm(x, delta.astype(jnp.float32), *stacked, tap=None if tap is None else tap[:2], **kw)
-        if stacked is not None:
-            x, h = add_norm.add_norm(x, delta.astype(jnp.float32), *stacked, **kw)
-        else:
-            x, h = add_norm.add_norm(x, delta.astype(jnp.float32), w, **kw)
+        if stacked is not None and tap is not None and TAP_IN_NORM:
+            return add_norm.add_norm(x, delta.astype(jnp.float32), *stacked, tap=tap[:2], **kw)
+        x, h = add_norm.add_norm(x, delta.astype(jnp.float32), *(stacked or (w,)), **kw)
     else:
         x = x + delta
         h = rms_norm(x, w, eps)
