@@ -73,7 +73,7 @@ def add_norm(x, delta, w, layer=None, prefix_len=None, *, eps: float, tap=None, 
                          f"prefix_len), got x {x.shape} {x.dtype}, delta {delta.shape} {delta.dtype}, w {w.shape}")
     if tap is not None and (not stacked or tap[0].shape[1:] != x.shape or tap[1].shape != w.shape[:1]
                             or tap[1].dtype != jnp.int32):
-        raise ValueError(f"add_norm's tap takes stacked w, taps [S, *{x.shape}] and int32 slots [{w.shape[0]}], got "
+        raise ValueError(f"add_norm's tap takes stacked w [L, D], taps [S, *{x.shape}] and int32 slots [L], got "
                          f"taps {tap[0].shape} and slots {tap[1].shape} {tap[1].dtype} with w {w.shape}")
     rows = max(1, x.size // dim)
     warps = 4 if dim <= 4096 else 8
