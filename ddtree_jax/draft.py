@@ -94,6 +94,7 @@ def propose(
     sliding = jnp.asarray([t == "sliding_attention" for t in (cfg.layer_types or ("full_attention",) * lc.num_layers)])
     attend = model.attention_fn(attention)
     stacked = None if isinstance(params.layers, (tuple, list)) else params.layers  # q/k norms read in place
+    mask = model.layer_mask(attention, bits, start, lc.num_heads, dcache.k)
 
     def layer(carry, inputs):
         x, k_all, v_all = carry
@@ -102,10 +103,10 @@ def propose(
         q, k_all, v_all = model.attention_inputs(h, w, lc.rms_norm_eps, cos, sin, k_all, v_all, i, start, attention,
                                                  stacked)
         if window is None:
-            o = attend(q, k_all, v_all, start, bits, layer=i)
+            o = attend(q, k_all, v_all, start, mask, layer=i)
         else:
             extra = jnp.where(sliding[i], window, True)
-            o = model.tree_attention_lib.tree_attention_reference(q, k_all[i], v_all[i], start, bits, extra_mask=extra)
+            o = attend(q, k_all, v_all, start, bits, layer=i, extra_mask=extra)  # the reference (q unpacked)
         x = x + model.linear(o, w.wo, "bthk,hkd->btd", w.output_major, jnp.float32)
         x = x + model.mlp(model.rms_norm(x, w.mlp_norm, lc.rms_norm_eps), w)
         return (x, k_all, v_all), None

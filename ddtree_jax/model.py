@@ -99,15 +99,19 @@ def attention_fn(impl: str):
         def attend(q, k, v, prefix_len, tree_bits, layer=None, **kw):
             # The kernel takes 16-bit floats and head_dim 64/128; anything else (e.g. an f32 model on
             # GPU) takes the reference path, decided at trace time from the static dtype and shape.
+            # Only the in-place tree kernel takes q packed and the mask made for it (layer_mask); others unpack.
+            mask, bits = tree_bits, getattr(tree_bits, "tree_bits", tree_bits)
+            if isinstance(q, tree_attention_lib.PackedQ) and (in_place is None or layer is None or kw):
+                q = q.unpack()
             if not tree_attention_lib.supports(q, k) or kw:
-                return tree_attention_lib.tree_attention_reference(q, k, v, prefix_len, tree_bits, layer=layer, **kw)
+                return tree_attention_lib.tree_attention_reference(q, k, v, prefix_len, bits, layer=layer, **kw)
             if layer is None:
-                return sharded(q, k, v, prefix_len, tree_bits)
+                return sharded(q, k, v, prefix_len, bits)
             if in_place is not None:
                 if decode_attention_applies(q, k):
-                    return one_row(q, k, v, prefix_len, tree_bits, layer)
-                return in_place(q, k, v, prefix_len, tree_bits, layer)
-            return sharded(q, k[layer], v[layer], prefix_len, tree_bits)
+                    return one_row(q, k, v, prefix_len, bits, layer)
+                return in_place(q, k, v, prefix_len, mask, layer)
+            return sharded(q, k[layer], v[layer], prefix_len, bits)
 
         return attend
     raise ValueError(f"unknown attention implementation {impl!r}")
@@ -134,13 +138,19 @@ def linear(x: Array, w: Array, spec: str, output_major: bool = False, out_dtype=
     return jnp.einsum(f"{xs},{outs + ins}->{ys}", x, w, preferred_element_type=out_dtype)
 
 
+GATE_UP_F32 = False  # gate and up out of their product in f32, the form before the thirty-first run (read when traced)
+
+
 def mlp(x: Array, w: LayerWeights) -> Array:
-    """SwiGLU; x [B, T, D] in the weights' dtype, f32 result."""
+    """SwiGLU; x [B, T, D] in the weights' dtype, f32 result. gate and up come out of their product in x's dtype, as
+    PyTorch's Linear gives them (accumulated in f32, rounded once): the SiLU product then reads half the bytes of f32
+    (``GATE_UP_F32`` gives f32)."""
     om, f32 = w.output_major, jnp.float32
+    inner = f32 if GATE_UP_F32 else x.dtype
     if w.fused:  # one product for both (params.fuse_projections)
-        gate, up = jnp.split(linear(x, w.w_gate, "btd,df->btf", om, f32), 2, axis=-1)
+        gate, up = jnp.split(linear(x, w.w_gate, "btd,df->btf", om, inner), 2, axis=-1)
     else:
-        gate, up = (linear(x, m, "btd,df->btf", om, f32) for m in (w.w_gate, w.w_up))
+        gate, up = (linear(x, m, "btd,df->btf", om, inner) for m in (w.w_gate, w.w_up))
     h = constrain((jax.nn.silu(gate) * up).astype(x.dtype), ("batch", "seq", "mlp"))
     return linear(h, w.w_down, "btf,fd->btd", om, f32)
 
@@ -193,6 +203,25 @@ def qkv_kernel_applies(impl: str, w: LayerWeights, x: Array, k_all: Array) -> bo
             and kernel_on(QKV_WRITE_ENV))
 
 
+MASK_ONCE = True  # the tree kernel's mask operand made once per forward, not in every layer (read when traced)
+
+
+def layer_mask(impl: str, tree_bits: Array, prefix_len: Array, heads: int, k_all: Array):
+    """What a layer loop passes its attention (:func:`attention_fn`) as the mask: where the in-place tree kernel will
+    run on one device (:func:`_layer_kernels`, a 16-bit cache, T > 1 or no ``decode_attention``; ``MASK_ONCE``) a
+    ``tree_attention.KernelMask``, its operand made here, once for every layer; else tree_bits [B, T, W] as given.
+    heads: H; k_all: the stacked cache [L, B, S, K, hd]."""
+    b, t, _ = tree_bits.shape
+    q_like = jax.ShapeDtypeStruct((b, t, heads, k_all.shape[-1]), k_all.dtype)
+    if not (MASK_ONCE and _layer_kernels(impl) and tree_attention_lib.supports(q_like, k_all)
+            and not decode_attention_applies(q_like, k_all)):
+        return tree_bits
+    return tree_attention_lib.kernel_mask(tree_bits, prefix_len, q_like.shape, k_all.shape)
+
+
+PACKED_Q = True  # qkv_write writes q in the tree kernel's row layout where that kernel reads it (read when traced)
+
+
 def attention_inputs(x: Array, w: LayerWeights, eps: float, cos: Array, sin: Array, k_all: Array, v_all: Array,
                      layer: Array, start: Array, impl: str = "xla",
                      stacked: LayerWeights | None = None) -> tuple[Array, Array, Array]:
@@ -200,12 +229,19 @@ def attention_inputs(x: Array, w: LayerWeights, eps: float, cos: Array, sin: Arr
     layer's k and v written at slots start[b] + t (:func:`qkv` then ``cache.write_layer``). Where
     :func:`qkv_kernel_applies`, the norms, RoPE and both writes are one kernel (``pallas_kernels.qkv_write``: the
     same math, rounded after each operation; XLA's form may differ in a value's last bit), which reads the q/k norm
-    weights of ``stacked`` (every layer's weights, if given) in place at ``layer`` instead of w's."""
+    weights of ``stacked`` (every layer's weights, if given) in place at ``layer`` instead of w's, and, where the
+    tree kernel will read q (T > 1 or no ``decode_attention``; ``PACKED_Q``), writes q in that kernel's row layout
+    (a ``tree_attention.PackedQ``, which :func:`attention_fn`'s other paths unpack)."""
     if qkv_kernel_applies(impl, w, x, k_all):
         qkv_ = linear(x, w.wq, "btd,dhk->bthk", w.output_major)  # [B, T, H + 2K, hd]
         norms = stacked if stacked is not None else w
+        b, t, heads, hd = x.shape[0], x.shape[1], num_heads(w), qkv_.shape[-1]
+        q_like = jax.ShapeDtypeStruct((b, t, heads, hd), x.dtype)
+        rows = None
+        if PACKED_Q and tree_attention_lib.supports(q_like, k_all) and not decode_attention_applies(q_like, k_all):
+            rows = tree_attention_lib.packed_rows(b, t, heads, k_all.shape[-2], k_all.shape[-3], hd)
         return qkv_write.qkv_write(qkv_, norms.q_norm, norms.k_norm, cos, sin, k_all, v_all, layer, start,
-                                   heads=num_heads(w), eps=eps, interpret=impl.endswith("-interpret"))
+                                   heads=heads, eps=eps, interpret=impl.endswith("-interpret"), q_rows=rows)
     q, k, v = qkv(x, w, eps, cos, sin)
     return q, kvcache.write_layer(k_all, layer, k, start), kvcache.write_layer(v_all, layer, v, start)
 
@@ -250,6 +286,7 @@ def forward(
     eps = cfg.rms_norm_eps
 
     stacked = None if isinstance(params.layers, (tuple, list)) else params.layers  # the kernels read norms in place
+    mask = layer_mask(attention, tree_bits, start, cfg.num_heads, cache.k)
 
     def layer(carry, inputs):
         x, delta, k_all, v_all, tapped = carry  # the residual stream is x + delta: the MLP's output is added by the
@@ -264,7 +301,7 @@ def forward(
         else:
             x, h = residual_norm(x, delta, w.attn_norm, eps, attention, at("attn_norm"))
         q, k_all, v_all = attention_inputs(h, w, eps, cos, sin, k_all, v_all, i, start, attention, stacked)
-        o = attend(q, k_all, v_all, start, tree_bits, layer=i)
+        o = attend(q, k_all, v_all, start, mask, layer=i)
         x, h = residual_norm(x, linear(o, w.wo, "bthk,hkd->btd", w.output_major, jnp.float32), w.mlp_norm, eps,
                              attention, at("mlp_norm"))
         x, delta = (constrain(a, ("batch", "seq", "embed")) for a in (x, mlp(h, w)))

@@ -63,7 +63,7 @@ def default_splits(slots: int, rows: int = 1) -> int:
 
 def supports(q, k) -> bool:
     """One query row, 16-bit floats, a power-of-two head_dim of at least 16, whole GQA groups (k: [..., S, K, hd])."""
-    return (q.ndim == 4 and q.shape[1] == 1 and q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype
+    return (len(q.shape) == 4 and q.shape[1] == 1 and q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype
             and q.shape[-1] >= 16 and q.shape[-1] & (q.shape[-1] - 1) == 0 and q.shape[2] % k.shape[-2] == 0)
 
 

@@ -17,7 +17,8 @@ Shapes (H query heads, K key/value heads, hd a power of two):
     qkv [B, T, H + 2K, hd] (rows q heads, then k, then v), q_norm / k_norm [hd], or every layer's [L, hd] (the
     kernel reads row ``layer`` in place: no slice kernel), or None, cos / sin [B, T, hd] f32,
     k_all / v_all [L, B, S, K, hd], layer int32 scalar, start [B] int32
-    -> q [B, T, H, hd], and k_all / v_all with layer ``layer``'s slots start[b] + t written (slots >= S dropped)
+    -> q [B, T, H, hd] (or packed for the tree kernel: ``q_rows``), and k_all / v_all with layer ``layer``'s slots
+       start[b] + t written (slots >= S dropped)
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.lengths import lengths
+from pallas_kernels.tree_attention import PackedQ
 
 _ROWS = 8  # heads per program (a power of two): Qwen3-8B's 32 + 8 + 8 heads of a token in 6 programs
 
@@ -49,7 +51,7 @@ def _norm_rope(x, xr, w, wr, c, s, sign, dtype, eps, normed: bool):
 
 def _kernel(qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, lens_ref, k_in, v_in, q_ref, k_ref, v_ref, *,
             batch: int, t: int, h: int, kv: int, hd: int, slots: int, eps: float, normed: bool, stacked: bool,
-            rows: int):
+            rows: int, packed: bool):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as pltriton
 
@@ -86,7 +88,11 @@ def _kernel(qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, lens_ref, k_in, v_in, q_r
     @pl.when(j < nq)
     def _():
         i, ok, y = rotated(0, h, j, qn_ref)
-        pltriton.store(q_ref.at[b, row, i, d[None, :]], y, mask=ok)
+        if packed:  # the tree kernel's rows: head i = kh * G + g of this token at row (kh, row * G + g)
+            g = h // kv
+            pltriton.store(q_ref.at[b, i // g, row * g + i % g, d[None, :]], y, mask=ok)
+        else:
+            pltriton.store(q_ref.at[b, row, i, d[None, :]], y, mask=ok)
 
     @pl.when((j >= nq) & (j < nq + nk))
     def _():
@@ -100,11 +106,13 @@ def _kernel(qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, lens_ref, k_in, v_in, q_r
         pltriton.store(v_ref.at[layer, b, slot, i, d[None, :]], x.astype(dtype), mask=ok & (slot < slots))
 
 
-@functools.partial(jax.jit, static_argnames=("heads", "eps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("heads", "eps", "interpret", "q_rows"))
 def qkv_write(qkv, q_norm, k_norm, cos, sin, k_all, v_all, layer, start, *, heads: int, eps: float,
-              interpret: bool = False):
+              interpret: bool = False, q_rows: int | None = None):
     """(q [B, T, H, hd], k_all, v_all): see the module doc. ``heads`` = H; q_norm and k_norm both arrays or both
-    None (no q/k norm, e.g. Llama); ``interpret``: the Pallas interpreter (CPU)."""
+    None (no q/k norm, e.g. Llama); ``interpret``: the Pallas interpreter (CPU). ``q_rows`` (R_pad >= T * G, G = H /
+    K): q is written in ``tree_attention``'s row layout instead, a ``tree_attention.PackedQ`` of rows [B, K, R_pad,
+    hd] (rows past T * G not written)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as pltriton
 
@@ -122,19 +130,22 @@ def qkv_write(qkv, q_norm, k_norm, cos, sin, k_all, v_all, layer, start, *, head
     if q_norm.shape[-1:] != (hd,) or k_norm.shape != q_norm.shape or q_norm.ndim > 2:
         raise ValueError(f"qkv_write: q_norm and k_norm must both be [hd] or both [L, hd], got {q_norm.shape} and "
                          f"{k_norm.shape} for head_dim {hd}")
+    if q_rows is not None and (heads % kv or q_rows < t * (heads // max(kv, 1))):
+        raise ValueError(f"qkv_write: q_rows {q_rows} must hold T x G = {t} x {heads}/{kv} rows of whole GQA groups")
+    q_shape = (b, t, heads, hd) if q_rows is None else (b, kv, q_rows, hd)
     lens = lengths(start, layer)  # [B + 1], the array decode_attention and add_norm take too
     q, k_all, v_all = pl.pallas_call(
         functools.partial(_kernel, batch=b, t=t, h=heads, kv=kv, hd=hd, slots=k_all.shape[2], eps=eps, normed=normed,
-                          stacked=stacked, rows=_ROWS),
+                          stacked=stacked, rows=_ROWS, packed=q_rows is not None),
         grid=(b * t, -(-heads // _ROWS) + 2 * -(-kv // _ROWS)),
-        out_shape=(jax.ShapeDtypeStruct((b, t, heads, hd), qkv.dtype),
+        out_shape=(jax.ShapeDtypeStruct(q_shape, qkv.dtype),
                    jax.ShapeDtypeStruct(k_all.shape, k_all.dtype), jax.ShapeDtypeStruct(v_all.shape, v_all.dtype)),
         input_output_aliases={6: 1, 7: 2},
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="qkv_write",
     )(qkv, q_norm, k_norm, cos.astype(jnp.float32), sin.astype(jnp.float32), lens, k_all, v_all)
-    return q, k_all, v_all
+    return (q if q_rows is None else PackedQ(q, t, heads)), k_all, v_all
 
 
 def reference(qkv, q_norm, k_norm, cos, sin, k_all, v_all, layer, start, *, heads: int, eps: float):

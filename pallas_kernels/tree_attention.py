@@ -13,6 +13,8 @@ Query head h reads KV head h // (H // K). Slots beyond prefix_len + T are never 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -132,6 +134,41 @@ def _pack_rows(x: jax.Array, kv: int) -> jax.Array:
     return x.reshape(b, t, kv, h // kv, d).transpose(0, 2, 1, 3, 4).reshape(b, kv, t * (h // kv), d)
 
 
+def packed_rows(b: int, t: int, h: int, kv: int, s: int, hd: int) -> int:
+    """R_pad: the rows of the kernel's q operand [B, K, R_pad, hd] in its default configuration (T * G rows padded to
+    whole CTAs), for q [B, T, H, hd] over a cache of S slots."""
+    wgs = default_config(b, t, h, kv, s, hd)[0]
+    return -(-t * (h // kv) // (_BQ * wgs)) * _BQ * wgs
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PackedQ:
+    """q [B, T, H, hd] already in the kernel's row layout: rows [B, K, R_pad, hd], row t * G + g holding head
+    kh * G + g of token t, rows past T * G unused (any values: each row's output is its own, and sliced away).
+    ``pallas_kernels.qkv_write`` writes it so (its ``q_rows``), which spares the layer a pad kernel between the two;
+    ``tree_attention`` takes it where its configuration has R_pad = ``packed_rows``, else unpacks it."""
+
+    rows: jax.Array
+    t: int = dataclasses.field(metadata=dict(static=True))
+    heads: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:  # q's: [B, T, H, hd]
+        return (self.rows.shape[0], self.t, self.heads, self.rows.shape[-1])
+
+    @property
+    def dtype(self):
+        return self.rows.dtype
+
+    def unpack(self) -> jax.Array:
+        """q [B, T, H, hd]."""
+        b, kv, _, hd = self.rows.shape
+        g = self.heads // kv
+        x = self.rows[:, :, : self.t * g].reshape(b, kv, self.t, g, hd)
+        return x.transpose(0, 2, 1, 3, 4).reshape(b, self.t, self.heads, hd)
+
+
 def _shifted_bits(tree_bits: jax.Array, prefix_len: jax.Array, t: int, words: int) -> jax.Array:
     """[B, T, W] -> [B, T, words]: each row shifted left by off = p % 8, low off bits set."""
     b, _, w_in = tree_bits.shape
@@ -148,6 +185,37 @@ def _shifted_bits(tree_bits: jax.Array, prefix_len: jax.Array, t: int, words: in
     return y.at[..., 0].set(y[..., 0] | low[..., 0])
 
 
+def _mask_words(tree_bits: jax.Array, prefix_len: jax.Array, g: int, words: int, rows_pad: int) -> jax.Array:
+    """[B, T, W] tree bits -> the kernel's mask operand [B, words, R_pad]: each packed row's visibility words (row
+    t * G + g: token t's), shifted by prefix_len % 8, zero rows past T * G."""
+    t = tree_bits.shape[1]
+    bits = jnp.repeat(_shifted_bits(tree_bits, prefix_len.astype(jnp.int32), t, words), g, axis=1)  # [B, R, words]
+    return jnp.pad(bits, [(0, 0), (0, rows_pad - t * g), (0, 0)]).transpose(0, 2, 1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KernelMask:
+    """tree_bits [B, T, W] with the kernel's mask operand made from them, words [B, words, R_pad] (for the default
+    configuration: :func:`kernel_mask`), which ``tree_attention`` takes instead of making it: a layer loop makes it
+    once, where XLA would make it in every layer (it does not hoist a loop-invariant result larger than its
+    inputs). Paths other than the kernel read ``tree_bits``."""
+
+    tree_bits: jax.Array
+    words: jax.Array
+
+
+def kernel_mask(tree_bits: jax.Array, prefix_len: jax.Array, q_shape: tuple[int, ...], k_shape: tuple[int, ...]
+                ) -> KernelMask:
+    """The :class:`KernelMask` of tree_bits [B, T, W] and prefix_len [B] for q [B, T, H, hd] over a cache k [..., S,
+    K, hd] (the kernel's default configuration for those shapes)."""
+    b, t, h, hd = q_shape
+    s, kv = k_shape[-3], k_shape[-2]
+    bkv = default_config(b, t, h, kv, s, hd)[1]
+    words = _tree_tiles(t, bkv) * bkv // 32
+    return KernelMask(tree_bits, _mask_words(tree_bits, prefix_len, h // kv, words, packed_rows(b, t, h, kv, s, hd)))
+
+
 def supports(q, k) -> bool:
     """Whether the kernel handles these shapes and dtypes (head_dim 64/128, 16-bit floats, GQA)."""
     return q.shape[-1] in (64, 128) and q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and (
@@ -159,8 +227,9 @@ def tree_attention(q, k, v, prefix_len, tree_bits, *, scale: float | None = None
                    config: tuple[int, int, int, int] | None = None, layer=None):
     """Pallas (Mosaic GPU) tree attention with the semantics of ``tree_attention_reference``.
 
-    q [B, T, H, hd] bf16 or f16; k, v [B, S, K, hd] same dtype; prefix_len [B] int32 with
-    prefix_len + T <= S; tree_bits [B, T, ceil(T/32)] uint32. Returns [B, T, H, hd] in q.dtype.
+    q [B, T, H, hd] bf16 or f16, or a :class:`PackedQ` of it; k, v [B, S, K, hd] same dtype; prefix_len [B] int32
+    with prefix_len + T <= S; tree_bits [B, T, ceil(T/32)] uint32, or a :class:`KernelMask` of them. Returns
+    [B, T, H, hd] in q.dtype.
     hd must be 64 or 128. The cache is read in place when S % 8 == 0 (else it is padded: a copy).
     ``layer`` (an int32 scalar, may be traced): k, v are the stacked cache [L, B, S, K, hd] and the kernel reads
     layer ``layer`` in place, as rows layer * B .. of its [L * B, S, K, hd] view (a free reshape), where
@@ -172,6 +241,9 @@ def tree_attention(q, k, v, prefix_len, tree_bits, *, scale: float | None = None
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax import lax
 
+    packed = q if isinstance(q, PackedQ) else None
+    mask = tree_bits if isinstance(tree_bits, KernelMask) else None
+    tree_bits = tree_bits if mask is None else mask.tree_bits
     b, t, h, hd = q.shape
     s, kv = k.shape[-3], k.shape[-2]
     if layer is not None and (k.ndim != 5 or k.shape[1] != b):
@@ -211,9 +283,14 @@ def tree_attention(q, k, v, prefix_len, tree_bits, *, scale: float | None = None
     if stacked:
         k, v = (x.reshape(x.shape[0] * b, *x.shape[2:]) for x in (k, v))
         lens_in = lengths(prefix_len, layer)
-    qp = jnp.pad(_pack_rows(q, kv), [(0, 0), (0, 0), (0, rows_pad - rows), (0, 0)])
-    bits = jnp.repeat(_shifted_bits(tree_bits, prefix_len, t, words), g, axis=1)  # [B, R, words]
-    bits = jnp.pad(bits, [(0, 0), (0, rows_pad - rows), (0, 0)]).transpose(0, 2, 1)  # [B, words, R_pad]
+    if packed is not None and packed.rows.shape[2] != rows_pad:  # packed for another configuration
+        q, packed = packed.unpack(), None
+    qp = packed.rows if packed is not None else jnp.pad(_pack_rows(q, kv), [(0, 0), (0, 0), (0, rows_pad - rows),
+                                                                            (0, 0)])
+    if mask is not None and mask.words.shape == (b, words, rows_pad):  # built once for every layer: the same words
+        bits = mask.words
+    else:
+        bits = _mask_words(tree_bits, prefix_len, g, words, rows_pad)
     qk_scale = float(scale) * _LOG2E
 
     tiling = plgpu.TilingTransform((8, 64))

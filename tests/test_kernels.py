@@ -97,6 +97,58 @@ def test_tree_attention_reads_a_layer_of_the_stacked_cache_in_place():
         tat.tree_attention(q, k1, v1, p, bits, interpret=True, layer=0)
 
 
+def test_tree_attention_takes_q_packed_in_its_row_layout():
+    """A ``PackedQ`` (q already in the kernel's [B, K, R_pad, hd] rows, as qkv_write writes it; the unused rows any
+    values, here NaN) gives q's output exactly: as the kernel's operand where R_pad is the configuration's, unpacked
+    where it is not (another configuration), and through the model's attention function's reference path."""
+    from ddtree_jax import model
+
+    b, t, h, kv, hd, plens = 2, 5, 4, 2, 64, [9, 70]
+    s = max(plens) + t + 64
+    q, k, v, p, bits = attention_inputs(1, b, t, h, kv, s, hd, plens, "random")
+    g = h // kv
+    rows = tat.packed_rows(b, t, h, kv, s, hd)
+    assert rows % 64 == 0 and rows >= t * g
+    packed_rows = jnp.full((b, kv, rows, hd), jnp.nan, q.dtype).at[:, :, : t * g].set(tat._pack_rows(q, kv))
+    packed = tat.PackedQ(packed_rows, t, h)
+    np.testing.assert_array_equal(np.asarray(packed.unpack(), np.float32), np.asarray(q, np.float32))
+    run = jax.jit(functools.partial(tat.tree_attention, interpret=True))
+    want = np.asarray(run(q, k, v, p, bits), np.float32)
+    np.testing.assert_array_equal(np.asarray(run(packed, k, v, p, bits), np.float32), want)
+    other = jax.jit(functools.partial(tat.tree_attention, interpret=True, config=(2, 64, 3, 2)))
+    np.testing.assert_array_equal(np.asarray(other(packed, k, v, p, bits), np.float32),
+                                  np.asarray(other(q, k, v, p, bits), np.float32))
+    attend = model.attention_fn("pallas-interpret")  # not in place: unpacked for the kernel on the sliced layer
+    np.testing.assert_array_equal(np.asarray(jax.jit(attend)(packed, k, v, p, bits), np.float32), want)
+    reference = jax.jit(functools.partial(attend, extra_mask=jnp.ones((b, t, s), bool)))  # the reference path
+    np.testing.assert_array_equal(np.asarray(reference(packed, k, v, p, bits), np.float32),
+                                  np.asarray(reference(q, k, v, p, bits), np.float32))
+
+
+def test_tree_attention_takes_its_mask_operand_made_once():
+    """A ``KernelMask`` (tree_bits with the kernel's mask words made from them by ``kernel_mask``) gives the raw bits'
+    output exactly, in the default configuration (which reads the words) and in another (which makes its own); the
+    model's attention function's reference path reads its tree_bits."""
+    from ddtree_jax import model
+
+    b, t, h, kv, hd, plens = 2, 5, 4, 2, 64, [9, 70]
+    s = max(plens) + t + 64
+    q, k, v, p, bits = attention_inputs(1, b, t, h, kv, s, hd, plens, "random")
+    mask = tat.kernel_mask(bits, p, q.shape, k.shape)
+    assert mask.words.shape == (b, 4, tat.packed_rows(b, t, h, kv, s, hd)) and mask.words.dtype == jnp.uint32
+    run = jax.jit(functools.partial(tat.tree_attention, interpret=True))
+    want = np.asarray(run(q, k, v, p, bits), np.float32)
+    np.testing.assert_array_equal(np.asarray(run(q, k, v, p, mask), np.float32), want)
+    wrong = tat.KernelMask(bits, mask.words ^ jnp.uint32(0xFFFF))  # the words are what the kernel reads
+    assert not np.array_equal(np.asarray(run(q, k, v, p, wrong), np.float32), want)
+    other = jax.jit(functools.partial(tat.tree_attention, interpret=True, config=(2, 64, 3, 2)))  # 128 rows
+    np.testing.assert_array_equal(np.asarray(other(q, k, v, p, wrong), np.float32),
+                                  np.asarray(other(q, k, v, p, bits), np.float32))
+    reference = jax.jit(functools.partial(model.attention_fn("pallas-interpret"), extra_mask=jnp.ones((b, t, s), bool)))
+    np.testing.assert_array_equal(np.asarray(reference(q, k, v, p, wrong), np.float32),
+                                  np.asarray(reference(q, k, v, p, bits), np.float32))
+
+
 def test_the_layer_index_reaches_the_kernel_inside_the_lengths_operand():
     """With ``layer`` the kernel call's one integer operand is the lengths with the layer index appended, [B + 1],
     computed (a concatenation), never a bare slice of the layer loop's index array. As an operand of its own, an
@@ -521,6 +573,17 @@ def test_qkv_write_is_its_definition(b, t, h, kv, hd, start, normed):
     assert (k_new[~written] == k_old[~written]).all() and (k_new[written] != k_old[written]).any()
     with pytest.raises(ValueError, match="does not match the cache"):
         qw.qkv_write(args[0][:, :, 1:], *args[1:], heads=h, eps=1e-6, interpret=True)
+    # q in the tree kernel's row layout (q_rows): row t * G + g of KV head kh holds head kh * G + g; caches the same
+    g, rows = h // kv, t * (h // kv) + 3
+    packed, k_p, v_p = jax.jit(functools.partial(qw.qkv_write, heads=h, eps=1e-6, interpret=True, q_rows=rows))(*args)
+    assert isinstance(packed, tat.PackedQ) and packed.rows.shape == (b, kv, rows, hd) and packed.shape == got[0].shape
+    want_rows = np.asarray(got[0], np.float32).reshape(b, t, kv, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, kv, -1, hd)
+    np.testing.assert_array_equal(np.asarray(packed.rows[:, :, : t * g], np.float32), want_rows)
+    np.testing.assert_array_equal(np.asarray(packed.unpack(), np.float32), np.asarray(got[0], np.float32))
+    for x, y in zip((k_p, v_p), got[1:]):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    with pytest.raises(ValueError, match="q_rows"):
+        qw.qkv_write(*args, heads=h, eps=1e-6, interpret=True, q_rows=t * g - 1)
     if normed:  # every layer's norm weights, read at the layer in place: the same result
         qn, kn, layer = args[1], args[2], int(args[7])
         q_all, k_all = (jnp.stack([w if i == layer else -w for i in range(3)]) for w in (qn, kn))
@@ -571,14 +634,14 @@ def test_add_norm_is_the_residual_add_and_rms_norm(shape):
         add_norm.add_norm(x, d, w_all, jnp.int32(1), lens, eps=1e-6, tap=(taps, slots[:2]), interpret=True)
 
 
-def _pallas_calls(closed) -> list[tuple]:
-    """(name, operand shapes...) of every pallas_call in a closed jaxpr, nested ones included."""
+def _pallas_eqns(closed) -> list:
+    """Every pallas_call equation of a closed jaxpr, nested ones included."""
     out = []
 
     def walk(jaxpr):
         for e in jaxpr.eqns:
             if e.primitive.name == "pallas_call":
-                out.append((e.params["name"], *(tuple(v.aval.shape) for v in e.invars)))
+                out.append(e)
             for v in e.params.values():
                 for sub in v if isinstance(v, (list, tuple)) else [v]:
                     inner = getattr(sub, "jaxpr", sub)
@@ -587,6 +650,16 @@ def _pallas_calls(closed) -> list[tuple]:
 
     walk(closed.jaxpr)
     return out
+
+
+def _pallas_calls(closed) -> list[tuple]:
+    """(name, operand shapes...) of every pallas_call in a closed jaxpr, nested ones included."""
+    return [(e.params["name"], *(tuple(v.aval.shape) for v in e.invars)) for e in _pallas_eqns(closed)]
+
+
+def _pallas_outputs(closed, name: str) -> tuple[tuple, ...]:
+    """The output shapes of the first pallas_call named ``name`` in a closed jaxpr (nested ones included)."""
+    return [tuple(tuple(v.aval.shape) for v in e.outvars) for e in _pallas_eqns(closed) if e.params["name"] == name][0]
 
 
 def test_the_model_writes_q_k_v_by_the_kernel_with_pallas_inplace(monkeypatch):
@@ -630,6 +703,15 @@ def test_the_model_writes_q_k_v_by_the_kernel_with_pallas_inplace(monkeypatch):
     assert len([c for c in untapped if c[0] == "add_norm"][0]) == 5  # no taps: no taps operand
     assert [c[2:4] for c in calls if c[0] == "qkv_write"] == [((layers, hd), (layers, hd))]
     assert not model.qkv_kernel_applies("xla", layer0, hk.astype(jnp.bfloat16), cache.k)
+    rows = tat.packed_rows(b, t, tcfg.num_heads, tcfg.num_kv_heads, cache.k.shape[2], hd)  # q in the tree kernel's
+    assert _pallas_outputs(jax.make_jaxpr(forward)(fused, cache), "qkv_write")[0] == (b, tcfg.num_kv_heads, rows, hd)
+    monkeypatch.setattr(model, "PACKED_Q", False)  # q as [B, T, H, hd], packed by XLA: the same everything
+    assert _pallas_outputs(jax.make_jaxpr(lambda p, c: forward(p, c))(fused, cache), "qkv_write")[0] == (
+        b, t, tcfg.num_heads, hd)  # (a new function: make_jaxpr caches on it)
+    (hp, cp, fp), _ = run(fused)
+    for x, y in ((hp, hk), (cp.k, ck.k), (cp.v, ck.v), (fp, fk)):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    monkeypatch.setattr(model, "PACKED_Q", True)
     monkeypatch.setattr(model, "TAP_IN_NORM", False)  # the kernel's taps by an update of their own: the same ones
     (_, _, fu), text = run(fused)
     assert "add_norm" in text
@@ -650,6 +732,59 @@ def test_the_model_writes_q_k_v_by_the_kernel_with_pallas_inplace(monkeypatch):
     assert fk.shape == (b, t, 2 * d) and np.abs(np.asarray(fk[..., :d], np.float32)).max() > 0  # layer 0 written
     for a, c in ((ck.k, cx.k), (ck.v, cx.v)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32))
+
+
+def _primitives(jaxpr) -> set[str]:
+    """The primitive names of a jaxpr's equations, nested ones included."""
+    names = set()
+    for e in jaxpr.eqns:
+        names.add(e.primitive.name)
+        for v in e.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    names |= _primitives(inner)
+    return names
+
+
+def test_the_layer_loop_makes_the_tree_kernels_mask_once(monkeypatch):
+    """model.forward with 'pallas-inplace' attention makes the tree kernel's mask operand (model.layer_mask) before
+    its layer loop: no shift of the mask words inside the loop's body, where ``MASK_ONCE`` False (the kernel making
+    it in every layer) has them; the same hidden states, caches and taps. An AR step (decode_attention) and XLA's
+    attention take the bits as they are."""
+    from ddtree_jax import cache as kvcache, model
+    from pallas_kernels.bitmask import causal_bits
+
+    tcfg, tparams = _two_layer_target()
+    b, t, prefix = 2, 4, 21
+    rng = np.random.default_rng(1)
+    cache = kvcache.init(tcfg.num_layers, b, 128, tcfg.num_kv_heads, tcfg.head_dim, jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal(cache.k.shape), jnp.bfloat16) for _ in range(2))
+    cache = kvcache.KVCache(k, v, jnp.full((b,), prefix, jnp.int32))
+    tokens = jnp.asarray(rng.integers(0, tcfg.vocab_size, (b, t)), jnp.int32)
+    positions = prefix + jnp.arange(t)[None].repeat(b, 0)
+    bits = causal_bits(b, t)
+
+    def traced():  # a new function each time: jit's and make_jaxpr's caches do not key on the switch
+        fn = lambda c: model.forward(tparams, tcfg, tokens, positions, c, bits, taps=(0,),  # noqa: E731
+                                     attention="pallas-inplace-interpret")
+        (scan,) = [e for e in jax.make_jaxpr(fn)(cache).jaxpr.eqns if e.primitive.name == "scan"]
+        return jax.jit(fn)(cache), _primitives(scan.params["jaxpr"].jaxpr)
+
+    (h1, c1, f1), body = traced()
+    assert "shift_left" not in body and "pallas_call" in body
+    mask = model.layer_mask("pallas-inplace", bits, cache.length, tcfg.num_heads, cache.k)
+    assert isinstance(mask, tat.KernelMask)
+    monkeypatch.setattr(model, "MASK_ONCE", False)
+    (h2, c2, f2), body = traced()
+    assert "shift_left" in body
+    for x, y in ((h1, h2), (c1.k, c2.k), (c1.v, c2.v), (f1, f2)):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    assert model.layer_mask("pallas-inplace", bits, cache.length, tcfg.num_heads, cache.k) is bits
+    monkeypatch.setattr(model, "MASK_ONCE", True)
+    assert model.layer_mask("xla", bits, cache.length, tcfg.num_heads, cache.k) is bits
+    one = causal_bits(b, 1)  # an AR step: decode_attention reads the bits
+    assert model.layer_mask("pallas-inplace", one, cache.length, tcfg.num_heads, cache.k) is one
 
 
 def test_the_drafter_reads_its_q_k_norms_in_place_with_pallas_inplace():
