@@ -10,7 +10,9 @@ dynamic-slice fusion, as the decoder's layer loop does), compiled with ``decode.
 top. Reports the GEMM kernels' device time per layer (CUPTI; the loop's other kernels left out) and the weight-read
 bandwidth: 36 layers' weights never fit the L2, so every layer is read from HBM, as in a round. One row (``--rows 1``)
 also times the two reductions a GEMV can be written as (a row reduction over output-major weights, ``model.linear``'s
-form, and a column reduction over input-major ones), counting every kernel of the loop."""
+form, and a column reduction over input-major ones), counting every kernel of the loop. ``--splits 2,4`` also times
+each GEMM split over its contraction (split-K by hand: one batched GEMM of s partial products [s, R, N] in f32, then
+their sum), counting every kernel, for products whose N alone gives cuBLAS too few tiles to fill the SMs."""
 
 from __future__ import annotations
 
@@ -67,11 +69,12 @@ def gemm_us(fn, args, iters, every_kernel=False):
 def run(args):
     options = {"base": dict(decode.XLA_OPTIONS), "cublaslt": {**decode.XLA_OPTIONS, "xla_gpu_enable_cublaslt": True}}
     rows_list = [int(r) for r in args.rows.split(",")]
+    splits = [int(s) for s in args.splits.split(",") if s] if args.splits else []
     out = {"device": jax.devices()[0].device_kind, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "command": "python benchmarks/gemm_layouts.py " + " ".join(sys.argv[1:]), "rows": []}
     for model in args.models.split(","):
         shape = SHAPES[model]
-        for name, n, k in matrices(shape):
+        for name, n, k in [m for m in matrices(shape) if m[0] in args.matrices.split(",")]:
             layers = shape.layers
             key = jax.random.key(n * 7 + k)
             w_out = jax.jit(lambda kk: (jax.random.normal(kk, (layers, n, k), jnp.float32) * 0.02).astype(
@@ -86,9 +89,12 @@ def run(args):
                 if rows == 1:  # what model.linear does with one row: a row reduction over output-major weights;
                     # against it, a column reduction over input-major ones (one XLA fusion either way)
                     forms = [("out-major-rowsum", w_out, "rowsum"), ("in-major-colsum", w_in, "colsum")] + forms
+                if rows > 1:
+                    forms += [(f"{lay}-split{sp}", w, f"split{sp}:{eq}") for sp in splits if k % sp == 0
+                              for lay, w, eq in forms[:2]]
                 for layout, w, eq in forms:
                     for opt_name, opts in options.items():
-                        if (rows > 128 or rows == 1) and opt_name != "base":
+                        if (rows > 128 or rows == 1 or "split" in layout) and opt_name != "base":
                             continue
 
                         def layer_loop(x, w, eq=eq):
@@ -98,6 +104,13 @@ def run(args):
                                 elif eq == "colsum":
                                     y = jnp.sum(wl.astype(jnp.float32) * x.reshape(-1, 1).astype(jnp.float32), axis=0)
                                     y = y[None]
+                                elif eq.startswith("split"):  # s partial products over K slices, then their sum
+                                    sp, form = eq[5:].split(":")
+                                    sp, xs = int(sp), x.reshape(x.shape[0], int(sp), -1)
+                                    ws = (wl.reshape(wl.shape[0], int(sp), -1) if form == "rk,nk->rn"
+                                          else wl.reshape(int(sp), -1, wl.shape[-1]))
+                                    part = "rsk,nsk->srn" if form == "rk,nk->rn" else "rsk,skn->srn"
+                                    y = jnp.einsum(part, xs, ws, preferred_element_type=jnp.float32).sum(0)
                                 else:
                                     y = jnp.einsum(eq, x, wl, preferred_element_type=jnp.float32)
                                 return c, y.astype(x.dtype)
@@ -108,7 +121,7 @@ def run(args):
                         # same products whatever the layout or library (to bf16 rounding of f32 sums)
                         ref = y if ref is None else ref
                         err = float(jnp.max(jnp.abs(y.astype(jnp.float32) - ref.astype(jnp.float32))))
-                        us, kernels = gemm_us(f, (x, w), args.iters, every_kernel=rows == 1)
+                        us, kernels = gemm_us(f, (x, w), args.iters, every_kernel=rows == 1 or bool(splits))
                         row = {"model": model, "matrix": name, "n": n, "k": k, "rows": rows, "layout": layout,
                                "options": opt_name, "us_per_layer": us / layers,
                                "tbps": nbytes * layers / us / 1e6, "kernels": kernels, "max_abs_diff_vs_first": err}
@@ -124,6 +137,9 @@ def main(argv=None):
     p.add_argument("--models", default="qwen3-8b,qwen3-4b", help="comma-separated names of ddtree_jax.shapes.SHAPES")
     p.add_argument("--rows", default="8,16,72,264", help="comma-separated row counts (264: a ddtree-256 verify)")
     p.add_argument("--iters", type=int, default=10, help="timed calls per case")
+    p.add_argument("--splits", default="", help="comma-separated split-K factors to time as well (e.g. 2,4); none "
+                   "by default")
+    p.add_argument("--matrices", default="qkv,o,gate_up,down", help="comma-separated matrices to time")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     out = run(args)
