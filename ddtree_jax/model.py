@@ -117,10 +117,12 @@ def attention_fn(impl: str):
     raise ValueError(f"unknown attention implementation {impl!r}")
 
 
-def linear(x: Array, w: Array, spec: str, output_major: bool = False, out_dtype=None) -> Array:
+def linear(x: Array, w: Array, spec: str, output_major: bool = False, out_dtype=None, splits: int = 1) -> Array:
     """``jnp.einsum(spec, x, w)`` for input-major weights, e.g. "btd,dhk->bthk" (w [D, H, hd]); output-major
     weights (``params.output_major``) hold w's output axes first ([H, hd, D]), and the spec is read that way.
-    The result is in ``out_dtype`` (default x's dtype), accumulated in f32.
+    The result is in ``out_dtype`` (default x's dtype), accumulated in f32. ``splits`` > 1 (one contracted axis, a
+    multiple of it): the product split over that axis into as many products of its slices, one batched GEMM, whose
+    partial sums come back unsummed, [splits, *result] (split-K by hand; ``add_norm`` adds them up).
 
     One row of x against output-major weights (an autoregressive step at batch 1) is a row reduction: f32
     products summed over the contiguous input axes, which XLA fuses into one read of the weights at GEMV
@@ -128,6 +130,16 @@ def linear(x: Array, w: Array, spec: str, output_major: bool = False, out_dtype=
     xs, rest = spec.split(",")
     ws, ys = rest.split("->")
     ins, outs = "".join(c for c in ws if c in xs), "".join(c for c in ws if c not in xs)
+    if splits > 1:  # the contracted axis c as (s, c / s): "btf,fd->btd" becomes "btsf,sfd->sbtd"
+        if len(ins) != 1 or x.shape[-1] % splits or xs[-1] != ins:
+            raise ValueError(f"linear splits one contracted last axis of x, divisible by {splits}: {spec} {x.shape}")
+        c = x.shape[-1]
+        xw = x.reshape(*x.shape[:-1], splits, c // splits)
+        if output_major:  # [outs..., c]
+            wv, w_spec = w.reshape(*w.shape[: len(outs)], splits, c // splits), f"{outs}S{ins}"
+        else:  # [c, outs...]
+            wv, w_spec = w.reshape(splits, c // splits, *w.shape[1:]), f"S{ins}{outs}"
+        return jnp.einsum(f"{xs[:-1]}S{ins},{w_spec}->S{ys}", xw, wv, preferred_element_type=out_dtype)
     if not output_major:
         return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
     lead = x.shape[: x.ndim - len(ins)]
@@ -141,10 +153,11 @@ def linear(x: Array, w: Array, spec: str, output_major: bool = False, out_dtype=
 GATE_UP_F32 = False  # gate and up out of their product in f32, the form before the thirty-first run (read when traced)
 
 
-def mlp(x: Array, w: LayerWeights) -> Array:
+def mlp(x: Array, w: LayerWeights, down_splits: int = 1) -> Array:
     """SwiGLU; x [B, T, D] in the weights' dtype, f32 result. gate and up come out of their product in x's dtype, as
     PyTorch's Linear gives them (accumulated in f32, rounded once): the SiLU product then reads half the bytes of f32
-    (``GATE_UP_F32`` gives f32)."""
+    (``GATE_UP_F32`` gives f32). ``down_splits`` > 1: the down projection's partial sums [down_splits, B, T, D]
+    (:func:`linear`'s splits; :func:`down_splits` says when)."""
     om, f32 = w.output_major, jnp.float32
     inner = f32 if GATE_UP_F32 else x.dtype
     if w.fused:  # one product for both (params.fuse_projections)
@@ -152,7 +165,22 @@ def mlp(x: Array, w: LayerWeights) -> Array:
     else:
         gate, up = (linear(x, m, "btd,df->btf", om, inner) for m in (w.w_gate, w.w_up))
     h = constrain((jax.nn.silu(gate) * up).astype(x.dtype), ("batch", "seq", "mlp"))
-    return linear(h, w.w_down, "btf,fd->btd", om, f32)
+    return linear(h, w.w_down, "btf,fd->btd", om, f32, splits=down_splits)
+
+
+DOWN_SPLIT_ROWS = (128, 384)  # rows (B x T) at which the verify splits the down projection (read when traced)
+DOWN_SPLITS = 2  # into this many partial products (1: not split)
+
+
+def down_splits(impl: str, rows: int, intermediate: int) -> int:
+    """How many partial products :func:`forward`'s MLP splits its down projection into: ``DOWN_SPLITS`` (2) where
+    ``add_norm`` (the layer kernels, :func:`residual_norm`) will add them up and B x T is within ``DOWN_SPLIT_ROWS``
+    (and the splits divide the intermediate size), else 1. cuBLAS
+    reads Qwen3-8B's down matrix at 136 and 264 rows in 33 and 44 µs as two half-depth products against 43 and 55 as
+    one (at 72 and 520 rows the same; benchmarks/PERF.md, thirty-second run)."""
+    lo, hi = DOWN_SPLIT_ROWS
+    ok = _layer_kernels(impl) and kernel_on(ADD_NORM_ENV) and lo <= rows <= hi and intermediate % DOWN_SPLITS == 0
+    return DOWN_SPLITS if ok else 1
 
 
 def qkv(x: Array, w: LayerWeights, eps: float, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
@@ -174,7 +202,8 @@ TAP_IN_NORM = True  # the target's taps written by the add_norm kernel, not by a
 
 def residual_norm(x: Array, delta: Array, w: Array, eps: float, impl: str = "xla",
                   stacked: tuple[Array, Array, Array] | None = None, tap: tuple[Array, Array, Array] | None = None):
-    """(x + delta, :func:`rms_norm` of it): the residual add and the norm after it, f32 x and delta [..., D]. With
+    """(x + delta, :func:`rms_norm` of it): the residual add and the norm after it, f32 x and delta [..., D] (or
+    partial sums [P, ..., D], added up first: :func:`mlp`'s ``down_splits``). With
     'pallas-inplace' attention on one device (no mesh) and ``DDTREE_JAX_ADD_NORM`` not "xla", one kernel
     (``pallas_kernels.add_norm``: the same math, its mean square summed in its own order). ``stacked``: (every
     layer's weights [L, D], the layer, the prefix lengths [B]), which the kernel reads in place instead of w (the
@@ -187,7 +216,7 @@ def residual_norm(x: Array, delta: Array, w: Array, eps: float, impl: str = "xla
             return add_norm.add_norm(x, delta.astype(jnp.float32), *stacked, tap=tap[:2], **kw)
         x, h = add_norm.add_norm(x, delta.astype(jnp.float32), *(stacked or (w,)), **kw)
     else:
-        x = x + delta
+        x = x + add_norm.sum_parts(delta, x.ndim)
         h = rms_norm(x, w, eps)
     if tap is None:
         return x, h
@@ -304,12 +333,16 @@ def forward(
         o = attend(q, k_all, v_all, start, mask, layer=i)
         x, h = residual_norm(x, linear(o, w.wo, "bthk,hkd->btd", w.output_major, jnp.float32), w.mlp_norm, eps,
                              attention, at("mlp_norm"))
-        x, delta = (constrain(a, ("batch", "seq", "embed")) for a in (x, mlp(h, w)))
+        x = constrain(x, ("batch", "seq", "embed"))
+        delta = mlp(h, w, splits)  # [B, T, D] or its partial sums [splits, B, T, D] (one device only)
+        delta = constrain(delta, ("batch", "seq", "embed")) if splits == 1 else delta
         return (x, delta, k_all, v_all, tapped), None
 
     # [taps + 1, B, T, D] in the final norm's dtype (the features' dtype: one rounding, as when cast at the end)
     tapped = jnp.zeros((n_taps + 1, b, t, cfg.hidden_size), params.final_norm.dtype) if n_taps else None
-    carry = (x, jnp.zeros(x.shape, x.dtype), cache.k, cache.v, tapped)  # zeros_like would copy x's sharding
+    splits = down_splits(attention, b * t, cfg.intermediate_size)
+    delta = jnp.zeros(x.shape if splits == 1 else (splits, *x.shape), x.dtype)  # zeros_like would copy x's sharding
+    carry = (x, delta, cache.k, cache.v, tapped)
     if isinstance(params.layers, (tuple, list)):  # unstacked (params.unstack_layers): an unrolled loop
         for i, w in enumerate(params.layers):
             carry, _ = layer(carry, (w, i))

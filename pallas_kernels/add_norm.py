@@ -14,6 +14,10 @@ operand (``pallas_kernels.lengths``) and that row of w in place. A layer's [D] r
 that XLA copies in a kernel of its own (the norm weights' slices were four kernels of 1.3-1.5 µs per iteration of the
 4-layer loop in the eighteenth run's 4B AR profile; reading them in place took 0.06 ms off a 4B AR step).
 
+delta may also come as partial sums [P, ..., D] (a product split over its contraction: ``model.mlp``'s down
+projection at 128-384 rows, which cuBLAS reads faster as two half-depth products; benchmarks/PERF.md, thirty-second
+run): the kernel adds them up, in order, before the residual (s = x + (d_0 + d_1 + ...)).
+
 With those, ``tap`` = (taps [S, ..., D], slots [L] int32) also writes s, cast to taps' dtype, into taps[slots[layer]]
 in place and returns the taps third: the target's layer loop records the hidden states its drafter reads this way (a
 layer's output is the sum its next layer's first norm makes), where an update of its own was a kernel of 2.4 µs a
@@ -31,14 +35,17 @@ from pallas_kernels.blocks import pow2
 from pallas_kernels.lengths import lengths
 
 
-def _kernel(x_ref, d_ref, w_ref, *refs, dim: int, eps: float, batch: int | None, tap: bool):
+def _kernel(x_ref, d_ref, w_ref, *refs, dim: int, eps: float, batch: int | None, tap: bool, parts: int):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as pltriton
 
     r = pl.program_id(0)
     i = jnp.arange(pow2(dim), dtype=jnp.int32)
     ok = i < dim
-    s = pltriton.load(x_ref.at[r, i], mask=ok, other=0) + pltriton.load(d_ref.at[r, i], mask=ok, other=0)
+    d = pltriton.load(d_ref.at[0, r, i], mask=ok, other=0)
+    for p in range(1, parts):  # a split product's partial sums, added in order
+        d = d + pltriton.load(d_ref.at[p, r, i], mask=ok, other=0)
+    s = pltriton.load(x_ref.at[r, i], mask=ok, other=0) + d
     if batch is None:
         s_ref, h_ref = refs
         w = pltriton.load(w_ref.at[i], mask=ok, other=0).astype(jnp.float32)
@@ -59,18 +66,21 @@ def _kernel(x_ref, d_ref, w_ref, *refs, dim: int, eps: float, batch: int | None,
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
 def add_norm(x, delta, w, layer=None, prefix_len=None, *, eps: float, tap=None, interpret: bool = False):
-    """(x + delta, its RMSNorm times w): see the module doc. ``layer`` and ``prefix_len`` with stacked w [L, D];
-    ``tap`` (taps [S, *x.shape], slots [L] int32) with them: the taps with the sum written at slots[layer] are
-    returned third. ``interpret``: the Pallas interpreter (CPU)."""
+    """(x + delta, its RMSNorm times w): see the module doc. delta: [*x.shape] or partial sums [P, *x.shape].
+    ``layer`` and ``prefix_len`` with stacked w [L, D]; ``tap`` (taps [S, *x.shape], slots [L] int32) with them: the
+    taps with the sum written at slots[layer] are returned third. ``interpret``: the Pallas interpreter (CPU)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as pltriton
 
     *lead, dim = x.shape
     stacked = layer is not None
-    if (x.dtype != jnp.float32 or delta.dtype != jnp.float32 or delta.shape != x.shape
-            or w.shape[-1:] != (dim,) or w.ndim != 1 + stacked or stacked != (prefix_len is not None)):
-        raise ValueError(f"add_norm takes float32 x and delta of one shape and w [D] (or [L, D] with layer and "
-                         f"prefix_len), got x {x.shape} {x.dtype}, delta {delta.shape} {delta.dtype}, w {w.shape}")
+    parts = delta.shape[0] if delta.ndim == x.ndim + 1 else 1
+    if (x.dtype != jnp.float32 or delta.dtype != jnp.float32 or delta.shape[delta.ndim - x.ndim:] != x.shape
+            or delta.ndim > x.ndim + 1 or w.shape[-1:] != (dim,) or w.ndim != 1 + stacked
+            or stacked != (prefix_len is not None)):
+        raise ValueError(f"add_norm takes float32 x and delta of its shape (or [P, *x.shape]) and w [D] (or [L, D] "
+                         f"with layer and prefix_len), got x {x.shape} {x.dtype}, delta {delta.shape} {delta.dtype}, "
+                         f"w {w.shape}")
     if tap is not None and (not stacked or tap[0].shape[1:] != x.shape or tap[1].shape != w.shape[:1]
                             or tap[1].dtype != jnp.int32):
         raise ValueError(f"add_norm's tap takes stacked w [L, D], taps [S, *{x.shape}] and int32 slots [L], got "
@@ -86,14 +96,14 @@ def add_norm(x, delta, w, layer=None, prefix_len=None, *, eps: float, tap=None, 
         out_shape.append(jax.ShapeDtypeStruct(taps.shape, taps.dtype))
     out = pl.pallas_call(
         functools.partial(_kernel, dim=dim, eps=eps, batch=prefix_len.shape[0] if stacked else None,
-                          tap=tap is not None),
+                          tap=tap is not None, parts=parts),
         grid=(rows,),
         out_shape=tuple(out_shape),
         input_output_aliases={5: 2} if tap is not None else {},
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=1),
         interpret=interpret,
         name="add_norm",
-    )(x.reshape(rows, dim), delta.reshape(rows, dim), w, *extra)
+    )(x.reshape(rows, dim), delta.reshape(parts, rows, dim), w, *extra)
     s, h = out[0].reshape(x.shape), out[1].reshape(x.shape)
     return (s, h) if tap is None else (s, h, out[2].reshape(tap[0].shape))
 
@@ -101,6 +111,16 @@ def add_norm(x, delta, w, layer=None, prefix_len=None, *, eps: float, tap=None, 
 def reference(x, delta, w, *, eps: float):
     """The kernel's result by jnp (``model.rms_norm`` of the sum; without ``tap``, whose write is
     ``jax.lax.dynamic_update_index_in_dim(taps, s.astype(taps.dtype), slots[layer], 0)``)."""
-    s = x + delta
+    s = x + sum_parts(delta, x.ndim)
     y = s * jax.lax.rsqrt(jnp.mean(s * s, axis=-1, keepdims=True) + eps)
     return s, (w.astype(jnp.float32) * y).astype(w.dtype)
+
+
+def sum_parts(delta, ndim: int):
+    """delta [..., D] of ``ndim`` axes as given; partial sums [P, ..., D] added up in order (the kernel's order)."""
+    if delta.ndim == ndim:
+        return delta
+    out = delta[0]
+    for p in range(1, delta.shape[0]):
+        out = out + delta[p]
+    return out

@@ -632,6 +632,59 @@ def test_add_norm_is_the_residual_add_and_rms_norm(shape):
         add_norm.add_norm(x, d, w, eps=1e-6, tap=(taps, slots), interpret=True)
     with pytest.raises(ValueError, match="tap takes stacked w"):
         add_norm.add_norm(x, d, w_all, jnp.int32(1), lens, eps=1e-6, tap=(taps, slots[:2]), interpret=True)
+    # delta as partial sums [P, ...] (a split product): added up in order, then as one delta
+    parts = jnp.asarray(rng.standard_normal((3, *shape)) * 4, jnp.float32)
+    whole = parts[0] + parts[1] + parts[2]
+    for args in ((w,), (w_all, jnp.int32(1), lens)):
+        s4, h4 = kernel(x, parts, *args)
+        s5, h5 = kernel(x, whole, *args)
+        np.testing.assert_array_equal(np.asarray(s4), np.asarray(s5))
+        np.testing.assert_array_equal(np.asarray(h4, np.float32), np.asarray(h5, np.float32))
+    np.testing.assert_array_equal(np.asarray(add_norm.reference(x, parts, w, eps=1e-6)[0]), np.asarray(s4))
+    with pytest.raises(ValueError, match=r"or \[P, \*x.shape\]"):
+        add_norm.add_norm(x, parts[None], w, eps=1e-6, interpret=True)
+
+
+def test_the_verify_splits_the_down_projection_where_add_norm_sums_it(monkeypatch):
+    """At B x T within model.DOWN_SPLIT_ROWS, with the layer kernels, the MLP's down projection comes back as two
+    partial products, which the next add_norm (the next layer's first norm, or the final one) adds up: the layer
+    loop carries them, the norms read [2, B x T, D], and hidden states, caches and taps are those of the unsplit
+    product (to the f32 sums' order). Outside the rows, or with XLA's norms, one product."""
+    from ddtree_jax import cache as kvcache, decode, model
+    from pallas_kernels.bitmask import causal_bits
+
+    tcfg, plain = _two_layer_target()
+    b, t, prefix = 2, 4, 21
+    rng = np.random.default_rng(1)
+    cache = kvcache.init(tcfg.num_layers, b, 128, tcfg.num_kv_heads, tcfg.head_dim, jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal(cache.k.shape), jnp.bfloat16) for _ in range(2))
+    cache = kvcache.KVCache(k, v, jnp.full((b,), prefix, jnp.int32))
+    tokens = jnp.asarray(rng.integers(0, tcfg.vocab_size, (b, t)), jnp.int32)
+    positions = prefix + jnp.arange(t)[None].repeat(b, 0)
+    impl, d = "pallas-inplace-interpret", tcfg.hidden_size
+
+    def forward(p, c):
+        return model.forward(p, tcfg, tokens, positions, c, causal_bits(b, t), taps=(0, 1), attention=impl)
+
+    def norm_deltas(p):  # the delta operand of every add_norm call
+        return [c[2] for c in _pallas_calls(jax.make_jaxpr(lambda p, c: forward(p, c))(p, cache)) if c[0] == "add_norm"]
+
+    for layout in ("stacked-fused", "stacked-out-major-fused"):
+        params = decode.device_layout(plain, layout=layout)
+        want = jax.jit(lambda p, c: forward(p, c))(params, cache)
+        assert norm_deltas(params) == [(1, b * t, d)] * 3  # 8 rows: below DOWN_SPLIT_ROWS
+        monkeypatch.setattr(model, "DOWN_SPLIT_ROWS", (b * t, b * t))
+        assert model.down_splits(impl, b * t, tcfg.intermediate_size) == 2
+        assert norm_deltas(params) == [(2, b * t, d), (1, b * t, d), (2, b * t, d)]  # the o product unsplit
+        got = jax.jit(lambda p, c: forward(p, c))(params, cache)
+        for x, y in ((got[0], want[0]), (got[1].k, want[1].k), (got[1].v, want[1].v), (got[2], want[2])):
+            np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=2**-7, atol=1e-5)
+        assert not np.array_equal(np.asarray(got[2], np.float32), np.zeros(got[2].shape))
+        monkeypatch.setenv(model.ADD_NORM_ENV, "xla")  # XLA's norms: one product
+        assert model.down_splits(impl, b * t, tcfg.intermediate_size) == 1
+        monkeypatch.delenv(model.ADD_NORM_ENV)
+        assert model.down_splits("xla", b * t, tcfg.intermediate_size) == 1
+        monkeypatch.undo()
 
 
 def _pallas_eqns(closed) -> list:

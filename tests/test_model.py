@@ -121,6 +121,24 @@ def test_output_major_layout_same_logits(target, llama, tied):
     assert "dot_general" in str(many)
 
 
+@pytest.mark.parametrize("output_major", [False, True])
+def test_linear_splits_the_contraction_into_partial_products(output_major):
+    """model.linear(splits=S): S partial products over slices of the contracted axis, which sum to the product."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((2, 3, 8)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((8, 5)), jnp.float32)  # [F, D] input-major
+    laid = w.T if output_major else w
+    whole = model.linear(x, laid, "btf,fd->btd", output_major, jnp.float32)
+    for s in (2, 4):
+        parts = model.linear(x, laid, "btf,fd->btd", output_major, jnp.float32, splits=s)
+        assert parts.shape == (s, 2, 3, 5)
+        np.testing.assert_allclose(np.asarray(parts.sum(0)), np.asarray(whole), rtol=1e-5, atol=1e-5)
+        c = 8 // s  # each part: the product of x's and w's s-th slices
+        np.testing.assert_allclose(np.asarray(parts[1]), np.asarray(x[..., c:2 * c] @ w[c:2 * c]), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="divisible by 3"):
+        model.linear(x, laid, "btf,fd->btd", output_major, jnp.float32, splits=3)
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_mlp_rounds_gate_and_up_to_the_operand_dtype(target, fused, monkeypatch):
     """model.mlp in bf16: gate and up leave their product rounded to bf16 (as PyTorch's Linear returns them), the
