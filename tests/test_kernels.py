@@ -366,6 +366,19 @@ _TWO_LAYERS = dataclasses.replace(shapes.SHAPES["tiny"], layers=2)
 
 
 @functools.cache
+def _block_on_a_filled_cache(tcfg, b: int, t: int, seed: int, prefix: int = 21):
+    """(a bf16 cache of 128 slots [L, B, 128, K, hd] filled with random K/V up to ``prefix``, random tokens [B, T],
+    their positions [B, T] after the prefix): the input of one forward over a block of T new tokens."""
+    from ddtree_jax import cache as kvcache
+
+    rng = np.random.default_rng(seed)
+    cache = kvcache.init(tcfg.num_layers, b, 128, tcfg.num_kv_heads, tcfg.head_dim, jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal(cache.k.shape), jnp.bfloat16) for _ in range(2))
+    cache = kvcache.KVCache(k, v, jnp.full((b,), prefix, jnp.int32))
+    tokens = jnp.asarray(rng.integers(0, tcfg.vocab_size, (b, t)), jnp.int32)
+    return cache, tokens, prefix + jnp.arange(t)[None].repeat(b, 0)
+
+
 def _two_layer_target():
     """(target config, its random bf16 parameters) of _TWO_LAYERS, built once for the tests that read them (building
     compiles the random initialisation of every leaf: seconds)."""
@@ -650,17 +663,12 @@ def test_the_verify_splits_the_down_projection_where_add_norm_sums_it(monkeypatc
     partial products, which the next add_norm (the next layer's first norm, or the final one) adds up: the layer
     loop carries them, the norms read [2, B x T, D], and hidden states, caches and taps are those of the unsplit
     product (to the f32 sums' order). Outside the rows, or with XLA's norms, one product."""
-    from ddtree_jax import cache as kvcache, decode, model
+    from ddtree_jax import decode, model
     from pallas_kernels.bitmask import causal_bits
 
     tcfg, plain = _two_layer_target()
-    b, t, prefix = 2, 4, 21
-    rng = np.random.default_rng(1)
-    cache = kvcache.init(tcfg.num_layers, b, 128, tcfg.num_kv_heads, tcfg.head_dim, jnp.bfloat16)
-    k, v = (jnp.asarray(rng.standard_normal(cache.k.shape), jnp.bfloat16) for _ in range(2))
-    cache = kvcache.KVCache(k, v, jnp.full((b,), prefix, jnp.int32))
-    tokens = jnp.asarray(rng.integers(0, tcfg.vocab_size, (b, t)), jnp.int32)
-    positions = prefix + jnp.arange(t)[None].repeat(b, 0)
+    b, t = 2, 4
+    cache, tokens, positions = _block_on_a_filled_cache(tcfg, b, t, seed=1)
     impl, d = "pallas-inplace-interpret", tcfg.hidden_size
 
     def forward(p, c):
@@ -722,18 +730,13 @@ def test_the_model_writes_q_k_v_by_the_kernel_with_pallas_inplace(monkeypatch):
     DDTREE_JAX_ADD_NORM=xla, or unfused weights for the first, XLA's forms); both give the same hidden states, caches
     and taps (on CPU to the bit here; on a GPU XLA may keep f32 between the operations qkv_write rounds, and sums a
     mean square in another order)."""
-    from ddtree_jax import cache as kvcache, decode, model
+    from ddtree_jax import decode, model
     from pallas_kernels.bitmask import causal_bits
 
     tcfg, plain = _two_layer_target()
     fused = decode.device_layout(plain, layout="stacked-out-major-fused")
-    b, t, prefix = 2, 4, 21
-    rng = np.random.default_rng(0)
-    cache = kvcache.init(tcfg.num_layers, b, 128, tcfg.num_kv_heads, tcfg.head_dim, jnp.bfloat16)
-    k, v = (jnp.asarray(rng.standard_normal(cache.k.shape), jnp.bfloat16) for _ in range(2))
-    cache = kvcache.KVCache(k, v, jnp.full((b,), prefix, jnp.int32))
-    tokens = jnp.asarray(rng.integers(0, tcfg.vocab_size, (b, t)), jnp.int32)
-    positions = prefix + jnp.arange(t)[None].repeat(b, 0)
+    b, t = 2, 4
+    cache, tokens, positions = _block_on_a_filled_cache(tcfg, b, t, seed=0)
     layer0 = jax.tree.map(lambda x: x[0], fused.layers)
     impl = "pallas-inplace-interpret"
 
@@ -805,17 +808,12 @@ def test_the_layer_loop_makes_the_tree_kernels_mask_once(monkeypatch):
     its layer loop: no shift of the mask words inside the loop's body, where ``MASK_ONCE`` False (the kernel making
     it in every layer) has them; the same hidden states, caches and taps. An AR step (decode_attention) and XLA's
     attention take the bits as they are."""
-    from ddtree_jax import cache as kvcache, model
+    from ddtree_jax import model
     from pallas_kernels.bitmask import causal_bits
 
     tcfg, tparams = _two_layer_target()
-    b, t, prefix = 2, 4, 21
-    rng = np.random.default_rng(1)
-    cache = kvcache.init(tcfg.num_layers, b, 128, tcfg.num_kv_heads, tcfg.head_dim, jnp.bfloat16)
-    k, v = (jnp.asarray(rng.standard_normal(cache.k.shape), jnp.bfloat16) for _ in range(2))
-    cache = kvcache.KVCache(k, v, jnp.full((b,), prefix, jnp.int32))
-    tokens = jnp.asarray(rng.integers(0, tcfg.vocab_size, (b, t)), jnp.int32)
-    positions = prefix + jnp.arange(t)[None].repeat(b, 0)
+    b, t = 2, 4
+    cache, tokens, positions = _block_on_a_filled_cache(tcfg, b, t, seed=1)
     bits = causal_bits(b, t)
 
     def traced():  # a new function each time: jit's and make_jaxpr's caches do not key on the switch
