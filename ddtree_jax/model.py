@@ -241,11 +241,16 @@ def layer_mask(impl: str, tree_bits: Array, prefix_len: Array, heads: int, k_all
     ``tree_attention.KernelMask``, its operand made here, once for every layer; else tree_bits [B, T, W] as given.
     heads: H; k_all: the stacked cache [L, B, S, K, hd]."""
     b, t, _ = tree_bits.shape
-    q_like = jax.ShapeDtypeStruct((b, t, heads, k_all.shape[-1]), k_all.dtype)
-    if not (MASK_ONCE and _layer_kernels(impl) and tree_attention_lib.supports(q_like, k_all)
-            and not decode_attention_applies(q_like, k_all)):
+    if not (MASK_ONCE and _layer_kernels(impl) and _tree_kernel_reads(b, t, heads, k_all)):
         return tree_bits
-    return tree_attention_lib.kernel_mask(tree_bits, prefix_len, q_like.shape, k_all.shape)
+    return tree_attention_lib.kernel_mask(tree_bits, prefix_len, (b, t, heads, k_all.shape[-1]), k_all.shape)
+
+
+def _tree_kernel_reads(b: int, t: int, heads: int, k_all: Array) -> bool:
+    """Whether the in-place attention gives q [B, T, H, hd] in the cache's dtype to the tree kernel (not to
+    ``decode_attention``, nor, for shapes the kernel does not take, to the reference); k_all [L, B, S, K, hd]."""
+    q_like = jax.ShapeDtypeStruct((b, t, heads, k_all.shape[-1]), k_all.dtype)
+    return tree_attention_lib.supports(q_like, k_all) and not decode_attention_applies(q_like, k_all)
 
 
 PACKED_Q = True  # qkv_write writes q in the tree kernel's row layout where that kernel reads it (read when traced)
@@ -265,9 +270,8 @@ def attention_inputs(x: Array, w: LayerWeights, eps: float, cos: Array, sin: Arr
         qkv_ = linear(x, w.wq, "btd,dhk->bthk", w.output_major)  # [B, T, H + 2K, hd]
         norms = stacked if stacked is not None else w
         b, t, heads, hd = x.shape[0], x.shape[1], num_heads(w), qkv_.shape[-1]
-        q_like = jax.ShapeDtypeStruct((b, t, heads, hd), x.dtype)
-        rows = None
-        if PACKED_Q and tree_attention_lib.supports(q_like, k_all) and not decode_attention_applies(q_like, k_all):
+        rows = None  # (the kernel writes q in x's dtype, which is the cache's, at the cache's hd)
+        if PACKED_Q and _tree_kernel_reads(b, t, heads, k_all):
             rows = tree_attention_lib.packed_rows(b, t, heads, k_all.shape[-2], k_all.shape[-3], hd)
         return qkv_write.qkv_write(qkv_, norms.q_norm, norms.k_norm, cos, sin, k_all, v_all, layer, start,
                                    heads=heads, eps=eps, interpret=impl.endswith("-interpret"), q_rows=rows)
