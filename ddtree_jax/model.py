@@ -157,7 +157,7 @@ def mlp(x: Array, w: LayerWeights, down_splits: int = 1) -> Array:
     """SwiGLU; x [B, T, D] in the weights' dtype, f32 result. gate and up come out of their product in x's dtype, as
     PyTorch's Linear gives them (accumulated in f32, rounded once): the SiLU product then reads half the bytes of f32
     (``GATE_UP_F32`` gives f32). ``down_splits`` > 1: the down projection's partial sums [down_splits, B, T, D]
-    (:func:`linear`'s splits; :func:`down_splits` says when)."""
+    (:func:`linear`'s splits; :func:`product_splits` says when)."""
     om, f32 = w.output_major, jnp.float32
     inner = f32 if GATE_UP_F32 else x.dtype
     if w.fused:  # one product for both (params.fuse_projections)
@@ -168,19 +168,32 @@ def mlp(x: Array, w: LayerWeights, down_splits: int = 1) -> Array:
     return linear(h, w.w_down, "btf,fd->btd", om, f32, splits=down_splits)
 
 
-DOWN_SPLIT_ROWS = (128, 384)  # rows (B x T) at which the verify splits the down projection (read when traced)
-DOWN_SPLITS = 2  # into this many partial products (1: not split)
+def output_projection(o: Array, w: LayerWeights, splits: int = 1) -> Array:
+    """The attention's output projection: o [B, T, H, hd] -> f32 [B, T, D], or with ``splits`` > 1 its partial sums
+    [splits, B, T, D] over as many groups of heads (o and wo viewed with H x hd as one axis, which :func:`linear`
+    splits; free reshapes of both layouts)."""
+    if splits == 1:
+        return linear(o, w.wo, "bthk,hkd->btd", w.output_major, jnp.float32)
+    b, t, h, hd = o.shape
+    wo = w.wo.reshape(-1, h * hd) if w.output_major else w.wo.reshape(h * hd, -1)  # [D, H x hd] or [H x hd, D]
+    return linear(o.reshape(b, t, h * hd), wo, "btf,fd->btd", w.output_major, jnp.float32, splits=splits)
 
 
-def down_splits(impl: str, rows: int, intermediate: int) -> int:
-    """How many partial products :func:`forward`'s MLP splits its down projection into: ``DOWN_SPLITS`` (2) where
-    ``add_norm`` (the layer kernels, :func:`residual_norm`) will add them up and B x T is within ``DOWN_SPLIT_ROWS``
-    (and the splits divide the intermediate size), else 1. cuBLAS
-    reads Qwen3-8B's down matrix at 136 and 264 rows in 33 and 44 µs as two half-depth products against 43 and 55 as
-    one (at 72 and 520 rows the same; benchmarks/PERF.md, thirty-second run)."""
-    lo, hi = DOWN_SPLIT_ROWS
-    ok = _layer_kernels(impl) and kernel_on(ADD_NORM_ENV) and lo <= rows <= hi and intermediate % DOWN_SPLITS == 0
-    return DOWN_SPLITS if ok else 1
+SPLIT_ROWS = (128, 384)  # rows (B x T) at which the verify splits the products add_norm adds up (read when traced)
+DOWN_SPLITS = 2  # the MLP's down projection into this many partial products (1: not split)
+O_SPLITS = 2  # the attention's output projection likewise
+
+
+def product_splits(impl: str, rows: int, depth: int, wanted: int) -> int:
+    """How many partial products :func:`forward` splits a product of contracted depth ``depth`` that ``add_norm``
+    adds up (the MLP's down projection, ``DOWN_SPLITS``; the attention's output projection, ``O_SPLITS``) into:
+    ``wanted`` where ``add_norm`` (the layer kernels, :func:`residual_norm`) runs and B x T is within ``SPLIT_ROWS``
+    (and ``wanted`` divides the depth), else 1. cuBLAS reads Qwen3-8B's down matrix at 136 and 264 rows in 33 and 44
+    µs as two half-depth products against 43 and 55 as one, its o matrix in 15.5 and 20.4 against 17.2 and 23.3 (at
+    72 and 520 rows no faster; benchmarks/PERF.md, thirty-second run)."""
+    lo, hi = SPLIT_ROWS
+    ok = _layer_kernels(impl) and kernel_on(ADD_NORM_ENV) and lo <= rows <= hi and depth % wanted == 0
+    return wanted if ok and wanted > 1 else 1
 
 
 def qkv(x: Array, w: LayerWeights, eps: float, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
@@ -203,7 +216,7 @@ TAP_IN_NORM = True  # the target's taps written by the add_norm kernel, not by a
 def residual_norm(x: Array, delta: Array, w: Array, eps: float, impl: str = "xla",
                   stacked: tuple[Array, Array, Array] | None = None, tap: tuple[Array, Array, Array] | None = None):
     """(x + delta, :func:`rms_norm` of it): the residual add and the norm after it, f32 x and delta [..., D] (or
-    partial sums [P, ..., D], added up first: :func:`mlp`'s ``down_splits``). With
+    partial sums [P, ..., D], added up first: :func:`product_splits`). With
     'pallas-inplace' attention on one device (no mesh) and ``DDTREE_JAX_ADD_NORM`` not "xla", one kernel
     (``pallas_kernels.add_norm``: the same math, its mean square summed in its own order). ``stacked``: (every
     layer's weights [L, D], the layer, the prefix lengths [B]), which the kernel reads in place instead of w (the
@@ -334,9 +347,8 @@ def forward(
         else:
             x, h = residual_norm(x, delta, w.attn_norm, eps, attention, at("attn_norm"))
         q, k_all, v_all = attention_inputs(h, w, eps, cos, sin, k_all, v_all, i, start, attention, stacked)
-        o = attend(q, k_all, v_all, start, mask, layer=i)
-        x, h = residual_norm(x, linear(o, w.wo, "bthk,hkd->btd", w.output_major, jnp.float32), w.mlp_norm, eps,
-                             attention, at("mlp_norm"))
+        o = attend(q, k_all, v_all, start, mask, layer=i)  # [B, T, H, hd]
+        x, h = residual_norm(x, output_projection(o, w, o_splits), w.mlp_norm, eps, attention, at("mlp_norm"))
         x = constrain(x, ("batch", "seq", "embed"))
         delta = mlp(h, w, splits)  # [B, T, D] or its partial sums [splits, B, T, D] (one device only)
         delta = constrain(delta, ("batch", "seq", "embed")) if splits == 1 else delta
@@ -344,7 +356,8 @@ def forward(
 
     # [taps + 1, B, T, D] in the final norm's dtype (the features' dtype: one rounding, as when cast at the end)
     tapped = jnp.zeros((n_taps + 1, b, t, cfg.hidden_size), params.final_norm.dtype) if n_taps else None
-    splits = down_splits(attention, b * t, cfg.intermediate_size)
+    splits = product_splits(attention, b * t, cfg.intermediate_size, DOWN_SPLITS)
+    o_splits = product_splits(attention, b * t, cfg.num_heads * cfg.head_dim, O_SPLITS)
     delta = jnp.zeros(x.shape if splits == 1 else (splits, *x.shape), x.dtype)  # zeros_like would copy x's sharding
     carry = (x, delta, cache.k, cache.v, tapped)
     if isinstance(params.layers, (tuple, list)):  # unstacked (params.unstack_layers): an unrolled loop

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import types
 
 import numpy as np
 import pytest
@@ -658,11 +659,12 @@ def test_add_norm_is_the_residual_add_and_rms_norm(shape):
         add_norm.add_norm(x, parts[None], w, eps=1e-6, interpret=True)
 
 
-def test_the_verify_splits_the_down_projection_where_add_norm_sums_it(monkeypatch):
-    """At B x T within model.DOWN_SPLIT_ROWS, with the layer kernels, the MLP's down projection comes back as two
-    partial products, which the next add_norm (the next layer's first norm, or the final one) adds up: the layer
-    loop carries them, the norms read [2, B x T, D], and hidden states, caches and taps are those of the unsplit
-    product (to the f32 sums' order). Outside the rows, or with XLA's norms, one product."""
+def test_the_verify_splits_the_products_add_norm_sums(monkeypatch):
+    """At B x T within model.SPLIT_ROWS, with the layer kernels, the attention's output projection and the MLP's down
+    projection come back as two partial products each, which the next add_norm (the layer's second norm; the next
+    layer's first, or the final one) adds up: the layer loop carries the MLP's, the norms read [2, B x T, D], and
+    hidden states, caches and taps are those of the unsplit products (to the f32 sums' order). O_SPLITS = 1 leaves o
+    whole; outside the rows, or with XLA's norms, one product each."""
     from ddtree_jax import decode, model
     from pallas_kernels.bitmask import causal_bits
 
@@ -670,6 +672,7 @@ def test_the_verify_splits_the_down_projection_where_add_norm_sums_it(monkeypatc
     b, t = 2, 4
     cache, tokens, positions = _block_on_a_filled_cache(tcfg, b, t, seed=1)
     impl, d = "pallas-inplace-interpret", tcfg.hidden_size
+    depth_o = tcfg.num_heads * tcfg.head_dim
 
     def forward(p, c):
         return model.forward(p, tcfg, tokens, positions, c, causal_bits(b, t), taps=(0, 1), attention=impl)
@@ -677,22 +680,48 @@ def test_the_verify_splits_the_down_projection_where_add_norm_sums_it(monkeypatc
     def norm_deltas(p):  # the delta operand of every add_norm call
         return [c[2] for c in _pallas_calls(jax.make_jaxpr(lambda p, c: forward(p, c))(p, cache)) if c[0] == "add_norm"]
 
+    one, two = (1, b * t, d), (2, b * t, d)
     for layout in ("stacked-fused", "stacked-out-major-fused"):
         params = decode.device_layout(plain, layout=layout)
         want = jax.jit(lambda p, c: forward(p, c))(params, cache)
-        assert norm_deltas(params) == [(1, b * t, d)] * 3  # 8 rows: below DOWN_SPLIT_ROWS
-        monkeypatch.setattr(model, "DOWN_SPLIT_ROWS", (b * t, b * t))
-        assert model.down_splits(impl, b * t, tcfg.intermediate_size) == 2
-        assert norm_deltas(params) == [(2, b * t, d), (1, b * t, d), (2, b * t, d)]  # the o product unsplit
+        assert norm_deltas(params) == [one] * 3  # 8 rows: below SPLIT_ROWS
+        monkeypatch.setattr(model, "SPLIT_ROWS", (b * t, b * t))
+        assert model.product_splits(impl, b * t, tcfg.intermediate_size, model.DOWN_SPLITS) == 2
+        assert model.product_splits(impl, b * t, depth_o, model.O_SPLITS) == 2
+        assert model.product_splits(impl, b * t, depth_o, 3) == 1  # 3 does not divide the depth
+        assert norm_deltas(params) == [two] * 3  # o's partials to the scan body's second norm, down's to the rest
         got = jax.jit(lambda p, c: forward(p, c))(params, cache)
-        for x, y in ((got[0], want[0]), (got[1].k, want[1].k), (got[1].v, want[1].v), (got[2], want[2])):
-            np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=2**-7, atol=1e-5)
+        monkeypatch.setattr(model, "O_SPLITS", 1)
+        assert norm_deltas(params) == [two, one, two]  # the o product whole
+        got_down = jax.jit(lambda p, c: forward(p, c))(params, cache)
+        for res in (got, got_down):
+            for x, y in ((res[0], want[0]), (res[1].k, want[1].k), (res[1].v, want[1].v), (res[2], want[2])):
+                np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=2**-7, atol=1e-5)
         assert not np.array_equal(np.asarray(got[2], np.float32), np.zeros(got[2].shape))
         monkeypatch.setenv(model.ADD_NORM_ENV, "xla")  # XLA's norms: one product
-        assert model.down_splits(impl, b * t, tcfg.intermediate_size) == 1
+        assert model.product_splits(impl, b * t, tcfg.intermediate_size, model.DOWN_SPLITS) == 1
         monkeypatch.delenv(model.ADD_NORM_ENV)
-        assert model.down_splits("xla", b * t, tcfg.intermediate_size) == 1
+        assert model.product_splits("xla", b * t, tcfg.intermediate_size, model.DOWN_SPLITS) == 1
         monkeypatch.undo()
+
+
+def test_output_projection_splits_over_heads():
+    """model.output_projection's partial sums, over halves of the heads, add up to the whole product in both weight
+    layouts, and are the products of each half's heads."""
+    from ddtree_jax import model
+
+    rng = np.random.default_rng(3)
+    b, t, h, hd, d = 2, 3, 4, 8, 16
+    o = jnp.asarray(rng.standard_normal((b, t, h, hd)), jnp.float32)
+    wo = jnp.asarray(rng.standard_normal((h, hd, d)), jnp.float32)
+    for om in (False, True):
+        w = types.SimpleNamespace(wo=jnp.transpose(wo, (2, 0, 1)) if om else wo, output_major=om)
+        whole = model.output_projection(o, w)
+        parts = model.output_projection(o, w, splits=2)
+        assert parts.shape == (2, b, t, d)
+        np.testing.assert_allclose(np.asarray(parts.sum(0)), np.asarray(whole), rtol=1e-5, atol=1e-5)
+        first = jnp.einsum("bthk,hkd->btd", o[:, :, : h // 2], wo[: h // 2])
+        np.testing.assert_allclose(np.asarray(parts[0]), np.asarray(first), rtol=1e-5, atol=1e-5)
 
 
 def _pallas_eqns(closed) -> list:
