@@ -28,6 +28,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import statistics
 import time
 
@@ -72,7 +73,7 @@ def constants_set(values: dict):
 def variant(text: str) -> tuple[str, dict]:
     """NAME:FIELD=VALUE,... -> (NAME, {"layout"?, "draft"?, "options": XLA options})."""
     name, colon, rest = text.partition(":")
-    pieces = [x for x in rest.split(",") if x]
+    pieces = [x for x in re.split(r",(?![^()\[\]]*[)\]])", rest) if x]  # commas inside (...) / [...] stay
     own = ("draft=", "layout=", "sampling=", "filtering=", "unroll=")
     fields = dict(x.split("=", 1) for x in pieces if x.startswith(own))
     fields["env"] = dict(x.split("=", 1) for x in pieces if x.startswith("DDTREE_JAX_") and "=" in x)

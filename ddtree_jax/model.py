@@ -180,18 +180,23 @@ def output_projection(o: Array, w: LayerWeights, splits: int = 1) -> Array:
 
 
 SPLIT_ROWS = (128, 384)  # rows (B x T) at which the verify splits the products add_norm adds up (read when traced)
+NARROW_SPLIT_ROWS = (16, 384)  # the same for outputs at most NARROW_WIDTH wide
+NARROW_WIDTH = 2560  # Qwen3-4B's hidden size
 DOWN_SPLITS = 2  # the MLP's down projection into this many partial products (1: not split)
 O_SPLITS = 2  # the attention's output projection likewise
 
 
-def product_splits(impl: str, rows: int, depth: int, wanted: int) -> int:
-    """How many partial products :func:`forward` splits a product of contracted depth ``depth`` that ``add_norm``
-    adds up (the MLP's down projection, ``DOWN_SPLITS``; the attention's output projection, ``O_SPLITS``) into:
-    ``wanted`` where ``add_norm`` (the layer kernels, :func:`residual_norm`) runs and B x T is within ``SPLIT_ROWS``
-    (and ``wanted`` divides the depth), else 1. cuBLAS reads Qwen3-8B's down matrix at 136 and 264 rows in 33 and 44
-    µs as two half-depth products against 43 and 55 as one, its o matrix in 15.5 and 20.4 against 17.2 and 23.3 (at
-    72 and 520 rows no faster; benchmarks/PERF.md, thirty-second run)."""
-    lo, hi = SPLIT_ROWS
+def product_splits(impl: str, rows: int, depth: int, width: int, wanted: int) -> int:
+    """How many partial products :func:`forward` splits a product of contracted depth ``depth`` and ``width`` output
+    columns that ``add_norm`` adds up (the MLP's down projection, ``DOWN_SPLITS``; the attention's output projection,
+    ``O_SPLITS``) into: ``wanted`` where ``add_norm`` (the layer kernels, :func:`residual_norm`) runs and B x T is
+    within ``SPLIT_ROWS`` (``NARROW_SPLIT_ROWS`` up to ``NARROW_WIDTH`` columns) and ``wanted`` divides the depth,
+    else 1. cuBLAS reads Qwen3-8B's down matrix (4096 columns) at 136 and 264 rows in 33 and 44 µs as two half-depth
+    products against 43 and 55 as one, its o matrix in 15.5 and 20.4 against 17.2 and 23.3, at 16 and 72 rows no
+    faster (thirty-second run); Qwen3-4B's (2560 columns) at 16 and 72 rows: down 16.6 and 18.5 against 18.6 and
+    21.1, o 9.9 and 11.1 against 10.8 and 12.5 (thirty-fourth run; benchmarks/PERF.md). Interleaved rounds: 4B dflash
+    / ddtree 16 / 32 / 64 0.10 / 0.23 / 0.13 / 0.13 ms shorter split; 8B ddtree 32 0.06 longer."""
+    lo, hi = NARROW_SPLIT_ROWS if width <= NARROW_WIDTH else SPLIT_ROWS
     ok = _layer_kernels(impl) and kernel_on(ADD_NORM_ENV) and lo <= rows <= hi and depth % wanted == 0
     return wanted if ok and wanted > 1 else 1
 
@@ -356,8 +361,8 @@ def forward(
 
     # [taps + 1, B, T, D] in the final norm's dtype (the features' dtype: one rounding, as when cast at the end)
     tapped = jnp.zeros((n_taps + 1, b, t, cfg.hidden_size), params.final_norm.dtype) if n_taps else None
-    splits = product_splits(attention, b * t, cfg.intermediate_size, DOWN_SPLITS)
-    o_splits = product_splits(attention, b * t, cfg.num_heads * cfg.head_dim, O_SPLITS)
+    splits = product_splits(attention, b * t, cfg.intermediate_size, cfg.hidden_size, DOWN_SPLITS)
+    o_splits = product_splits(attention, b * t, cfg.num_heads * cfg.head_dim, cfg.hidden_size, O_SPLITS)
     delta = jnp.zeros(x.shape if splits == 1 else (splits, *x.shape), x.dtype)  # zeros_like would copy x's sharding
     carry = (x, delta, cache.k, cache.v, tapped)
     if isinstance(params.layers, (tuple, list)):  # unstacked (params.unstack_layers): an unrolled loop

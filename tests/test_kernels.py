@@ -660,8 +660,9 @@ def test_add_norm_is_the_residual_add_and_rms_norm(shape):
 
 
 def test_the_verify_splits_the_products_add_norm_sums(monkeypatch):
-    """At B x T within model.SPLIT_ROWS, with the layer kernels, the attention's output projection and the MLP's down
-    projection come back as two partial products each, which the next add_norm (the layer's second norm; the next
+    """At B x T within model.SPLIT_ROWS (NARROW_SPLIT_ROWS for outputs up to NARROW_WIDTH columns, as this model's),
+    with the layer kernels, the attention's output projection and the MLP's down projection come back as two partial
+    products each, which the next add_norm (the layer's second norm; the next
     layer's first, or the final one) adds up: the layer loop carries the MLP's, the norms read [2, B x T, D], and
     hidden states, caches and taps are those of the unsplit products (to the f32 sums' order). O_SPLITS = 1 leaves o
     whole; outside the rows, or with XLA's norms, one product each."""
@@ -684,11 +685,14 @@ def test_the_verify_splits_the_products_add_norm_sums(monkeypatch):
     for layout in ("stacked-fused", "stacked-out-major-fused"):
         params = decode.device_layout(plain, layout=layout)
         want = jax.jit(lambda p, c: forward(p, c))(params, cache)
-        assert norm_deltas(params) == [one] * 3  # 8 rows: below SPLIT_ROWS
+        assert norm_deltas(params) == [one] * 3  # 8 rows: below NARROW_SPLIT_ROWS
+        assert d <= model.NARROW_WIDTH
         monkeypatch.setattr(model, "SPLIT_ROWS", (b * t, b * t))
-        assert model.product_splits(impl, b * t, tcfg.intermediate_size, model.DOWN_SPLITS) == 2
-        assert model.product_splits(impl, b * t, depth_o, model.O_SPLITS) == 2
-        assert model.product_splits(impl, b * t, depth_o, 3) == 1  # 3 does not divide the depth
+        assert norm_deltas(params) == [one] * 3  # a wide output's rows: not this model's
+        monkeypatch.setattr(model, "NARROW_SPLIT_ROWS", (b * t, b * t))
+        assert model.product_splits(impl, b * t, tcfg.intermediate_size, d, model.DOWN_SPLITS) == 2
+        assert model.product_splits(impl, b * t, depth_o, d, model.O_SPLITS) == 2
+        assert model.product_splits(impl, b * t, depth_o, d, 3) == 1  # 3 does not divide the depth
         assert norm_deltas(params) == [two] * 3  # o's partials to the scan body's second norm, down's to the rest
         got = jax.jit(lambda p, c: forward(p, c))(params, cache)
         monkeypatch.setattr(model, "O_SPLITS", 1)
@@ -699,10 +703,22 @@ def test_the_verify_splits_the_products_add_norm_sums(monkeypatch):
                 np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=2**-7, atol=1e-5)
         assert not np.array_equal(np.asarray(got[2], np.float32), np.zeros(got[2].shape))
         monkeypatch.setenv(model.ADD_NORM_ENV, "xla")  # XLA's norms: one product
-        assert model.product_splits(impl, b * t, tcfg.intermediate_size, model.DOWN_SPLITS) == 1
+        assert model.product_splits(impl, b * t, tcfg.intermediate_size, d, model.DOWN_SPLITS) == 1
         monkeypatch.delenv(model.ADD_NORM_ENV)
-        assert model.product_splits("xla", b * t, tcfg.intermediate_size, model.DOWN_SPLITS) == 1
+        assert model.product_splits("xla", b * t, tcfg.intermediate_size, d, model.DOWN_SPLITS) == 1
         monkeypatch.undo()
+
+
+def test_the_split_rows_depend_on_the_output_width(monkeypatch):
+    """The verify splits o and down at 128-384 rows for outputs wider than model.NARROW_WIDTH (Qwen3-8B's 4096), at
+    16-384 up to it (Qwen3-4B's 2560: measured faster from 16 rows, 8B not), with the layer kernels only."""
+    from ddtree_jax import model
+
+    impl, depth = "pallas-inplace-interpret", 12288
+    got = {(w, r): model.product_splits(impl, r, depth, w, 2) for w in (2560, 4096) for r in (8, 16, 72, 128, 384, 385)}
+    assert got == {(2560, 8): 1, (2560, 16): 2, (2560, 72): 2, (2560, 128): 2, (2560, 384): 2, (2560, 385): 1,
+                   (4096, 8): 1, (4096, 16): 1, (4096, 72): 1, (4096, 128): 2, (4096, 384): 2, (4096, 385): 1}
+    assert model.product_splits("xla", 72, depth, 2560, 2) == 1
 
 
 def test_output_projection_splits_over_heads():
