@@ -10,8 +10,8 @@ decode.DRAFT_GPU_LAYOUT), ``layout`` (the target's; default decode.GPU_LAYOUT, d
 layer loop; default decode.default_layer_unroll), ``DDTREE_JAX_*`` environment variables (set while the variant is
 traced and compiled, e.g. DDTREE_JAX_QKV_WRITE=xla), module constants of the package read when tracing
 (``pallas_kernels.M.NAME=VALUE`` or ``ddtree_jax.M.NAME=VALUE``, a Python literal, set while the variant is traced
-and compiled, e.g. pallas_kernels.decode_attention.BLOCK=128) and any XLA option (added to decode.XLA_OPTIONS, as
-``bench models --ab``).
+and compiled, e.g. pallas_kernels.decode_attention.BLOCK=128; commas inside brackets belong to the value, e.g.
+ddtree_jax.model.SPLIT_ROWS=(64,384)) and any XLA option (added to decode.XLA_OPTIONS, as ``bench models --ab``).
 
     PYTHONPATH=. python benchmarks/ab_interleaved.py --model qwen3-8b --method ddtree --budget 64 --pairs 12 \\
         --variant base: --variant tom:layout=stacked-out-major-fused --json $OUT/ab.json [--profile $OUT/prof] \\
@@ -106,7 +106,8 @@ def main() -> None:
     p.add_argument("--top-p", type=cli.probability, default=1.0, help="every sequence's top-p (default: 1, off)")
     p.add_argument("--top-k", type=cli.nonneg_int, default=0, help="every sequence's top-k (default: 0, off)")
     p.add_argument("--pairs", type=cli.positive_int, default=12, help="alternating passes over the variants")
-    p.add_argument("--variant", type=variant, action="append", required=True, help="NAME:FIELD=VALUE,...")
+    p.add_argument("--variant", type=variant, action="append", required=True,
+                   help="NAME:FIELD=VALUE,... (see the module doc; quote values with brackets for the shell)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--profile", help="a directory: also trace 5 rounds of each variant and summarise the kernels")
     p.add_argument("--hlo", help="a directory: write each variant's optimized HLO there (NAME.hlo.txt.gz)")

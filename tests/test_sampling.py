@@ -23,7 +23,8 @@ from ddtree_jax import cache as kvcache
 from pallas_kernels.bitmask import causal_bits
 
 SCALE = 3.0  # lm_head multiplier: lower-entropy distributions
-SAMPLES = 4000  # batched sequences, seeds SEED0 + row
+SAMPLES = 4000  # batched sequences per setting; row i of setting s has seed SEED0 + s * SAMPLES + i
+ROOT_ONLY_SAMPLES = SAMPLES // 4  # its chi-square is in the hundreds at 1000 rows (p ~ 0), key reuse's needs 4000
 SEED0 = 1234
 BUDGET = 8
 MIN_EXPECTED = 5.0  # cells expected at least this often are bins of their own; the rest is one bin
@@ -126,14 +127,16 @@ def informative_proposer(exact: Exact):
 
 def sample_first_tokens(target, drafter, prompt, proposer, settings, n=SAMPLES):
     """(t0, t1, t2) [n, 3] per (temperature, top_p) of ``settings``, all in one batch of ddtree sequences
-    (row r has seed SEED0 + r), and the first round's acceptance lengths [n] per setting."""
+    (row i of setting s has seed SEED0 + s * SAMPLES + i, whatever n), and the first round's acceptance lengths [n]
+    per setting."""
     tcfg, tparams = target
     dcfg, dparams = drafter
     opts = decode.GenerateOptions(method="ddtree", max_new_tokens=3, tree_budget=BUDGET)
     spec = decode.make_spec(tcfg, dcfg, opts, proposer=proposer, sampling=True, filtering=True)  # rows' own settings
     rows = n * len(settings)
     per_seq = [
-        dataclasses.replace(opts, seed=SEED0 + r, temperature=settings[r // n][0], top_p=settings[r // n][1])
+        dataclasses.replace(opts, seed=SEED0 + r // n * SAMPLES + r % n, temperature=settings[r // n][0],
+                            top_p=settings[r // n][1])
         for r in range(rows)
     ]
     spec, state, tokens = decode.start(spec, [prompt] * rows, per_seq, opts.max_new_tokens, tparams.embed.dtype)
@@ -200,21 +203,21 @@ def test_ddtree_sampling_matches_target_distribution_and_broken_samplers_fail(
         assert p > 1e-3, (case, stat, p)
 
     broken = {
-        "one key per round": ("node_keys", key_reused_across_nodes(accept.node_keys)),
-        "sample at the root only": ("choose", sampled_only_at_root(accept.choose)),
+        "one key per round": ("node_keys", key_reused_across_nodes(accept.node_keys), SAMPLES),
+        "sample at the root only": ("choose", sampled_only_at_root(accept.choose), ROOT_ONLY_SAMPLES),
     }
-    for name, (attr, fn) in broken.items():
+    for name, (attr, fn, n) in broken.items():
         jax.clear_caches()  # jitted rounds would otherwise reuse the correct compiled sampler
         try:
             with monkeypatch.context() as m:
                 m.setattr(accept, attr, fn)
-                bad, _ = sample_first_tokens(sharp, drafter, prompt, proposer, settings)
+                bad, _ = sample_first_tokens(sharp, drafter, prompt, proposer, settings, n=n)
         finally:
             jax.clear_caches()
-        for case, got, good, (cells, probs) in zip(CASES, bad, samples, bins):
-            # the broken samplers keep t0 and t1 right (root choices); only node samples go wrong
-            np.testing.assert_array_equal(got[:, :2], good[:, :2])
-            stat, p = chi_square(got, cells, probs)
+        for case, got, good, (t, top_p) in zip(CASES, bad, samples, settings):
+            # the broken samplers keep t0 and t1 right (root choices, the same seeds); only node samples go wrong
+            np.testing.assert_array_equal(got[:, :2], good[:n, :2])
+            stat, p = chi_square(got, *exact.bins(t, top_p, n))
             assert p < 1e-6, (case, name, stat, p)
 
 
