@@ -148,8 +148,8 @@ def test_interleaved_ab_script(tmp_path):
     _, fields = module.variant("x:pallas_kernels.decode_attention.BLOCK=128,ddtree_jax.tree.KERNEL_MAX_BATCH=4")
     assert fields["options"] == {} and fields["constants"] == {
         "pallas_kernels.decode_attention.BLOCK": 128, "ddtree_jax.tree.KERNEL_MAX_BATCH": 4}
-    _, fields = module.variant("x:ddtree_jax.model.SPLIT_ROWS=(64, 384),ddtree_jax.model.O_SPLITS=1")  # commas in ()
-    assert fields["constants"] == {"ddtree_jax.model.SPLIT_ROWS": (64, 384), "ddtree_jax.model.O_SPLITS": 1}
+    _, tupled = module.variant("x:ddtree_jax.model.SPLIT_ROWS=(64, 384),ddtree_jax.model.O_SPLITS=1")  # commas in ()
+    assert tupled["constants"] == {"ddtree_jax.model.SPLIT_ROWS": (64, 384), "ddtree_jax.model.O_SPLITS": 1}
     with module.constants_set(fields["constants"]):
         assert da.BLOCK == 128
     assert da.BLOCK == 64
