@@ -662,11 +662,11 @@ def test_add_norm_is_the_residual_add_and_rms_norm(shape):
 def test_the_verify_splits_the_products_add_norm_sums(monkeypatch):
     """At B x T within model.SPLIT_ROWS (NARROW_SPLIT_ROWS for outputs up to NARROW_WIDTH columns, as this model's),
     with the layer kernels, the attention's output projection and the MLP's down projection come back as two partial
-    products each, which the next add_norm (the layer's second norm; the next
-    layer's first, or the final one) adds up: the layer loop carries the MLP's, the norms read [2, B x T, D], and
-    hidden states, caches and taps are those of the unsplit products (to the f32 sums' order; in the rounds' layout,
-    input-major: both layouts' partials are test_output_projection_splits_over_heads'). O_SPLITS = 1 leaves o whole;
-    outside the rows, or with XLA's norms, one product each."""
+    products each, which the next add_norm (the layer's second norm; the next layer's first, or the final one) adds
+    up: the layer loop carries the MLP's, the norms read [2, B x T, D], and hidden states, caches and taps are those
+    of the unsplit products (to the f32 sums' order; in the rounds' layout, input-major: both layouts' partials are
+    test_output_projection_splits_over_heads'). O_SPLITS = 1 leaves o whole; outside the rows, or with XLA's norms,
+    one product each."""
     from ddtree_jax import decode, model
     from pallas_kernels.bitmask import causal_bits
 
@@ -713,7 +713,7 @@ def test_the_verify_splits_the_products_add_norm_sums(monkeypatch):
         monkeypatch.undo()
 
 
-def test_the_split_rows_depend_on_the_output_width(monkeypatch):
+def test_the_split_rows_depend_on_the_output_width():
     """The verify splits o and down at 128-384 rows for outputs wider than model.NARROW_WIDTH (Qwen3-8B's 4096), at
     16-384 up to it (Qwen3-4B's 2560: measured faster from 16 rows, 8B not), with the layer kernels only."""
     from ddtree_jax import model
