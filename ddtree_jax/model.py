@@ -195,7 +195,8 @@ def product_splits(impl: str, rows: int, depth: int, width: int, wanted: int) ->
     products against 43 and 55 as one, its o matrix in 15.5 and 20.4 against 17.2 and 23.3, at 16 and 72 rows no
     faster (thirty-second run); Qwen3-4B's (2560 columns) at 16 and 72 rows: down 16.6 and 18.5 against 18.6 and
     21.1, o 9.9 and 11.1 against 10.8 and 12.5 (thirty-fourth run; benchmarks/PERF.md). Interleaved rounds: 4B dflash
-    / ddtree 16 / 32 / 64 0.10 / 0.23 / 0.13 / 0.13 ms shorter split; 8B ddtree 32 0.06 longer."""
+    / ddtree 16 / 32 / 64 0.10 / 0.23 / 0.13 / 0.13 ms shorter split; 8B ddtree 32 0.06 longer. Narrower models (the
+    default pair's 576 columns) take the narrow rule untimed, as they took the wide one before."""
     lo, hi = NARROW_SPLIT_ROWS if width <= NARROW_WIDTH else SPLIT_ROWS
     ok = _layer_kernels(impl) and kernel_on(ADD_NORM_ENV) and lo <= rows <= hi and depth % wanted == 0
     return wanted if ok and wanted > 1 else 1
