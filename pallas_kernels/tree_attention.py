@@ -104,28 +104,33 @@ def _tree_tiles(t: int, bkv: int) -> int:
 _TILE_US = {1: 1.5, 2: 2.1}
 _CTA_US = 3.0
 _HBM_BYTES_PER_US = 3.4e6
+WGS_BY_COST = True  # the cost model picks the compute warpgroups too (thirty-fifth run); else 2 above 64 rows
 
 
-def default_config(b: int, t: int, h: int, kv: int, s: int, hd: int) -> tuple[int, int, int, int]:
-    """(wgs, block_kv, stages, splits) for a problem shape (all static; S stands in for p + T)."""
-    rows = t * (h // kv)
-    wgs = 1 if rows <= _BQ else 2
+def _config_cost(b: int, rows: int, kv: int, s: int, hd: int, wgs: int, splits: int) -> float:
+    """The model's µs for ``rows`` = T * G query rows a KV head, ``wgs`` compute warpgroups a CTA, ``splits``."""
     rows_pad = -(-rows // (_BQ * wgs)) * _BQ * wgs
     ctas = b * kv * rows_pad // (_BQ * wgs)
     tiles = -(-s // 128)
+    waves = -(-ctas * splits // _NUM_SMS)
+    per_cta = -(-tiles // splits) * _TILE_US[wgs] + _CTA_US
+    partial_us = 0.0 if splits == 1 else splits * b * kv * rows_pad * (hd + 1) * 8 / _HBM_BYTES_PER_US
+    active = min(ctas * splits, _NUM_SMS)
     hbm_us = 2 * b * s * kv * hd * 2 / _HBM_BYTES_PER_US
-    best = None
-    for splits in range(1, 33):
-        waves = -(-ctas * splits // _NUM_SMS)
-        per_cta = -(-tiles // splits) * _TILE_US[wgs] + _CTA_US
-        partial_us = 0.0 if splits == 1 else splits * b * kv * rows_pad * (hd + 1) * 8 / _HBM_BYTES_PER_US
-        active = min(ctas * splits, _NUM_SMS)
-        cost = max(waves * per_cta, hbm_us * max(1.0, 100 / active)) + partial_us  # few CTAs: less BW
-        if best is None or cost < best[0] - 1e-9:
-            best = (cost, splits)
-    if best[1] > 1 and not _SPLIT_PARTIALS_IN_RING:
-        return wgs, 64, 3, best[1]  # separate f32 partial buffers: a smaller K/V ring
-    return wgs, 128, 2, best[1]
+    return max(waves * per_cta, hbm_us * max(1.0, 100 / active)) + partial_us  # few CTAs: less bandwidth
+
+
+def default_config(b: int, t: int, h: int, kv: int, s: int, hd: int) -> tuple[int, int, int, int]:
+    """(wgs, block_kv, stages, splits) for a problem shape (all static; S stands in for p + T): the cheapest by the
+    cost model. One compute warpgroup for up to 64 rows; above, one or two (``WGS_BY_COST``): on an H200 one is
+    faster for the 160-288 rows of budgets 32-64 over prefixes up to 2k (fewer padded rows, a cheaper CTA), two for
+    more rows or longer prefixes (benchmarks/KERNELS.md, thirty-fifth run)."""
+    rows = t * (h // kv)
+    choices = (1,) if rows <= _BQ else (1, 2) if WGS_BY_COST else (2,)
+    _, wgs, splits = min((_config_cost(b, rows, kv, s, hd, w, sp), w, sp) for w in choices for sp in range(1, 33))
+    if splits > 1 and not _SPLIT_PARTIALS_IN_RING:
+        return wgs, 64, 3, splits  # separate f32 partial buffers: a smaller K/V ring
+    return wgs, 128, 2, splits
 
 
 def _pack_rows(x: jax.Array, kv: int) -> jax.Array:

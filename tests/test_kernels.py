@@ -54,7 +54,8 @@ ATTENTION_CASES = [
     # id, (b, t, h, kv, hd, prefixes, tree, config)
     ("budget1-gqa1-hd64-emptyprefix", (2, 2, 2, 2, 64, [0, 70], "random", None)),
     ("gqa2-hd128-splitk", (2, 5, 4, 2, 128, [13, 100], "random", (1, 64, 3, 2))),
-    ("gqa4-hd64-chain-2wgs", (1, 17, 4, 1, 64, [3], "chain", None)),
+    ("gqa4-hd64-chain-2wgs", (1, 17, 4, 1, 64, [3], "chain", (2, 128, 2, 1))),
+    ("gqa4-hd64-1wg-2rowblocks-splitk", (1, 20, 4, 1, 64, [150], "random", (1, 128, 2, 2))),  # 80 rows: 2 CTAs of 64
     ("gqa4-hd128-star-aligned-splitk", (2, 9, 4, 1, 128, [0, 64], "star", (2, 64, 3, 3))),
     ("ar-token-gqa4", (1, 1, 8, 2, 64, [77], "chain", None)),
     ("ragged3-gqa2", (3, 7, 4, 2, 64, [5, 130, 71], "random", None)),
@@ -197,12 +198,19 @@ def test_tree_attention_separate_partial_buffers(monkeypatch):
     assert tat.default_config(1, 65, 32, 8, 8192, 128)[1:3] == (64, 3)  # smaller ring when split
 
 
-def test_default_config_shapes():
-    """The cost model: one CTA wave at least; splits for few rows, none when rows fill the GPU."""
+def test_default_config_shapes(monkeypatch):
+    """The cost model: one CTA wave at least; splits for few rows, none when rows fill the GPU; one compute warpgroup
+    for a ddtree-64 verify's 288 rows over a short prefix (faster on an H200, thirty-fifth run), two over a long one."""
     wgs, bkv, stages, splits = tat.default_config(1, 17, 32, 8, 8192 + 24, 128)
     assert (wgs, bkv, stages) == (2, 128, 2) and splits > 8
     assert tat.default_config(1, 1, 32, 8, 32768, 128)[0] == 1  # 4 rows: one compute warpgroup
     assert tat.default_config(16, 17, 32, 8, 33000, 128)[3] == 1  # 128 CTAs already
+    assert tat.default_config(1, 72, 32, 8, 584, 128) == (1, 128, 2, 3)  # 5 CTAs of 64 rows a KV head, 3 splits
+    assert tat.default_config(1, 72, 32, 8, 8264, 128) == (2, 128, 2, 5)
+    assert tat.packed_rows(1, 72, 32, 8, 584, 128) == 320  # q's packed rows follow the configuration
+    monkeypatch.setattr(tat, "WGS_BY_COST", False)  # the rule before: two above 64 rows
+    assert tat.default_config(1, 72, 32, 8, 584, 128) == (2, 128, 2, 5)
+    assert tat.packed_rows(1, 72, 32, 8, 584, 128) == 384
 
 
 def test_tree_attention_rejects_unsupported():
