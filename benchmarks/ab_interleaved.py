@@ -10,8 +10,9 @@ decode.DRAFT_GPU_LAYOUT), ``layout`` (the target's; default decode.GPU_LAYOUT, d
 layer loop; default decode.default_layer_unroll), ``DDTREE_JAX_*`` environment variables (set while the variant is
 traced and compiled, e.g. DDTREE_JAX_QKV_WRITE=xla), module constants of the package read when tracing
 (``pallas_kernels.M.NAME=VALUE`` or ``ddtree_jax.M.NAME=VALUE``, a Python literal, set while the variant is traced
-and compiled, e.g. pallas_kernels.decode_attention.BLOCK=128; commas inside brackets belong to the value, e.g.
-ddtree_jax.model.SPLIT_ROWS=(64,384)) and any XLA option (added to decode.XLA_OPTIONS, as ``bench models --ab``).
+and compiled, e.g. pallas_kernels.decode_attention.BLOCK=128; commas inside brackets or braces belong to the value,
+e.g. ddtree_jax.model.SPLIT_ROWS=(64,384) or pallas_kernels.tree_attention._CTA_US={1:3.8,2:6.0}) and any XLA option
+(added to decode.XLA_OPTIONS, as ``bench models --ab``).
 
     PYTHONPATH=. python benchmarks/ab_interleaved.py --model qwen3-8b --method ddtree --budget 64 --pairs 12 \\
         --variant base: --variant tom:layout=stacked-out-major-fused --json $OUT/ab.json [--profile $OUT/prof] \\
@@ -73,7 +74,7 @@ def constants_set(values: dict):
 def variant(text: str) -> tuple[str, dict]:
     """NAME:FIELD=VALUE,... -> (NAME, {"layout"?, "draft"?, "options": XLA options})."""
     name, colon, rest = text.partition(":")
-    pieces = [x for x in re.split(r",(?![^()\[\]]*[)\]])", rest) if x]  # commas inside (...) / [...] stay
+    pieces = [x for x in re.split(r",(?![^(){}\[\]]*[)}\]])", rest) if x]  # commas inside (...) / [...] / {...} stay
     own = ("draft=", "layout=", "sampling=", "filtering=", "unroll=")
     fields = dict(x.split("=", 1) for x in pieces if x.startswith(own))
     fields["env"] = dict(x.split("=", 1) for x in pieces if x.startswith("DDTREE_JAX_") and "=" in x)

@@ -100,9 +100,10 @@ def _tree_tiles(t: int, bkv: int) -> int:
 
 # A cost model of the kernel, calibrated on an H200 (benchmarks/KERNELS.md): one CTA per SM; a
 # 128-key tile costs a CTA ~2.1 us with two compute warpgroups (128 rows), ~1.5 us with one;
-# ~3 us fixed per CTA; HBM at ~3.4 TB/s; split-K partials (f32) are written and read once.
+# ~3 us fixed per CTA (either; per warpgroup count so that a refit can tell them apart); HBM at
+# ~3.4 TB/s; split-K partials (f32) are written and read once.
 _TILE_US = {1: 1.5, 2: 2.1}
-_CTA_US = 3.0
+_CTA_US = {1: 3.0, 2: 3.0}
 _HBM_BYTES_PER_US = 3.4e6
 WGS_BY_COST = True  # the cost model picks the compute warpgroups too (thirty-fifth run); else 2 above 64 rows
 
@@ -113,7 +114,7 @@ def _config_cost(b: int, rows: int, kv: int, s: int, hd: int, wgs: int, splits: 
     ctas = b * kv * rows_pad // (_BQ * wgs)
     tiles = -(-s // 128)
     waves = -(-ctas * splits // _NUM_SMS)
-    per_cta = -(-tiles // splits) * _TILE_US[wgs] + _CTA_US
+    per_cta = -(-tiles // splits) * _TILE_US[wgs] + _CTA_US[wgs]
     partial_us = 0.0 if splits == 1 else splits * b * kv * rows_pad * (hd + 1) * 8 / _HBM_BYTES_PER_US
     active = min(ctas * splits, _NUM_SMS)
     hbm_us = 2 * b * s * kv * hd * 2 / _HBM_BYTES_PER_US

@@ -150,6 +150,9 @@ def test_interleaved_ab_script(tmp_path):
         "pallas_kernels.decode_attention.BLOCK": 128, "ddtree_jax.tree.KERNEL_MAX_BATCH": 4}
     _, tupled = module.variant("x:ddtree_jax.model.SPLIT_ROWS=(64, 384),ddtree_jax.model.O_SPLITS=1")  # commas in ()
     assert tupled["constants"] == {"ddtree_jax.model.SPLIT_ROWS": (64, 384), "ddtree_jax.model.O_SPLITS": 1}
+    _, braced = module.variant("x:pallas_kernels.tree_attention._CTA_US={1: 3.8, 2: 6.0},ddtree_jax.model.O_SPLITS=1")
+    assert braced["constants"] == {"pallas_kernels.tree_attention._CTA_US": {1: 3.8, 2: 6.0},
+                                   "ddtree_jax.model.O_SPLITS": 1}
     with module.constants_set(fields["constants"]):
         assert da.BLOCK == 128
     assert da.BLOCK == 64
