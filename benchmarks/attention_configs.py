@@ -21,6 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from ddtree_jax import cli  # noqa: E402
 from pallas_kernels import bench_kernels as bk, tree_attention as tat  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -41,7 +42,7 @@ def configs(b: int, s: int, t: int) -> list[tuple[int, int, int, int]]:
     """(wgs, 128, 2, splits) for one and two compute warpgroups, at most three waves of CTAs on the SMs."""
     rows, tiles, out = t * (HEADS // KV_HEADS), -(-s // 128), []
     for wgs in (1, 2):
-        ctas = b * KV_HEADS * -(-rows // (64 * wgs))
+        ctas = b * KV_HEADS * -(-rows // (tat._BQ * wgs))
         out += [(wgs, 128, 2, sp) for sp in SPLITS if sp <= tiles and ctas * sp <= 3 * tat._NUM_SMS]
     return out
 
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
                     help="comma-separated BATCHxPREFIXxT (default 1x512x72: a budget-64 verify over a 512 prefix)")
     ap.add_argument("--json", help="write {shape: {default, rows}} here after each shape")
     ap.add_argument("--deadline-s", type=float, default=540.0, help="stop starting configs after this many seconds")
-    ap.add_argument("--iters", type=int, default=12, help="timed calls per config (default 12)")
+    ap.add_argument("--iters", type=cli.positive_int, default=12, help="timed calls per config (default 12)")
     args = ap.parse_args(argv)
     deadline, out = time.time() + args.deadline_s, {}
     for b, prefix, t in args.shapes:

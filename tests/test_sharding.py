@@ -4,8 +4,8 @@ The device count of a process is fixed when jax starts, so the multi-device chec
 subprocess (this file executed as a script with XLA_FLAGS=--xla_force_host_platform_device_count=8), and
 report JSON that the tests below assert on:
 - meshes 2x2, 1x4 (the fixture target has 2 KV heads: replicated to 4) and 8x1, for the methods of GRID (all three
-  on 2x2, ar and ddtree on 1x4, ddtree on 8x1): one batch of 8 rows, each the first half of
-  its fixture prompt's new tokens, 3 greedy (compared with the reference fixtures: outputs and per-round acceptance
+  on 2x2, ar and ddtree on 1x4, ddtree on 8x1): one batch of 8 rows, each the first half of its fixture prompt's
+  new tokens, 3 greedy (compared with the reference fixtures: outputs and per-round acceptance
   lengths) and 5 sampled with temperature / top-k / top-p (compared with one device, same seeds);
 - the compiled HLO of a 2x2 round and AR step (row-parallel all-reduces present, nothing vocabulary-sized gathered) and
   of an 8x1 round and prefill (no collective at all: data parallelism is communication-free);
@@ -36,9 +36,9 @@ METHODS = ("ar", "dflash", "ddtree")
 # The methods run on each mesh: all three on one device (the sampled rows' baseline) and on 2x2, whose vocabulary is
 # split over the model axis and batch over the data axis (the chain's argmax and the tree's top-k over shards; its HLO
 # is checked); ar and ddtree on 1x4 (the model axis alone, KV heads replicated) and ddtree on 8x1 (data parallel: its
-# HLO is checked). Each other pair would repeat a split these cover (8 runs instead of 18): the sharded path on one
-# device (1x1) is test_bench.py's fixtures mode on a mesh, and 1x2 (the model axis alone, no replication) is 2x2's
-# model split, and runs below with output-major weights.
+# HLO is checked). Each other pair would repeat a split these cover (9 runs of the 18 that every method on one device
+# and on five meshes would be): the sharded path on one device (1x1) is test_bench.py's fixtures mode on a mesh, and 1x2
+# (the model axis alone, no replication) is 2x2's model split, and runs below with output-major weights.
 GRID = {"none": METHODS, "2x2": METHODS, "1x4": ("ar", "ddtree"), "8x1": ("ddtree",)}
 CASES = [(shape, method) for shape, methods in GRID.items() for method in methods]
 BUDGET = 16  # ddtree; every round of the fixtures matches at budgets <= 16
