@@ -1051,7 +1051,7 @@ def _names(text: str) -> list[str]:
 
 # decode.LAYOUTS but "auto" (not imported here: --help without jax)
 LAYOUT_CHOICES = ("unstacked", "stacked", "unstacked-out-major", "stacked-out-major", "stacked-out-major-fused",
-                  "stacked-fused")
+                  "unstacked-out-major-fused", "stacked-fused")
 
 
 def build_parser() -> cli.ArgumentParser:

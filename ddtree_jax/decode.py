@@ -534,7 +534,7 @@ def init_state(spec: Spec, prompt_lens, options_per_seq, capacity: int, out_len:
 
 
 LAYOUTS = ("auto", "stacked", "unstacked", "stacked-out-major", "unstacked-out-major", "stacked-out-major-fused",
-           "stacked-fused")
+           "unstacked-out-major-fused", "stacked-fused")
 
 
 def device_layout(params, backend: str | None = None, layout: str | None = None, method: str | None = None):
