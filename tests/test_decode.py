@@ -216,8 +216,8 @@ def test_a_fault_on_the_kernels_path_raises_and_names_the_xla_path(target, draft
         decode.generate(target, [run["prompt"]], options("dflash", run, attention="pallas"), draft=drafter)
 
 
-@pytest.mark.parametrize("layout", ["unstacked", "stacked-out-major", "unstacked-out-major-fused", "stacked-out-major-fused",
-                                    "stacked-fused"])
+@pytest.mark.parametrize("layout", ["unstacked", "stacked-out-major", "unstacked-out-major-fused",
+                                    "stacked-out-major-fused", "stacked-fused"])
 def test_gpu_layouts_give_the_same_rounds(target, drafter, reference_runs, layout):
     """The layouts used on GPU (per-layer buffers in an unrolled loop; output-major matrices, whose one-row AR
     steps are row reductions; q/k/v and gate/up fused into one matrix each), for the target and the drafter,
