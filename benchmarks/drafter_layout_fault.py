@@ -69,7 +69,7 @@ def stages(target, dcfg, dparams, layout: str, attention: str, prompt: list[int]
     tparams = decode.device_layout(tparams, method="ddtree")
     opts = decode.GenerateOptions(method="ddtree", tree_budget=16, max_new_tokens=rounds, attention=attention)
     spec = decode.make_spec(tcfg, dcfg, opts)
-    spec, p_pad, capacity, out_len = decode.fitted(spec, [len(prompt)], opts.max_new_tokens)
+    p_pad, capacity, out_len = decode.layout(spec, [len(prompt)], opts.max_new_tokens)
     tokens = jnp.asarray(np.pad(np.asarray([prompt], np.int32), [(0, 0), (0, p_pad - len(prompt))]))
     print(f"stages: attention {spec.attention}, verify rows {spec.verify_len}, XLA options {decode.XLA_OPTIONS}",
           flush=True)

@@ -614,13 +614,6 @@ def layout(spec: Spec, prompt_lens: list[int], max_new_tokens: int) -> tuple[int
     return p_pad, capacity, round_up(max(p_pad, longest + max_new_tokens + spec.path_len + 1), 64)
 
 
-def fitted(spec: Spec, prompt_lens: list[int], max_new_tokens: int) -> tuple[Spec, int, int, int]:
-    """:func:`layout`, and the spec with its prefill chunk cut to the padded prompt length: (spec, padded prompt
-    length, cache capacity, output buffer length), what a batch's prefill and rounds are compiled for."""
-    p_pad, capacity, out_len = layout(spec, prompt_lens, max_new_tokens)
-    return dataclasses.replace(spec, prefill_chunk=min(spec.prefill_chunk, p_pad)), p_pad, capacity, out_len
-
-
 def round_statistics_problem(spec: Spec, n_rounds: np.ndarray, hist: np.ndarray) -> str | None:
     """What is impossible in a finished run's round statistics (n_rounds [B], accept_hist [B, R]), or None.
 
@@ -688,18 +681,20 @@ def compiled(fn, spec: Spec, *args):
 
 
 def start(spec: Spec, prompts: list[list[int]], per_row: list[GenerateOptions], max_new_tokens: int, dtype,
-          mesh: jax.sharding.Mesh | None = None) -> tuple[Spec, State, Array]:
-    """A batch laid out for :func:`prefill`: (the spec fitted to it, the initial State, the padded prompt tokens
-    [B, P] int32), each row with its own options (seed, sampling, max_new_tokens up to ``max_new_tokens``); on
-    ``mesh``, placed there (the batch a multiple of its data axis: ``sharding.padded_batch``)."""
+          mesh: jax.sharding.Mesh | None = None) -> tuple[State, Array]:
+    """A batch laid out (:func:`layout`) for :func:`prefill` and :func:`run_rounds` under ``spec``: (the initial
+    State, the padded prompt tokens [B, P] int32), each row with its own options (seed, sampling, max_new_tokens up
+    to ``max_new_tokens``); on ``mesh``, placed there (the batch a multiple of its data axis:
+    ``sharding.padded_batch``). The spec is not fitted to the batch (prefill cuts its chunk to P itself), so prompts
+    whose buffers round to the same sizes share the compiled round loop whatever their padded lengths."""
     lens = [len(p) for p in prompts]
-    spec, p_pad, capacity, out_len = fitted(spec, lens, max_new_tokens)
+    p_pad, capacity, out_len = layout(spec, lens, max_new_tokens)
     tokens = np.zeros((len(prompts), p_pad), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
     state = sharding.create(functools.partial(init_state, spec, lens, per_row, capacity, out_len, dtype), mesh)
     tokens = jnp.asarray(tokens) if mesh is None else jax.device_put(tokens, sharding.batch_sharding(mesh, 2))
-    return spec, state, tokens
+    return state, tokens
 
 
 def generate(
@@ -743,7 +738,7 @@ def generate(
     lens = [len(p) for p in rows]
     per_row = [dataclasses.replace(options, seed=options.seed + i) for i in range(len(prompts))]  # row i: seed + i
     per_row += [dataclasses.replace(options, max_new_tokens=1)] * (len(rows) - len(prompts))
-    spec, state, tokens = start(spec, rows, per_row, options.max_new_tokens, tparams.embed.dtype, mesh)
+    state, tokens = start(spec, rows, per_row, options.max_new_tokens, tparams.embed.dtype, mesh)
     per_call = stream_every if on_tokens else options.max_new_tokens + 1  # rounds per run_rounds call
     budget_rounds = jnp.int32(per_call)
 

@@ -597,8 +597,7 @@ class Engine:
     def _prefill_into(self, job: Job, slot: int) -> None:
         """Prefill ``job`` as a batch of its own and insert it into ``slot`` (whose old content is dead)."""
         n = len(job.prompt_ids)
-        p_pad = self.layout.bucket(n)
-        spec = dataclasses.replace(self.spec, prefill_chunk=min(self.spec.prefill_chunk, p_pad))
+        p_pad = self.layout.bucket(n)  # prefill cuts its chunk to it
         p = job.params
         opts = decode.GenerateOptions(method=self.spec.method, max_new_tokens=p.max_tokens, temperature=p.temperature,
                                       top_p=p.top_p, top_k=p.top_k, stop_token_ids=job.stop_ids, seed=job.seed)
@@ -606,11 +605,11 @@ class Engine:
         pad = decode.GenerateOptions(method=self.spec.method, max_new_tokens=1)
         tokens = np.zeros((rows, p_pad), np.int32)
         tokens[0, :n] = job.prompt_ids
-        make = functools.partial(decode.init_state, spec, [n] + [1] * (rows - 1), [opts] + [pad] * (rows - 1),
+        make = functools.partial(decode.init_state, self.spec, [n] + [1] * (rows - 1), [opts] + [pad] * (rows - 1),
                                  self.layout.capacity, self.layout.out_len, self.dtype)
         one = sharding.create(make, self.mesh)
         toks = jnp.asarray(tokens) if self.mesh is None else jax.device_put(tokens, sharding.batch_sharding(self.mesh, 2))
-        one = prefill(spec, self.tparams, self.dparams, one, toks)
+        one = prefill(self.spec, self.tparams, self.dparams, one, toks)
         jax.block_until_ready(one.bonus)  # so that the prefill latency metric is the real one
         if rows == 1:
             self.state = decode.insert(self.state, jnp.int32(slot), one)

@@ -80,7 +80,7 @@ def run(target, drafter, prompts, method, proposer, budget=BUDGET):
     dcfg, dparams = drafter
     opts = decode.GenerateOptions(method=method, max_new_tokens=NEW, tree_budget=budget, trace=True)
     spec = decode.make_spec(tcfg, dcfg, opts, proposer=proposer)
-    spec, state, tokens = decode.start(spec, prompts, [opts] * len(prompts), NEW, tparams.embed.dtype)
+    state, tokens = decode.start(spec, prompts, [opts] * len(prompts), NEW, tparams.embed.dtype)
     state = decode.prefill(spec, tparams, dparams, state, tokens)
     state = decode.run_rounds(spec, tparams, dparams, state, jnp.int32(NEW + 1))
     assert bool(jnp.all(state.done))

@@ -143,7 +143,7 @@ def sample_first_tokens(target, drafter, prompt, proposer, settings, n=SAMPLES):
                             top_p=settings[r // n][1])
         for r in range(rows)
     ]
-    spec, state, tokens = decode.start(spec, [prompt] * rows, per_seq, opts.max_new_tokens, tparams.embed.dtype)
+    state, tokens = decode.start(spec, [prompt] * rows, per_seq, opts.max_new_tokens, tparams.embed.dtype)
     rounds = jnp.int32(8)
     # compiled with LLVM's optimisations, which the suite turns off (conftest): running thousands of rows, not
     # compiling, is this test's time, and optimised code runs them about 2.5 times faster

@@ -107,7 +107,7 @@ def _script(out_path: str) -> None:
         rows = [prompts[r[0]] for r in ROWS]
         opts = [dataclasses.replace(base, temperature=t, top_k=k, top_p=p, seed=s, max_new_tokens=n)
                 for (_, t, k, p, s), n in zip(ROWS, new)]
-        spec, state, tokens = decode.start(spec, rows, opts, max(new), jnp.float32, mesh)
+        state, tokens = decode.start(spec, rows, opts, max(new), jnp.float32, mesh)
         tp, dp = tgt[1], drf[1] if method != "ar" else None
         rounds = jnp.int32(max(new) + 1)
         prefill = decode.prefill.lower(spec, tp, dp, state, tokens).compile()
