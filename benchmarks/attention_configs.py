@@ -1,6 +1,5 @@
 """The tree attention kernel's configurations at given shapes: every (compute warpgroups, splits) at key block 128
-beside ``tree_attention.default_config``'s choice, timed on the GPU (benchmarks/KERNELS.md, "The warpgroups by the
-cost model"; the project's thirty-fifth run).
+beside ``tree_attention.default_config``'s choice, timed on the GPU (docs/KERNELS.md, "Configuration").
 
     PYTHONPATH=. python benchmarks/attention_configs.py --shapes 1x512x72,1x2048x72,8x512x16 --json OUT.json
 

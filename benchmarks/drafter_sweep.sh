@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# Issue 8: pick the default drafter's depth and width by measured end-to-end speed. Every configuration trains on
-# the same data (the target's continuations of the same prompts) for the same number of steps, then each drafter is
-# timed at batch 1 on held-out prompts (`bench pair`). Two phases, so each fits in one device call:
+# Pick a drafter's depth and width by measured end-to-end speed (docs/TRAINING.md, "Depth and width"). Every
+# configuration trains on the same data (the target's continuations of the same prompts) for the same number of
+# steps, then each drafter is timed at batch 1 on held-out prompts (`bench pair`). Two phases, so each fits in one
+# device call:
 #   benchmarks/drafter_sweep.sh OUTDIR train [STEPS]     # data once, then each configuration (default 600 steps)
 #   benchmarks/drafter_sweep.sh OUTDIR bench [BUDGETS]   # bench pair for every trained drafter (default 32,64)
 # Configurations: CONFIGS="name:flags;..." (default below: 1, 2 and 4 layers of the target's MLP width 1536, and 2
 # layers of twice that width). Needs the target like train_default_pair.sh; work in $SWEEP (default /root/sweep).
 # CHECK=1 adds `bench pair --check` (outputs against AR's, every traced walk replayed on the host; about 1.5x the time).
 set -u
+case "${1:-}" in -h|--help) sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0;; esac
 OUT=${1:?output directory}; PHASE=${2:?train or bench}; ARG=${3:-}
 SWEEP=${SWEEP:-/root/sweep}
 CONFIGS=${CONFIGS:-"l2:--layers 2;l1:--layers 1;l4:--layers 4;l2w:--layers 2 --intermediate-size 3072"}
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 DDTREE_JAX_LAYOUT=${DDTREE_JAX_LAYOUT:-stacked-out-major}
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/ddtree_jit}
 mkdir -p "$OUT" "$SWEEP"
 quiet() { tr '\r' '\n' | grep -v -e '^ *$' -e 'it/s\]$' -e 's/it\]$' -e '^WARNING'; }

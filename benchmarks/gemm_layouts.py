@@ -1,5 +1,5 @@
 """The layer products at a few rows, in place in a stacked layer loop: which weight layout and GEMM library XLA
-reads fastest, per matrix (benchmarks/PERF.md, twenty-second run).
+reads fastest, per matrix (docs/PERFORMANCE.md).
 
     PYTHONPATH=. python benchmarks/gemm_layouts.py --rows 8,16,72,264 --json OUT.json
 

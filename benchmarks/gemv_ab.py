@@ -1,4 +1,4 @@
-"""A/B of the few-row projection (AR's GEMV) over stacked layer weights under ``lax.scan`` (issue 5).
+"""A/B of the few-row projection (AR's GEMV) over stacked layer weights under ``lax.scan``.
 
 With stacked weights, XLA slices each layer's weights out of the stack; whether that slice is copied or fused
 into the consumer decides whether an AR step reads the weights once or three times. This times one Qwen3-8B

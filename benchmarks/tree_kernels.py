@@ -10,7 +10,7 @@ Parts: "topk" the vocabulary top-k, "bits" the ancestor bits, "lists" the tree f
 (``tree.tree_from_lists``' depth scan: XLA's selections against the ``best_first`` kernel at each of ``--warps``),
 "whole" the whole tree build (XLA's forms against the top-k and bits kernels, both with XLA's selection; with
 "lists" also the build with all three kernels, the default at budgets up to ``tree.KERNEL_MAX_BUDGET``).
-Results: benchmarks/PERF.md (thirteenth and nineteenth runs), benchmarks/results/h200_details.json.
+Results: docs/KERNELS.md.
 """
 
 import argparse

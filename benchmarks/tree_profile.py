@@ -7,8 +7,7 @@ chunked top-k, rank counting, XLA's ancestor bits), on those logits and on round
 One jitted build is called on 8 distinct inputs, one call at a time (no loop, no host clock in the figure); each
 call's device events form one cluster: ``span_us`` = its first kernel's start to its last kernel's end (the build's
 latency on the stream, kernel boundaries included), ``busy_us`` = the time some kernel ran, medians over the calls;
-``kernels_us``: each kernel's time per call. Results: benchmarks/PERF.md (twenty-fourth to twenty-sixth runs),
-benchmarks/results/h200_details.json.
+``kernels_us``: each kernel's time per call. Results: benchmarks/results/h200_checks.json (``tree_build_profile``).
 """
 
 import argparse
