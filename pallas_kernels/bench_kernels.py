@@ -506,8 +506,8 @@ DECODE_CASES = [(1, 0, None), (1, 511, None), (1, 511, 2880), (1, 2047, None), (
 def stage_decode(rec, args, deadline):
     """decode_attention against the f32 reference (relative L2 error) and its device time against the tree kernel
     on the same one-row problem (its pad, Mosaic kernel and combine), layer 1 of an 8-layer stacked cache, timed over
-    the 8 layers in turn; its device time with the splits merged by XLA (``MERGE_KERNEL = False``), at 1-32 splits,
-    and in ``DECODE_TILINGS``, all kernels and the attention kernel alone (each checked against the reference)."""
+    the 8 layers in turn; its device time at 1-32 splits and in ``DECODE_TILINGS``, all kernels and the attention
+    kernel alone (each checked against the reference)."""
     from pallas_kernels import decode_attention as da
 
     h, kv, hd = QWEN3_8B["h"], QWEN3_8B["kv"], QWEN3_8B["hd"]
@@ -530,16 +530,6 @@ def stage_decode(rec, args, deadline):
                **_err(fn(q, k, v, p, bits, layer), reference_f32(q, k[1], v[1], p, bits))}
         row["kernel_us"], _, _ = device_time_us(fn, cold, 24)
         row["kernel_breakdown"] = LAST_BREAKDOWN[:]
-        saved, da.MERGE_KERNEL = da.MERGE_KERNEL, False
-        jax.clear_caches()  # decode_attention reads MERGE_KERNEL when traced
-        try:
-            merged = jax.jit(functools.partial(da.decode_attention, **KW))
-            row["xla_merge_err"] = _err(merged(q, k, v, p, bits, layer), reference_f32(q, k[1], v[1], p, bits))
-            row["xla_merge_us"], _, _ = device_time_us(merged, cold, 24)
-            row["xla_merge_breakdown"] = LAST_BREAKDOWN[:]
-        finally:
-            da.MERGE_KERNEL = saved
-            jax.clear_caches()
         row["by_splits"] = {}  # other splits: us, all kernels and the attention kernel alone (the same output)
         for n in (1, 2, 4, 8, 16, 32):
             other = jax.jit(functools.partial(da.decode_attention, splits=n, **KW))
@@ -561,8 +551,8 @@ def stage_decode(rec, args, deadline):
         rec.add(row)
         print(f"decode b={b} prefix={prefix} slots={slots}: err {row['rel_l2_err']:.1e} | "
               f"kernel {row['kernel_us']:.2f} us "
-              f"({len(row['kernel_breakdown'])} kernels; with XLA's merge {row['xla_merge_us']:.2f}: "
-              + " ".join(f"{n} {t:.2f}" for n, t in row["xla_merge_breakdown"])
+              f"({len(row['kernel_breakdown'])} kernels: "
+              + " ".join(f"{n} {t:.2f}" for n, t in row["kernel_breakdown"])
               + f") vs tree kernel {row['tree_kernel_us']:.2f} us "
               f"({len(row['tree_breakdown'])}); by splits "
               + " ".join(f"{n}: {t:.2f} ({k:.2f})" for n, (t, k) in row["by_splits"].items()), flush=True)

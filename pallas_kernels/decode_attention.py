@@ -9,7 +9,7 @@ benchmarks/PERF.md, seventeenth run). Here: a grid of (sequence x KV head, split
 stores its partial (accumulator [S, B x K, G, hd], running max and sum [S, B x K, G]) for the G rows; a second
 Pallas kernel merges the splits (``split_merge.merge_splits_kernel``, a program per query row reading its S partials
 at once; a split that saw no slot, max -inf and sum 0, weighs 0). With one split the kernel writes the output itself.
-XLA's fusion of the merge (``MERGE_KERNEL = False``) made two kernels at 22 splits, 3.6 µs against 1.8, and AR steps
+XLA's fusion of the merge made two kernels at 22 splits, 3.6 µs against 1.8, and AR steps
 at prompt 2k 0.08 ms longer (H200, twenty-ninth run).
 
 Merging in the kernel instead (the last program of a sequence x KV head, found by an atomic count, reads the others'
@@ -29,14 +29,13 @@ import jax.numpy as jnp
 
 from pallas_kernels.blocks import pow2
 from pallas_kernels.lengths import lengths
-from pallas_kernels.split_merge import merge_splits, merge_splits_kernel
+from pallas_kernels.split_merge import merge_splits_kernel
 
 # keys per step; warps of a program; Triton's software-pipeline stages, None: 3 at batch 1, 2 above. At batch 1, 3
 # stages rather than 2 made AR steps 0.021-0.029 ms shorter on both models at prompts 512 and 2k (blocks of 128 with 2
 # stages, the other candidate of the kernel's sweep over ten tilings, 0.012 ms shorter at 2k and 0.038 at 512,
 # Qwen3-4B); at batch 8, prompt 2k, 0.070-0.075 ms longer (H200, twenty-ninth run, benchmarks/PERF.md)
 BLOCK, WARPS, STAGES = 64, 4, None
-MERGE_KERNEL = True  # the splits merged by split_merge's Pallas kernel instead of XLA's fusion (read when traced)
 SLOTS_PER_SPLIT = 128  # default_splits' cache slots per program (read when traced)
 _MIN_ROWS = 16  # the smallest M of a Triton dot
 
@@ -119,8 +118,7 @@ def decode_attention(q, k, v, prefix_len, tree_bits, layer, *, scale: float | No
     ``interpret``: the Pallas interpreter (CPU); ``block`` (keys per step, a power of two of at least 16),
     ``warps``, ``stages``: the tiling (default the module's ``BLOCK``, ``WARPS``, ``STAGES``, read when traced,
     ``STAGES`` None: 3 at batch 1, 2 above; the same output up to the sums' order; ``pallas_kernels.bench_kernels``'
-    decode stage times them). The splits' partials are merged by ``split_merge.merge_splits_kernel``
-    (``MERGE_KERNEL``, read when traced; False: XLA's fusion of ``merge_splits``)."""
+    decode stage times them). The splits' partials are merged by ``split_merge.merge_splits_kernel``."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as pltriton
 
@@ -151,6 +149,4 @@ def decode_attention(q, k, v, prefix_len, tree_bits, layer, *, scale: float | No
     )(q, k, v, lengths(prefix_len, layer), jax.lax.bitcast_convert_type(tree_bits.reshape(b, -1), jnp.int32))
     if splits == 1:
         return outs[0]
-    if MERGE_KERNEL:
-        return merge_splits_kernel(*outs, batch=b, dtype=q.dtype, interpret=interpret)
-    return merge_splits(*(jnp.moveaxis(x, 0, 1) for x in outs)).reshape(b, 1, h, hd).astype(q.dtype)
+    return merge_splits_kernel(*outs, batch=b, dtype=q.dtype, interpret=interpret)

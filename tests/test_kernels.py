@@ -466,31 +466,8 @@ def test_decode_attention_block_sizes_give_the_same_output(block):
         da.decode_attention(q, k, v, p, bits, jnp.int32(1), block=48, interpret=True)
 
 
-def test_decode_attention_merges_alike_in_its_kernel_and_in_xla(monkeypatch):
-    """The splits merged by split_merge's kernel (the default) and by XLA's fusion (``MERGE_KERNEL = False``, read when
-    traced) give the same output up to the sums' order, the f32 reference's within bf16's error."""
-    from pallas_kernels import decode_attention as da
-
-    rng = np.random.default_rng(7)
-    b, h, kv, hd, slots = 2, 8, 2, 64, 400
-    q = jnp.asarray(rng.standard_normal((b, 1, h, hd)), jnp.bfloat16)
-    k, v = (jnp.asarray(rng.standard_normal((2, b, slots, kv, hd)), jnp.bfloat16) for _ in range(2))
-    p, bits = jnp.asarray([17, 350], jnp.int32), jnp.ones((b, 1, 1), jnp.uint32)
-    outs = {}
-    for merge_kernel in (True, False):
-        monkeypatch.setattr(da, "MERGE_KERNEL", merge_kernel)
-        jax.clear_caches()
-        outs[merge_kernel] = np.asarray(da.decode_attention(q, k, v, p, bits, jnp.int32(1), splits=4, interpret=True),
-                                        np.float32)
-    jax.clear_caches()
-    want = np.asarray(_f32_reference(q, k[1], v[1], p, bits))
-    for out in outs.values():
-        assert np.linalg.norm(out - want) / np.linalg.norm(want) < 5e-3
-    np.testing.assert_allclose(outs[True], outs[False], atol=2e-2)
-
-
 def test_decode_attention_splits_follow_the_cache_and_the_batch(monkeypatch):
-    """One split per 128 cache slots (SLOTS_PER_SPLIT, an A/B's switch), 2 to 32, at most 512 programs (batch x KV
+    """One split per 128 cache slots (SLOTS_PER_SPLIT, read when traced), 2 to 32, at most 512 programs (batch x KV
     heads x splits) unless under 2."""
     from pallas_kernels import decode_attention as da
 
