@@ -89,8 +89,6 @@ _ALIGN = 8  # TMA row-offset granule for the (8, 64)-tiled SMEM layout
 _LOG2E = 1.4426950408889634
 _NUM_SMS = 132  # H100 / H200
 _M_INIT = -1e30  # finite running-max start: a fully masked tile gives p = 0, never NaN
-_PINGPONG = True  # alternate the two compute warpgroups' matmuls and softmaxes (FA3's schedule)
-_SPLIT_PARTIALS_IN_RING = True  # f32 split-K partials reuse the K/V ring, so BKV = 128 splits too
 
 
 def _tree_tiles(t: int, bkv: int) -> int:
@@ -105,7 +103,6 @@ def _tree_tiles(t: int, bkv: int) -> int:
 _TILE_US = {1: 1.5, 2: 2.1}
 _CTA_US = {1: 3.0, 2: 3.0}
 _HBM_BYTES_PER_US = 3.4e6
-WGS_BY_COST = True  # the cost model picks the compute warpgroups too (thirty-fifth run); else 2 above 64 rows
 
 
 def _config_cost(b: int, rows: int, kv: int, s: int, hd: int, wgs: int, splits: int) -> float:
@@ -123,14 +120,12 @@ def _config_cost(b: int, rows: int, kv: int, s: int, hd: int, wgs: int, splits: 
 
 def default_config(b: int, t: int, h: int, kv: int, s: int, hd: int) -> tuple[int, int, int, int]:
     """(wgs, block_kv, stages, splits) for a problem shape (all static; S stands in for p + T): the cheapest by the
-    cost model. One compute warpgroup for up to 64 rows; above, one or two (``WGS_BY_COST``): on an H200 one is
-    faster for the 160-288 rows of budgets 32-64 over prefixes up to 2k (fewer padded rows, a cheaper CTA), two for
-    more rows or longer prefixes (benchmarks/KERNELS.md, thirty-fifth run)."""
+    cost model, over one or two compute warpgroups (one up to 64 rows) and 1-32 splits; keys in tiles of 128 through
+    a 2-slot ring. One warpgroup wins for the 160-288 rows of budgets 32-64 over short prefixes (fewer padded rows, a
+    cheaper CTA), two for more rows or longer prefixes (measured on an H200: docs/KERNELS.md)."""
     rows = t * (h // kv)
-    choices = (1,) if rows <= _BQ else (1, 2) if WGS_BY_COST else (2,)
+    choices = (1,) if rows <= _BQ else (1, 2)
     _, wgs, splits = min((_config_cost(b, rows, kv, s, hd, w, sp), w, sp) for w in choices for sp in range(1, 33))
-    if splits > 1 and not _SPLIT_PARTIALS_IN_RING:
-        return wgs, 64, 3, splits  # separate f32 partial buffers: a smaller K/V ring
     return wgs, 128, 2, splits
 
 
@@ -241,7 +236,7 @@ def tree_attention(q, k, v, prefix_len, tree_bits, *, scale: float | None = None
     layer ``layer`` in place, as rows layer * B .. of its [L * B, S, K, hd] view (a free reshape), where
     ``k[layer]`` would be a copy of the layer's cache: XLA materialises a slice for a custom call.
     ``interpret=True`` runs the kernel in the Mosaic GPU interpreter (CPU).
-    ``config`` = (wgs, block_kv, stages, splits[, pingpong]) overrides ``default_config``.
+    ``config`` = (wgs, block_kv, stages, splits) overrides ``default_config``.
     """
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -263,8 +258,8 @@ def tree_attention(q, k, v, prefix_len, tree_bits, *, scale: float | None = None
     g = h // kv
     dtype = q.dtype
     scale = hd**-0.5 if scale is None else scale
-    wgs, bkv, stages, splits, *rest = config or default_config(b, t, h, kv, s, hd)
-    pingpong = wgs == 2 and (rest[0] if rest else _PINGPONG)
+    wgs, bkv, stages, splits = config or default_config(b, t, h, kv, s, hd)
+    pingpong = wgs == 2  # FA3's schedule: one warpgroup's softmax under the other's matmuls
     rows = t * g
     rows_cta = _BQ * wgs
     q_tiles = -(-rows // rows_cta)
@@ -481,10 +476,7 @@ def tree_attention(q, k, v, prefix_len, tree_bits, *, scale: float | None = None
     if splits > 1:
         o32_scr = plgpu.SMEM((wgs, _BQ, hd), jnp.float32)
         lse_scr = plgpu.SMEM((wgs, _BQ), jnp.float32)
-        if _SPLIT_PARTIALS_IN_RING:
-            kv_union = plgpu.RefUnion((k_scr, v_scr), (o32_scr, lse_scr))
-        else:
-            kv_union = ((k_scr, v_scr), (o32_scr, lse_scr))
+        kv_union = plgpu.RefUnion((k_scr, v_scr), (o32_scr, lse_scr))
         out_type = (
             jax.ShapeDtypeStruct((splits, b, kv, rows_pad, hd), jnp.float32),
             jax.ShapeDtypeStruct((splits, b, kv, rows_pad), jnp.float32),

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax import shapes, tree as trees
+from ddtree_jax.tuning import Tuning
 from pallas_kernels import ancestor_bits, best_first as bf, selection, stacked_matmul as sm, tree_accept as ta
 from pallas_kernels import vocab_top_k
 from pallas_kernels import tree_attention as tat
@@ -175,32 +176,22 @@ def test_the_layer_index_reaches_the_kernel_inside_the_lengths_operand():
         assert kernel_int_operands(b, layer=False) == [(b,)]
 
 
-def test_tree_attention_no_races_pingpong_ring_split(monkeypatch):
+def test_tree_attention_no_races_pingpong_ring_split():
     """The interpreter's happy-before race detector over ping-pong + split-K partials in the K/V ring."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
     q, k, v, p, bits = attention_inputs(3, 1, 9, 4, 1, 160, 64, [70], "random")
-    out = tat.tree_attention(q, k, v, p, bits, config=(2, 128, 2, 2, True),
+    out = tat.tree_attention(q, k, v, p, bits, config=(2, 128, 2, 2),
                              interpret=plgpu.InterpretGPUParams(detect_races=True))
     assert not gpu_callbacks.get_races().races_found
     ref = np.asarray(_f32_reference(q, k, v, p, bits))
     assert np.abs(np.asarray(out, np.float32) - ref).max() < 2e-2
 
 
-def test_tree_attention_separate_partial_buffers(monkeypatch):
-    """The fallback layout (f32 partials in their own SMEM, no ping-pong) stays correct."""
-    monkeypatch.setattr(tat, "_SPLIT_PARTIALS_IN_RING", False)
-    q, k, v, p, bits = attention_inputs(4, 2, 6, 4, 2, 200, 64, [9, 120], "random")
-    out = jax.jit(functools.partial(tat.tree_attention, config=(2, 64, 3, 3, False), interpret=True))(q, k, v, p, bits)
-    ref = np.asarray(_f32_reference(q, k, v, p, bits))
-    assert np.linalg.norm(np.asarray(out, np.float32) - ref) / np.linalg.norm(ref) < 1e-2
-    assert tat.default_config(1, 65, 32, 8, 8192, 128)[1:3] == (64, 3)  # smaller ring when split
-
-
-def test_default_config_shapes(monkeypatch):
+def test_default_config_shapes():
     """The cost model: one CTA wave at least; splits for few rows, none when rows fill the GPU; one compute warpgroup
-    for a ddtree-64 verify's 288 rows over a short prefix (faster on an H200, thirty-fifth run), two over a long one."""
+    for a ddtree-64 verify's 288 rows over a short prefix (faster on an H200), two over a long one."""
     wgs, bkv, stages, splits = tat.default_config(1, 17, 32, 8, 8192 + 24, 128)
     assert (wgs, bkv, stages) == (2, 128, 2) and splits > 8
     assert tat.default_config(1, 1, 32, 8, 32768, 128)[0] == 1  # 4 rows: one compute warpgroup
@@ -208,9 +199,7 @@ def test_default_config_shapes(monkeypatch):
     assert tat.default_config(1, 72, 32, 8, 584, 128) == (1, 128, 2, 3)  # 5 CTAs of 64 rows a KV head, 3 splits
     assert tat.default_config(1, 72, 32, 8, 8264, 128) == (2, 128, 2, 5)
     assert tat.packed_rows(1, 72, 32, 8, 584, 128) == 320  # q's packed rows follow the configuration
-    monkeypatch.setattr(tat, "WGS_BY_COST", False)  # the rule before: two above 64 rows
-    assert tat.default_config(1, 72, 32, 8, 584, 128) == (2, 128, 2, 5)
-    assert tat.packed_rows(1, 72, 32, 8, 584, 128) == 384
+    assert tat.packed_rows(1, 72, 32, 8, 8264, 128) == 384
 
 
 def test_tree_attention_rejects_unsupported():
@@ -521,9 +510,9 @@ def test_split_merge_kernel_is_merge_splits_in_the_attention_layout():
     assert np.isfinite(np.asarray(got)).all()
 
 
-def test_ar_steps_take_the_one_row_kernel_with_pallas_inplace(monkeypatch):
+def test_ar_steps_take_the_one_row_kernel_with_pallas_inplace():
     """'pallas-inplace' attention of one row per sequence over the stacked cache runs decode_attention (and the tree
-    kernel with DDTREE_JAX_DECODE_ATTENTION=tree, for a longer block, or past MAX_KEYS batch x slots): the same
+    kernel with Tuning(decode_attention=False), for a longer block, or past MAX_KEYS batch x slots): the same
     output within bf16's error."""
     from ddtree_jax import model
     from pallas_kernels import decode_attention as da
@@ -531,19 +520,19 @@ def test_ar_steps_take_the_one_row_kernel_with_pallas_inplace(monkeypatch):
     q, k, v, prefix, _ = attention_inputs(0, 2, 1, 8, 2, 96, 64, [3, 70])  # S 96, head_dim 64
     stacked = [jnp.stack([-x, x]) for x in (k, v)]
     one = jnp.ones((2, 1, 1), jnp.uint32)
-    attend = model.attention_fn("pallas-inplace-interpret")
-    run = lambda: jax.jit(lambda *a: attend(*a[:5], layer=a[5]))  # noqa: E731 - a fresh trace each time
+    off = Tuning(decode_attention=False)
+    attend = {t: model.attention_fn("pallas-inplace-interpret", t) for t in (Tuning(), off)}
+    run = lambda t=Tuning(): jax.jit(lambda *a: attend[t](*a[:5], layer=a[5]))  # noqa: E731
     args = (q, *stacked, prefix, one, jnp.int32(1))
     assert "decode_attention" in run().lower(*args).as_text()
     out = np.asarray(run()(*args), np.float32)
-    monkeypatch.setenv(model.DECODE_ATTENTION_ENV, "tree")
-    assert "decode_attention" not in run().lower(*args).as_text()
-    tree = np.asarray(run()(*args), np.float32)
+    assert "decode_attention" not in run(off).lower(*args).as_text()
+    tree = np.asarray(run(off)(*args), np.float32)
     assert np.linalg.norm(out - tree) / np.linalg.norm(tree) < 5e-3
-    monkeypatch.delenv(model.DECODE_ATTENTION_ENV)
     q2 = jnp.zeros((2, 1, 2, 16), jnp.bfloat16)
     big = jnp.zeros((1, 2, da.MAX_KEYS // 2 + 1, 1, 16), jnp.bfloat16)  # batch 2: past MAX_KEYS
     assert model.decode_attention_applies(q2[:1], big) and not model.decode_attention_applies(q2, big)  # MAX_KEYS
+    assert not model.decode_attention_applies(q2[:1], big, off)
     assert not model.decode_attention_applies(jnp.zeros((1, 2, 2, 16), jnp.bfloat16), big)  # two rows: a block
 
 
@@ -691,9 +680,8 @@ def test_the_verify_splits_the_products_add_norm_sums(monkeypatch):
                     np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=2**-7,
                                                atol=1e-5)
             assert not np.array_equal(np.asarray(got[2], np.float32), np.zeros(got[2].shape))
-        monkeypatch.setenv(model.ADD_NORM_ENV, "xla")  # XLA's norms: one product
-        assert model.product_splits(impl, b * t, tcfg.intermediate_size, d, model.DOWN_SPLITS) == 1
-        monkeypatch.delenv(model.ADD_NORM_ENV)
+        xla_norms = Tuning(add_norm=False)  # XLA's norms: one product
+        assert model.product_splits(impl, b * t, tcfg.intermediate_size, d, model.DOWN_SPLITS, xla_norms) == 1
         assert model.product_splits("xla", b * t, tcfg.intermediate_size, d, model.DOWN_SPLITS) == 1
         monkeypatch.undo()
 
@@ -760,10 +748,10 @@ def _pallas_outputs(closed, name: str) -> tuple[tuple, ...]:
 def test_the_model_writes_q_k_v_by_the_kernel_with_pallas_inplace(monkeypatch):
     """model.forward with 'pallas-inplace' attention and fused q|k|v weights takes the qkv_write kernel and the
     add_norm kernel, which read every layer's norm weights in place (no slice of them per layer), the first norm of
-    a layer also writing the previous layer's output into the taps (DDTREE_JAX_QKV_WRITE=xla /
-    DDTREE_JAX_ADD_NORM=xla, or unfused weights for the first, XLA's forms); both give the same hidden states, caches
-    and taps (on CPU to the bit here; on a GPU XLA may keep f32 between the operations qkv_write rounds, and sums a
-    mean square in another order)."""
+    a layer also writing the previous layer's output into the taps (Tuning(qkv_write=False, add_norm=False), or
+    unfused weights for the first, XLA's forms); both give the same hidden states, caches and taps (on CPU to the
+    bit here; on a GPU XLA may keep f32 between the operations qkv_write rounds, and sums a mean square in another
+    order)."""
     from ddtree_jax import decode, model
     from pallas_kernels.bitmask import causal_bits
 
@@ -774,11 +762,14 @@ def test_the_model_writes_q_k_v_by_the_kernel_with_pallas_inplace(monkeypatch):
     layer0 = jax.tree.map(lambda x: x[0], fused.layers)
     impl = "pallas-inplace-interpret"
 
-    def forward(p, c, taps=(0, 1)):  # both layers tapped: layer 0 by layer 1's first norm, layer 1 after the last
-        return model.forward(p, tcfg, tokens, positions, c, causal_bits(b, t), taps=taps, attention=impl)
+    # both layers tapped: layer 0 by layer 1's first norm, layer 1 after the last
+    def forward(p, c, taps=(0, 1), tuning=Tuning()):
+        return model.forward(p, tcfg, tokens, positions, c, causal_bits(b, t), taps=taps, attention=impl,
+                             tuning=tuning)
 
-    def run(params):
-        fn = jax.jit(lambda p, c: forward(p, c))  # a new function: jit's cache does not key on the switches
+    def run(params, tuning=Tuning()):
+        fn = jax.jit(lambda p, c: forward(p, c, tuning=tuning))  # a new function: jit's cache does not key on the
+        # module's switches
         return fn(params, cache), fn.lower(params, cache).as_text()
 
     (hk, ck, fk), text = run(fused)
@@ -807,15 +798,8 @@ def test_the_model_writes_q_k_v_by_the_kernel_with_pallas_inplace(monkeypatch):
     assert "add_norm" in text
     np.testing.assert_array_equal(np.asarray(fu, np.float32), np.asarray(fk, np.float32))
     monkeypatch.setattr(model, "TAP_IN_NORM", True)
-    monkeypatch.setenv(model.QKV_WRITE_ENV, "xla")
-    monkeypatch.setenv(model.ADD_NORM_ENV, "xla")
-    (hx, cx, fx), text = run(fused)
+    (hx, cx, fx), text = run(fused, Tuning(qkv_write=False, add_norm=False))
     assert "qkv_write" not in text and "add_norm" not in text
-    monkeypatch.delenv(model.QKV_WRITE_ENV)
-    monkeypatch.setenv(model.ADD_NORM_ENV, "off")  # not a value of the switch: an error, not the default
-    with pytest.raises(ValueError, match="DDTREE_JAX_ADD_NORM='off': expected 'kernel' or 'xla'"):
-        run(fused)
-    monkeypatch.delenv(model.ADD_NORM_ENV)
     assert "qkv_write" not in run(plain)[1]  # unfused weights: XLA's form
     np.testing.assert_array_equal(np.asarray(hk, np.float32), np.asarray(hx, np.float32))
     np.testing.assert_array_equal(np.asarray(fk, np.float32), np.asarray(fx, np.float32))
