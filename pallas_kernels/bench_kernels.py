@@ -14,8 +14,6 @@ Stages
             (CUPTI, sum of kernel durations), K/V bandwidth and its share of the measured copy
             roofline, and the share of the two-number floor max(bytes / copy BW, flops / matmul rate)
   accept    tree_accept (+ the cache commit) timing at batch 1, budget 256, Qwen3-8B cache
-  matmul    stacked_matmul (a few rows times one layer of stacked weights, in place) against XLA's product at
-            the Qwen3-8B / 4B layer shapes and 72 / 16 / 8 rows: error, device time, weight-read bandwidth
   decode    decode_attention (one query row per sequence, the stacked cache in place) at Qwen3-8B's heads, batch 1
             and 8, prefixes 0..32k: error against the f32 reference, device time against the tree kernel at T = 1,
             at 1-32 splits, and for the models grid's cache at batch 1 at other tilings (block, warps, stages)
@@ -423,62 +421,6 @@ def stage_accept(rec, args, deadline):
         rec.add({"walk_commit_error": repr(e)[:500]})
 
 
-# (name, N, K) of the fused target layouts' per-layer products (decode.device_layout): q|k|v, o, gate|up, down
-MATMUL_SHAPES = [("8b.qkv", 6144, 4096), ("8b.o", 4096, 4096), ("8b.gate_up", 24576, 4096), ("8b.down", 4096, 12288),
-                 ("4b.qkv", 6144, 2560), ("4b.o", 2560, 4096), ("4b.gate_up", 19456, 2560), ("4b.down", 2560, 9728)]
-MATMUL_ROWS = [72, 16, 8]  # a ddtree-64 verify, the drafter's block, a batch-8 AR step
-MATMUL_SWEEP = [(wgs, bk, stages, splits) for wgs in (1, 2) for bk in (64, 128) for stages in (4, 6)
-                for splits in (1, 2)]
-
-
-def stage_matmul(rec, args, deadline):
-    """stacked_matmul (one layer of a 4-layer stack, read in place) against XLA's product of one [N, K] matrix, f32
-    out: error against an f32 reference, device time, weight-read bandwidth. The full config sweep at 72 rows on the
-    8B shapes; default_config and its split variants elsewhere."""
-    from pallas_kernels import stacked_matmul as sm
-
-    rng = np.random.default_rng(7)
-    for rows in MATMUL_ROWS:
-        for name, n, k in MATMUL_SHAPES:
-            if time.time() > deadline:
-                rec.add({"stopped": "budget"})
-                return
-            x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
-            w = jax.random.normal(jax.random.key(n + k), (4, n, k), jnp.float32).astype(jnp.bfloat16) * 0.02
-            w2 = w[2]
-            with jax.default_matmul_precision("highest"):
-                ref = jnp.einsum("rk,nk->rn", x.astype(jnp.float32), w2.astype(jnp.float32))
-            xla = jax.jit(lambda a, b: jnp.einsum("rk,nk->rn", a, b, preferred_element_type=jnp.float32))
-            bytes_ = n * k * 2
-            row = {"rows": rows, "shape": name, "n": n, "k": k, "weight_bytes": bytes_}
-            row["xla_us"], _, _ = device_time_us(xla, [(x, w2)], 20)
-            row["xla_tbps"] = bytes_ / row["xla_us"] / 1e6
-            d = sm.default_config(rows, n, k)
-            configs = ([d] + [c for c in MATMUL_SWEEP if c != d]) if rows == 72 and name.startswith("8b") else \
-                [d, (*d, 132), (d[0], 128, 4, d[3])] + [(d[0], 64, 6, s) for s in (1, 2, 4) if s != d[3]]
-            row["kernel"] = []
-            for cfg in configs:
-                if cfg[0] == 2 and n % 128:
-                    continue
-                if sm._smem_bytes(rows, *cfg[:3]) > sm._SMEM:
-                    continue
-                try:
-                    f = jax.jit(functools.partial(sm.stacked_matmul, out_dtype=jnp.float32, config=cfg, **KW))
-                    out = f(x, w, jnp.int32(2))
-                    us, _, launches = device_time_us(f, [(x, w, jnp.int32(2))], 20)
-                    row["kernel"].append({"config": cfg, "us": us, "tbps": bytes_ / us / 1e6, "launches": launches,
-                                          **_err(out, ref)})
-                except Exception as e:  # noqa: BLE001
-                    row["kernel"].append({"config": cfg, "error": repr(e)[:300]})
-            ok = [c for c in row["kernel"] if "us" in c]
-            best = min(ok, key=lambda c: c["us"]) if ok else None
-            rec.add(row)
-            print(f"matmul {rows:3d} rows {name:12s} xla {row['xla_us']:7.1f} us {row['xla_tbps']:.2f} TB/s | "
-                  + (f"default {ok[0]['config']} {ok[0]['us']:.1f} | best {best['config']} {best['us']:.1f} us "
-                     f"{best['tbps']:.2f} TB/s err {best['rel_l2_err']:.1e}" if ok else f"errors {row['kernel'][:1]}"),
-                  flush=True)
-
-
 # decode_attention's (block, warps, stages) timed where the cache has the grid's 2,880 slots at batch 1 (PERF.md,
 # twenty-eighth run: at prompt 2k the kernel seemed to read its K/V at about 0.9 TB/s; twenty-ninth: the sweep)
 DECODE_TILINGS = [(64, 4, 2), (64, 4, 3), (64, 8, 3), (64, 2, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3),
@@ -639,10 +581,9 @@ def stage_qkv(rec, args, deadline):
 
 def _shrink_for_dry_run():
     global VALIDATION_CASES, SWEEP_SHAPES, SWEEP_CONFIGS, BENCH_PREFIXES, BENCH_BUDGETS, ACCEPT_SHAPES
-    global MATMUL_SHAPES, MATMUL_ROWS, MATMUL_SWEEP, QKV_CASES, DECODE_CASES, DECODE_TILINGS, DECODE_TILING_SLOTS
+    global QKV_CASES, DECODE_CASES, DECODE_TILINGS, DECODE_TILING_SLOTS
     QKV_CASES, DECODE_CASES = [(2, 3)], [(2, 70, None), (1, 70, 200)]
     DECODE_TILINGS, DECODE_TILING_SLOTS = [(64, 4, 2), (32, 4, 3)], 200
-    MATMUL_SHAPES, MATMUL_ROWS, MATMUL_SWEEP = [("8b.tiny", 128, 256)], [72, 8], [(1, 64, 2, 2), (2, 64, 2, 1)]
     KW["interpret"] = True
     QWEN3_8B.update(h=4, kv=2, hd=64)
     VALIDATION_CASES = [(2, 5, 4, 2, 64, [3, 70], "random", None),
@@ -677,7 +618,7 @@ def main(argv=None):
     }
     print(meta)
     stages = {"smoke": stage_smoke, "validate": stage_validate, "sweep": stage_sweep, "bench": stage_bench,
-              "accept": stage_accept, "matmul": stage_matmul, "qkv": stage_qkv,
+              "accept": stage_accept, "qkv": stage_qkv,
               "decode": stage_decode}
     for name in args.stages.split(","):
         rec = Recorder(args.out, name, meta)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from ddtree_jax import shapes, tree as trees
 from ddtree_jax.tuning import Tuning
-from pallas_kernels import ancestor_bits, best_first as bf, selection, stacked_matmul as sm, tree_accept as ta
+from pallas_kernels import ancestor_bits, best_first as bf, selection, tree_accept as ta
 from pallas_kernels import vocab_top_k
 from pallas_kernels import tree_attention as tat
 from pallas_kernels import inputs
@@ -1011,45 +1011,3 @@ def test_ancestor_bits_kernel_is_the_xla_form(n1, kind, max_depth):
     want = jax.jit(trees.ancestor_bits, static_argnums=1)(parents, max_depth)
     assert got.dtype == want.dtype == jnp.uint32 and got.shape == want.shape == (3, n1, -(-n1 // 32))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
-
-# ------------------------------------------------------------------------------------ stacked matmul
-@pytest.mark.parametrize("rows,n,k,config", [
-    (72, 128, 256, (1, 64, 2, 1)),  # one item per CTA, the verify's 72 rows
-    (16, 256, 512, (2, 64, 3, 2)),  # two compute warpgroups, split reduction (f32 partials)
-    (8, 64, 192, (1, 64, 2, 2)),  # uneven shares (3 steps in 2)
-    (24, 320, 320, (1, 64, 2, 2, 3)),  # 10 items on 3 persistent CTAs: the ring runs on across items
-    (72, 128, 512, (1, 128, 2, 1, 1)),  # 128-wide reduction tiles, every item on one CTA
-])
-def test_stacked_matmul_is_the_product_of_the_layer(rows, n, k, config):
-    """stacked_matmul (Mosaic GPU interpreter) reads the right layer of the stack and sums every reduction step once:
-    equal to an f32 product of that layer up to f32 summation order."""
-    rng = np.random.default_rng(rows + n)
-    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((3, n, k)), jnp.bfloat16)
-    got = jax.jit(functools.partial(sm.stacked_matmul, out_dtype=jnp.float32, config=config, interpret=True))(
-        x, w, jnp.int32(1))
-    want = np.asarray(x, np.float32) @ np.asarray(w[1], np.float32).T
-    assert got.shape == (rows, n) and got.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-3)
-    other = np.asarray(x, np.float32) @ np.asarray(w[2], np.float32).T
-    assert not np.allclose(np.asarray(got), other, atol=1e-1)  # not another layer
-
-
-def test_stacked_matmul_default_config_fits_shared_memory():
-    for rows in range(8, 257, 8):
-        for n, k in ((6144, 4096), (24576, 4096), (4096, 12288), (576, 1536)):
-            wgs, bk, stages, splits = sm.default_config(rows, n, k)
-            assert stages >= 2 and n % (64 * wgs) == 0 and (k // bk) >= splits, (rows, n, k)
-            assert sm._smem_bytes(rows, wgs, bk, stages) <= sm._SMEM, (rows, n, k)
-
-
-def test_stacked_matmul_refuses_shapes_it_cannot_tile():
-    assert sm.supports(72, 128, 256, jnp.bfloat16) and not sm.supports(70, 128, 256, jnp.bfloat16)
-    assert not sm.supports(72, 100, 256, jnp.bfloat16) and not sm.supports(72, 128, 256, jnp.float32)
-    with pytest.raises(ValueError, match="multiple of 8"):
-        sm.stacked_matmul(jnp.zeros((70, 256), jnp.bfloat16), jnp.zeros((2, 128, 256), jnp.bfloat16), 0,
-                          interpret=True)
-    with pytest.raises(ValueError, match="does not tile"):
-        sm.stacked_matmul(jnp.zeros((8, 192), jnp.bfloat16), jnp.zeros((2, 128, 192), jnp.bfloat16), 0,
-                          config=(1, 128, 2, 1), interpret=True)
