@@ -16,19 +16,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-GROUP = 16  # tiles whose loads are issued together
-
-
 def comes_before(keys, idxs, key, idx):
     """Whether entries (keys, idxs) come before (key, idx) in ``lax.top_k``'s order: a larger order key (see
     ``selection.order_key``), or an equal one at a lower index. Any broadcastable shapes (Pallas or XLA)."""
     return (keys > key) | ((keys == key) & (idxs < idx))
 
 
-def rank_count(key, idx, load_tile, n_tiles, tile: int, group: int = GROUP):
+def rank_count(key, idx, load_tile, n_tiles, tile: int, group: int):
     """key, idx [own] int32 (order keys, tie-break indices) -> rank [own] int32: the others before each.
-    ``load_tile(t)`` -> (keys [tile], indices [tile], valid [tile]) of tile t (a traced or Python int);
-    ``n_tiles``: a Python int (tiles unrolled in groups) or a traced one (a loop over groups)."""
+    ``load_tile(t)`` -> (keys [tile], indices [tile], valid [tile]) of tile t (traced); ``n_tiles`` (traced): tiles
+    to compare, in a loop over groups of ``group`` tiles whose loads are issued together."""
 
     col, col_idx = key[:, None], idx[:, None]
 
@@ -39,10 +36,6 @@ def rank_count(key, idx, load_tile, n_tiles, tile: int, group: int = GROUP):
         return count
 
     count = jnp.zeros((key.shape[0], tile), jnp.int32)
-    if isinstance(n_tiles, int):
-        for s in range(0, n_tiles, group):
-            count = compare(count, [load_tile(t) for t in range(s, min(s + group, n_tiles))])  # every load first
-    else:
-        count = jax.lax.fori_loop(0, (n_tiles + group - 1) // group,
-                                  lambda g, c: compare(c, [load_tile(g * group + q) for q in range(group)]), count)
+    count = jax.lax.fori_loop(0, (n_tiles + group - 1) // group,  # a group's loads first, then its compares
+                              lambda g, c: compare(c, [load_tile(g * group + q) for q in range(group)]), count)
     return jnp.sum(count, axis=1)

@@ -4,7 +4,7 @@ lower index first) from counts and cumsums. ``vocab_top_k``'s chunk selection bu
 
 Keys are the float32 bits mapped to int32 in the float total order (-0.0 below +0.0; ``order_key``). The largest key
 t with count(key >= t) >= k is found by a search that cuts its interval to a third per count (two thresholds
-counted at once: at most 21 counts, fewer from known bounds); every key > t is taken, then the first
+counted at once: at most 21 counts); every key > t is taken, then the first
 k - count(key > t) keys equal to t in index order (a cumsum): exactly the k entries ``lax.top_k`` returns.
 Positions among them come from a cumsum too.
 
@@ -33,10 +33,9 @@ def _unsigned(key):
     return jax.lax.bitcast_convert_type(key ^ MIN, jnp.uint32)
 
 
-def threshold(key, k: int, lo=None, hi=None):
+def threshold(key, k: int):
     """key [n] int32 -> the k-th largest key t (the largest t with count(key >= t) >= k), by a search that cuts its
-    interval to a third per count. ``lo``, ``hi``: int32 keys (scalars) with at least k keys >= lo and the k-th
-    largest key <= hi, when known (the search is shorter). n < 2^15 (two counts share an int32)."""
+    interval to a third per count. n < 2^15 (two counts share an int32)."""
     if key.shape[0] > MAX_KEYS:
         raise ValueError(f"select takes at most {MAX_KEYS} keys, got {key.shape[0]}")
     u = _unsigned(key)
@@ -51,17 +50,16 @@ def threshold(key, k: int, lo=None, hi=None):
         return (jnp.where(c2 >= k, m2, jnp.where(c1 >= k, m1, lo)),
                 jnp.where(c2 >= k, hi, jnp.where(c1 >= k, m2 - 1, m1 - 1)))
 
-    bounds = (jnp.uint32(0) if lo is None else _unsigned(lo), jnp.uint32(2**32 - 1) if hi is None else _unsigned(hi))
-    t, _ = jax.lax.while_loop(lambda b: b[0] < b[1], third, bounds)
+    t, _ = jax.lax.while_loop(lambda b: b[0] < b[1], third, (jnp.uint32(0), jnp.uint32(2**32 - 1)))
     return jax.lax.bitcast_convert_type(t, jnp.int32) ^ MIN
 
 
-def select(key, k: int, lo=None, hi=None):
+def select(key, k: int):
     """key [n] int32, in index order -> (sel [n] bool: lax.top_k's k entries; slot [n] int32: each selected entry's
     position among them in index order, k for the others). Stores go to ``slot`` with mask ``sel``: an output has a
     spare column k, so that in the interpreter (which writes a masked store's old values back) no unselected entry
-    shares a selected one's slot. ``lo``, ``hi``: as :func:`threshold`'s. n < 2^15 (two counts share an int32)."""
-    return select_from(key, k, threshold(key, k, lo, hi))
+    shares a selected one's slot. n < 2^15 (two counts share an int32)."""
+    return select_from(key, k, threshold(key, k))
 
 
 def select_from(key, k: int, t):
