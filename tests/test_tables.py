@@ -1,4 +1,5 @@
-"""README's performance tables rendered from the records (ddtree_jax.tables, ``bench table``)."""
+"""The performance tables of docs/PERFORMANCE.md and README.md rendered from the records (ddtree_jax.tables,
+``bench table``; the default pair's from its ``bench pair`` records)."""
 
 import json
 from pathlib import Path
@@ -6,6 +7,42 @@ from pathlib import Path
 import pytest
 
 from ddtree_jax import bench, projection, tables
+
+ROOT = Path(__file__).parents[1]
+PERFORMANCE = ROOT / "docs" / "PERFORMANCE.md"
+RESULTS = ROOT / "benchmarks" / "results"
+# the default pair's records shown, in table order: (file, key or None for the whole file, the rows' label)
+PAIR_RECORDS = [("default_pair_h200.json", "batch1_budgets_32_64", "H200, batch 1"),
+                ("default_pair_h200.json", "batch1_budgets_16_128_256", "H200, batch 1"),
+                ("default_pair_h200.json", "batch8_budget_64", "H200, batch 8"),
+                ("default_pair_cpu.json", None, "2 CPU cores, batch 1")]
+
+
+def headline_rows() -> list[str]:
+    """README's round-cost rows: per model, at prompt 512 and batch 1, AR ms (x its roofline) and the dflash, ddtree 64
+    and ddtree 256 rounds' ms (x the AR step), from the records `bench table` reads."""
+    records = json.loads(projection.RESULTS.read_text())
+    rows = []
+    for model, name in (("qwen3-8b", "Qwen3-8B"), ("qwen3-4b", "Qwen3-4B")):
+        costs = projection.round_costs(records, model, 512, 1, [64, 256])
+        ar = costs["ar"]["ms_per_round"]
+        cells = [f"{ar:.2f} ({ar / costs['ar']['roofline_ms']:.2f}x)"] + [
+            f"{costs[k]['ms_per_round']:.2f} ({costs[k]['ms_per_round'] / ar:.2f}x)" for k in ("dflash", "ddtree64", "ddtree256")]
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return rows
+
+def pair_rows() -> list[str]:
+    """The default pair's table rows, one per method of each record: | device, batch | date | method | tau | tok/s |
+    vs AR |, each method against the AR of its own process."""
+    rows = []
+    for name, key, label in PAIR_RECORDS:
+        record = json.loads((RESULTS / name).read_text())
+        record = record[key] if key else record
+        for method, m in record["methods"].items():
+            tau = m.get("mean_acceptance_length")
+            rows.append(f"| {label} | {record['date'][:10]} | {method.replace('-', ' ')} | "
+                        f"{'-' if tau is None else f'{tau:.2f}'} | {m['tokens_per_s']:,.1f} | {m['speedup']:.2f}x |")
+    return rows
 
 
 def _rec(method, budget, ms, batch=1, date="2026-11-30T06:21:00+00:00", **extra):
@@ -58,14 +95,34 @@ def test_bench_table_bad_results_file_is_one_line(capsys, tmp_path):
         assert len(err) == 1 and err[0].startswith("error:")
 
 
-def test_the_readme_shows_what_bench_table_prints_from_the_recorded_results(capsys):
-    """README's grid and breakdown tables and the peer ratios are `bench table`'s output on the shipped records: a
-    new record without a README update fails here (as the projection's test does for its tables)."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+def test_the_performance_page_shows_what_bench_table_prints_from_the_recorded_results(capsys):
+    """docs/PERFORMANCE.md's grid and breakdown tables and the peer ratios are `bench table`'s output on the shipped
+    records: a new record without a docs update fails here (as the projection's test does for its tables)."""
+    page = PERFORMANCE.read_text()
     assert bench.main(["table"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| ", "qwen3"))]
     assert len(lines) == 2 * (1 + 2 + 4) + 2 + 2 * 4 * 8  # two grids (heading, header, 4 rows), 64 breakdown rows
-    missing = [line for line in lines if line not in readme]
+    missing = [line for line in lines if line not in page]
     assert not missing, missing
-    # the peer sentence, wrapped in README
+    # the peer sentence, wrapped
+    assert tables.peer(json.loads(projection.RESULTS.read_text())) in " ".join(page.split())
+
+
+def test_the_default_pairs_tables_are_its_records():
+    """docs/PERFORMANCE.md's default-pair table is the `bench pair` records row for row, and every row README shows
+    is one of them."""
+    rows = pair_rows()
+    assert len(rows) == 4 + 5 + 3 + 7
+    page_rows = [line for line in PERFORMANCE.read_text().splitlines() if line.startswith(("| H200, batch", "| 2 CPU"))]
+    assert page_rows == rows
+    readme_rows = [line for line in (ROOT / "README.md").read_text().splitlines()
+                   if line.startswith(("| H200, batch", "| 2 CPU"))]
+    assert readme_rows and set(readme_rows) <= set(rows), set(readme_rows) - set(rows)
+
+
+def test_the_readme_headline_is_the_records():
+    """README's round-cost rows and peer ratios come from the same records as docs/PERFORMANCE.md's tables."""
+    readme = (ROOT / "README.md").read_text()
+    missing = [row for row in headline_rows() if row not in readme]
+    assert not missing, missing
     assert tables.peer(json.loads(projection.RESULTS.read_text())) in " ".join(readme.split())
