@@ -6,9 +6,9 @@ the paired differences against the first variant, and how many pairs the variant
 A variant is NAME:FIELD=VALUE,... with fields ``draft`` (the drafter's layout, decode.LAYOUTS; default
 decode.DRAFT_GPU_LAYOUT), ``layout`` (the target's; default decode.GPU_LAYOUT, decode.GPU_AR_LAYOUT for ar),
 ``sampling`` and ``filtering`` (0 or 1: the Spec's flags; default what the sequences' --temperature / --top-p /
---top-k need, as decode.make_spec sets them), ``unroll`` (the Spec's layer_unroll: target layers per iteration of the
-layer loop; default decode.default_layer_unroll), ``DDTREE_JAX_*`` environment variables (set while the variant is
-traced and compiled, e.g. DDTREE_JAX_QKV_WRITE=xla), module constants of the package read when tracing
+--top-k need, as decode.make_spec sets them), the fields of the Spec's ``Tuning`` but its layout (ddtree_jax.tuning:
+qkv_write, add_norm, decode_attention, verify_align, layer_unroll, prefill_chunk; e.g. qkv_write=0 for XLA's ops
+instead of that kernel), module constants of the package read when tracing
 (``pallas_kernels.M.NAME=VALUE`` or ``ddtree_jax.M.NAME=VALUE``, a Python literal, set while the variant is traced
 and compiled, e.g. pallas_kernels.decode_attention.BLOCK=128; commas inside brackets or braces belong to the value,
 e.g. ddtree_jax.model.SPLIT_ROWS=(64,384) or pallas_kernels.tree_attention._CTA_US={1:3.8,2:6.0}) and any XLA option
@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import bench, cli, decode
+from ddtree_jax import bench, cli, decode, tuning
 from ddtree_jax.shapes import SHAPES, build_params, model_configs
 
 
@@ -72,14 +72,20 @@ def constants_set(values: dict):
 
 
 def variant(text: str) -> tuple[str, dict]:
-    """NAME:FIELD=VALUE,... -> (NAME, {"layout"?, "draft"?, "options": XLA options})."""
+    """NAME:FIELD=VALUE,... -> (NAME, {"layout"?, "draft"?, "sampling"?, "filtering"?, "tuning": its KEY=VALUE text,
+    "constants", "options": XLA options})."""
     name, colon, rest = text.partition(":")
     pieces = [x for x in re.split(r",(?![^(){}\[\]]*[)}\]])", rest) if x]  # commas inside (...) / [...] / {...} stay
-    own = ("draft=", "layout=", "sampling=", "filtering=", "unroll=")
+    own = ("draft=", "layout=", "sampling=", "filtering=")
+    tuned = tuple(f"{k}=" for k in (*tuning.SWITCHES, *tuning.COUNTS))
     fields = dict(x.split("=", 1) for x in pieces if x.startswith(own))
-    fields["env"] = dict(x.split("=", 1) for x in pieces if x.startswith("DDTREE_JAX_") and "=" in x)
+    fields["tuning"] = ",".join(x for x in pieces if x.startswith(tuned))
+    try:
+        tuning.parse(fields["tuning"])
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     fields["constants"] = {k: _constant(k, v) for k, v in (x.split("=", 1) for x in pieces if x.startswith(PACKAGES))}
-    others = ",".join(x for x in pieces if not x.startswith((*own, "DDTREE_JAX_", *PACKAGES)))
+    others = ",".join(x for x in pieces if not x.startswith((*own, *tuned, *PACKAGES)))
     fields["options"] = bench.xla_options(others) if others else {}
     if not (name and colon) or fields["options"] is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not NAME:FIELD=VALUE,...")
@@ -89,8 +95,6 @@ def variant(text: str) -> tuple[str, dict]:
     for key in ("sampling", "filtering"):
         if fields.get(key, "0") not in ("0", "1"):
             raise argparse.ArgumentTypeError(f"{key}={fields[key]!r}: expected 0 or 1")
-    if not fields.get("unroll", "1").isdigit() or int(fields.get("unroll", "1")) < 1:
-        raise argparse.ArgumentTypeError(f"unroll={fields['unroll']!r}: expected a positive integer")
     return name, fields
 
 
@@ -136,24 +140,13 @@ def main() -> None:
         tl, dl = fields.get("layout", own), fields.get("draft", decode.DRAFT_GPU_LAYOUT)
         opts = fields["options"]
         flags = {k: fields[k] == "1" for k in ("sampling", "filtering") if k in fields}
-        if "unroll" in fields:
-            flags["layer_unroll"] = int(fields["unroll"])
-        vspec = dataclasses.replace(spec, **flags)
+        vspec = dataclasses.replace(spec, tuning=tuning.parse(fields["tuning"], spec.tuning), **flags)
         tp = lay(tp0, tl)
         dp = lay(dp0, dl) if args.method != "ar" else None
         t0 = time.perf_counter()
-        saved = {k: os.environ.get(k) for k in fields["env"]}
-        os.environ.update(fields["env"])
-        jax.clear_caches()  # else run_rounds' trace is reused: an environment variable is read when tracing
-        try:
-            with constants_set(fields["constants"]):
-                compiled = decode.run_rounds.lower(vspec, tp, dp, state, n).compile({**decode.XLA_OPTIONS, **opts})
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k)
-                else:
-                    os.environ[k] = v
+        jax.clear_caches()  # else run_rounds' trace is reused: the module constants are read when tracing
+        with constants_set(fields["constants"]):
+            compiled = decode.run_rounds.lower(vspec, tp, dp, state, n).compile({**decode.XLA_OPTIONS, **opts})
         cs = time.perf_counter() - t0
         if args.hlo:
             os.makedirs(args.hlo, exist_ok=True)
@@ -161,13 +154,10 @@ def main() -> None:
                 f.write(compiled.as_text())
         state = jax.block_until_ready(compiled(tp, dp, bench.reset(state, args.prompt), jnp.int32(2)))  # warm
         runs[name] = dict(compiled=compiled, tp=tp, dp=dp, layout=tl, draft_layout=dl, options=opts,
-                          unroll=vspec.layer_unroll,
-                          sampling=vspec.sampling, filtering=vspec.filtering,
-                          env=fields["env"], constants=fields["constants"], compile_s=cs, ms=[])
-        print(f"{name}: layout {tl}, draft {dl}, options {opts}, env {fields['env']}, constants "
-              f"{fields['constants']}, layer unroll "
-              f"{vspec.layer_unroll or 'default'}, compiled in {cs:.1f}s",
-              flush=True)
+                          tuning=dataclasses.asdict(vspec.tuning), sampling=vspec.sampling, filtering=vspec.filtering,
+                          constants=fields["constants"], compile_s=cs, ms=[])
+        print(f"{name}: layout {tl}, draft {dl}, options {opts}, {vspec.tuning}, constants {fields['constants']}, "
+              f"compiled in {cs:.1f}s", flush=True)
 
     names = list(runs)
     for i in range(args.pairs):
@@ -195,8 +185,8 @@ def main() -> None:
         r = runs[name]
         diffs = [m - b for m, b in zip(r["ms"], base)]
         out["variants"][name] = {
-            "layout": r["layout"], "draft_layout": r["draft_layout"], "xla_options": r["options"], "env": r["env"],
-            "layer_unroll": r["unroll"], "constants": r["constants"],
+            "layout": r["layout"], "draft_layout": r["draft_layout"], "xla_options": r["options"],
+            "tuning": r["tuning"], "constants": r["constants"],
             "sampling": r["sampling"], "filtering": r["filtering"],
             "compile_s": r["compile_s"], "median_ms": statistics.median(r["ms"]), "ms": r["ms"],
             "median_diff_ms_vs_first": statistics.median(diffs), "pairs_faster_than_first": sum(d < 0 for d in diffs),

@@ -15,8 +15,9 @@ Subcommands
             Weights are laid out as decode.device_layout does on GPU for each method (without ``--layout``:
             stacked layers under lax.scan, q/k/v and gate/up fused, the target's matrices input-major for dflash
             and ddtree and output-major for ar, the drafter's output-major); the round loop and the stages compile
-            with decode.XLA_OPTIONS, and the verify rows are padded as decode.default_verify_align says
-            (benchmarks/PERF.md).
+            with decode.XLA_OPTIONS, and the verify rows are padded as decode.default_verify_align says.
+            ``--tuning KEY=VALUE,...`` (ddtree_jax.tuning) changes how the rounds run, e.g. a layer kernel
+            against XLA's ops (qkv_write=0), the verify's padding or the layer loop's unroll.
   pair      a trained pair (default: the default pair) on train_draft's held-out prompts, one at a time or as
             one batch: mean acceptance length and decode tokens/s of ar, dflash and ddtree at budgets.
   project   the projected speedup over AR of dflash and ddtree: the DDTree paper's mean acceptance lengths
@@ -51,6 +52,7 @@ from typing import Any, Callable, Sequence
 
 from ddtree_jax import cli, projection, tables
 from ddtree_jax.shapes import SHAPES, Shape, build_params, model_configs
+from ddtree_jax.tuning import LAYOUTS, Tuning
 
 PEER = {  # the official PyTorch DDTree code on the same H200, Qwen3-8B shapes, prompt 512, random weights
     "ar_ms": 78.5,
@@ -104,11 +106,11 @@ def _fixtures(args) -> int:
             prompts = [r["prompt"] for r in group]
             dr = draft if method != "ar" else None
             t0 = time.perf_counter()
-            decode.generate(target, prompts, opts, draft=dr, mesh=mesh)  # compiles
+            decode.generate(target, prompts, opts, draft=dr, mesh=mesh, tuning=args.tuning)  # compiles
             compile_s = time.perf_counter() - t0
             per_round, res = [], None
             for _ in range(args.repeats):
-                res = decode.generate(target, prompts, opts, draft=dr, mesh=mesh)
+                res = decode.generate(target, prompts, opts, draft=dr, mesh=mesh, tuning=args.tuning)
                 rounds = max(len(a) for a in res.acceptance_lengths) if method != "ar" else max(res.num_generated)
                 per_round.append(1e3 * res.decode_s / max(rounds, 1))
             acc = [a for seq in res.acceptance_lengths for a in seq]
@@ -214,20 +216,13 @@ def reset(state, prompt_len: int):
 
 
 def make_spec(tcfg, dcfg, method: str, budget: int, attention: str, mesh=None, *, temperature: float = 0.0,
-              top_p: float = 1.0, top_k: int = 0, **overrides):
-    """decode.make_spec for one grid point (greedy unless a temperature is given); ``overrides``: Spec fields
-    (verify_align, layer_unroll), None meaning decode's default."""
+              top_p: float = 1.0, top_k: int = 0, tuning: Tuning = Tuning()):
+    """decode.make_spec for one grid point (greedy unless a temperature is given) under ``tuning``."""
     from ddtree_jax import decode
 
     opts = decode.GenerateOptions(method=method, max_new_tokens=256, tree_budget=max(budget, 1), attention=attention,
                                   temperature=temperature, top_p=top_p, top_k=top_k)
-    kw = {k: v for k, v in overrides.items() if v is not None}
-    return decode.make_spec(tcfg, dcfg if method != "ar" else None, opts, mesh=mesh, **kw)
-
-
-def spec_overrides(args) -> dict:
-    """The Spec fields that bench models' flags set (None: decode's default)."""
-    return {"verify_align": args.verify_align, "layer_unroll": args.layer_unroll}
+    return decode.make_spec(tcfg, dcfg if method != "ar" else None, opts, tuning, mesh=mesh)
 
 
 def make_state(spec, vocab: int, batch: int, prompt_len: int, capacity: int, out_len: int, dtype, seed: int = 1, *,
@@ -537,9 +532,11 @@ class Bench:
             (tcfg, tp), (dcfg, dp) = (sharding.shard_model(m, self.mesh) for m in ((tcfg, tp), (dcfg, dp)))
         from ddtree_jax import decode
 
-        # (the random weights are built stacked and input-major); without --layout, the target as decode lays it
-        # out for each method: the rounds' layout, and AR's (a second copy, made only if AR is timed)
-        args.draft_layout = args.draft_layout or decode.DRAFT_GPU_LAYOUT
+        # (the random weights are built stacked and input-major); without --layout (or --tuning layout=), the target
+        # as decode lays it out for each method: the rounds' layout, and AR's (a second copy, made only if AR is timed)
+        forced = args.tuning.layout if args.tuning.layout != "auto" else None
+        args.layout = args.layout or forced
+        args.draft_layout = args.draft_layout or forced or decode.DRAFT_GPU_LAYOUT
         self.layouts = {m: args.layout or (decode.GPU_AR_LAYOUT if m == "ar" else decode.GPU_LAYOUT)
                         for m in ("ar", "dflash", "ddtree")}
         tp_ar = (decode.device_layout(tp, layout=self.layouts["ar"])
@@ -587,7 +584,7 @@ class Bench:
         from ddtree_jax import decode
 
         big = make_spec(self.ctx["tcfg"], self.ctx["dcfg"], "ddtree", max(self.args.budgets), self.args.attention,
-                        **spec_overrides(self.args))
+                        tuning=self.args.tuning)
         _, capacity, out_len = decode.layout(big, [max(prompt_len, *self.args.prompts)] * batch, 256)
         return capacity, out_len
 
@@ -599,7 +596,7 @@ class Bench:
 
         args, c = self.args, self.ctx
         tcfg, dcfg, tp, dp, shape = c["tcfg"], c["dcfg"], c["tp_ar" if method == "ar" else "tp"], c["dp"], c["shape"]
-        spec = make_spec(tcfg, dcfg, method, budget, args.attention, self.mesh, **spec_overrides(args))
+        spec = make_spec(tcfg, dcfg, method, budget, args.attention, self.mesh, tuning=args.tuning)
         dpp = dp if method != "ar" else None
         capacity, out_len = self.capacity(spec, batch, prompt_len)
         state = make_state(spec, shape.vocab, batch, prompt_len, capacity, out_len, self.dtype)
@@ -610,7 +607,8 @@ class Bench:
         rec: dict[str, Any] = {"model": shape.name, "method": method, "budget": budget if method == "ddtree" else None,
                                "batch": batch, "prompt_len": prompt_len}
         info: dict[str, Any] = {"capacity": capacity, "attention": spec.attention, "layout": self.layouts[method],
-                                "draft_layout": args.draft_layout, "compile_s": {}}
+                                "draft_layout": args.draft_layout, "tuning": dataclasses.asdict(spec.tuning),
+                                "compile_s": {}}
 
         # ---- whole rounds: N in one while_loop call
         n = args.rounds
@@ -1049,9 +1047,7 @@ def _names(text: str) -> list[str]:
     return vals
 
 
-# decode.LAYOUTS but "auto" (not imported here: --help without jax)
-LAYOUT_CHOICES = ("unstacked", "stacked", "unstacked-out-major", "stacked-out-major", "stacked-out-major-fused",
-                  "unstacked-out-major-fused", "stacked-fused")
+LAYOUT_CHOICES = tuple(x for x in LAYOUTS if x != "auto")  # --layout, --draft-layout
 
 
 def build_parser() -> cli.ArgumentParser:
@@ -1077,6 +1073,7 @@ def build_parser() -> cli.ArgumentParser:
     f.add_argument("--mesh", default=None, metavar="DxM",
                    help="run on a data x model mesh of every visible device (ddtree_jax.sharding; e.g. 1x2: each "
                         "layer split over 2 devices, 2x1: the prompts split); default: one device")
+    cli.add_tuning(f)
     f.add_argument("--json", default=None, help="write the records (a JSON list) to this file")
 
     m = sub.add_parser("models", help="random-weight models of real shapes, built on the device",
@@ -1109,20 +1106,15 @@ def build_parser() -> cli.ArgumentParser:
                    help="the target's layer weights for every method: separate per-layer arrays (an unrolled layer "
                         "loop) or stacked [L, ...] arrays under lax.scan; -out-major: the matrices stored [out, in], "
                         "so a one-row step is a row reduction (else [in, out], which cuBLAS reads faster at 2 rows "
-                        "and more); -fused: also q/k/v and gate/up as one matrix each (default: as "
-                        "decode.device_layout lays it out on GPU for each method, decode.GPU_LAYOUT stacked-fused "
-                        "for dflash and ddtree, decode.GPU_AR_LAYOUT stacked-out-major-fused for ar)")
+                        "and more); -fused: also q/k/v and gate/up as one matrix each (default: --tuning's layout "
+                        "if set, else as decode.device_layout lays it out on GPU for each method, decode.GPU_LAYOUT "
+                        "stacked-fused for dflash and ddtree, decode.GPU_AR_LAYOUT stacked-out-major-fused for ar)")
     m.add_argument("--draft-layout", choices=LAYOUT_CHOICES,
                    default=None,
                    help="the drafter's layer weights, in the same forms as --layout (its fc stays input-major; a "
                         "fused drafter keeps its k and v matrices for the context projection) (default: "
-                        "decode.DRAFT_GPU_LAYOUT, stacked-out-major-fused)")
-    m.add_argument("--verify-align", type=cli.positive_int, default=None, metavar="N",
-                   help="pad each verify block's rows to a multiple of N (default: decode.default_verify_align: "
-                        "8 on GPU for dflash/ddtree, else 1)")
-    m.add_argument("--layer-unroll", type=cli.positive_int, default=None, metavar="N",
-                   help="target layers per iteration of the verify's layer loop, every method (default: "
-                        "decode.default_layer_unroll: 4 for a one-row forward on GPU, i.e. ar at batch 1, else 1)")
+                        "--tuning's layout if set, else decode.DRAFT_GPU_LAYOUT, stacked-out-major-fused)")
+    cli.add_tuning(m)  # its layout: the default of --layout and --draft-layout
     m.add_argument("--breakdown-all", action="store_true",
                    help="break down every ddtree budget (default: only the --key-budgets)")
     m.add_argument("--ab", action="append", type=_ab, default=[], metavar="NAME:KEY=VAL,...",

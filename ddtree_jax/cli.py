@@ -18,6 +18,8 @@ import os
 import sys
 from typing import Callable, Iterator, Sequence, TextIO
 
+from ddtree_jax import tuning
+
 EXIT_OK = 0
 EXIT_INTERNAL = 1
 EXIT_USAGE = 2
@@ -163,6 +165,20 @@ def int_list(text: str) -> list[int]:
     if any(v < 0 for v in values):
         raise argparse.ArgumentTypeError(f"{text!r} has a negative number")
     return values
+
+
+def tuning_arg(text: str) -> tuning.Tuning:
+    """``--tuning KEY=VALUE,...`` (argparse type): :func:`ddtree_jax.tuning.parse`, its error as one line."""
+    try:
+        return tuning.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_tuning(parser: argparse.ArgumentParser) -> None:
+    """The ``--tuning`` flag of the commands that decode (default: ``Tuning()``, the backend's defaults)."""
+    parser.add_argument("--tuning", type=tuning_arg, default=tuning.Tuning(), metavar="KEY=VALUE,...",
+                        help=tuning.HELP)
 
 
 def existing_dir(what: str, path: str) -> str:

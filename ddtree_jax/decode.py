@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import os
 import time
 from typing import Callable
 
@@ -30,6 +29,7 @@ from ddtree_jax import cache as kvcache, sharding
 from ddtree_jax.config import DraftConfig, ModelConfig, check_pair
 from ddtree_jax.params import (DraftParams, TargetParams, fuse_projections, input_major, output_major,
                                unstack_layers)
+from ddtree_jax.tuning import LAYOUTS, Tuning
 from pallas_kernels.bitmask import causal_bits, pad_rows
 
 Array = jax.Array
@@ -78,19 +78,17 @@ class Spec:
     max_rounds: int  # per-sequence statistics buffer length
     attention: str = "xla"
     trace: bool = False
-    prefill_chunk: int = 512
     proposer: Callable | None = None  # replaces the DFlash drafter's propose (same signature), e.g. an oracle
     mesh: jax.sharding.Mesh | None = None  # data x model mesh: traced under sharding.use_mesh (None: one device)
-    verify_align: int = 1  # the verify block's rows rounded up to a multiple of this (see verify_len)
-    layer_unroll: int | None = None  # target layers per verify layer-loop iteration (None: default_layer_unroll)
+    tuning: Tuning = Tuning()  # how the round runs on the device (make_spec fills in verify_align)
     sampling: bool = True  # some sequence may sample (temperature > 0); False compiles the greedy choice alone
     filtering: bool = True  # some sampled sequence may use top-k / top-p; False compiles no filter pass
     # (accept.choose: both static, so no data-dependent branch, whose predicate the GPU runtime would read on the host)
 
     @property
     def verify_len(self) -> int:
-        """Rows of the verify forward: the root and the tree, padded to a multiple of ``verify_align``."""
-        return -(-(1 + self.budget) // self.verify_align) * self.verify_align
+        """Rows of the verify forward: the root and the tree, padded to a multiple of ``tuning.verify_align``."""
+        return round_up(1 + self.budget, self.tuning.verify_align or 1)
 
     @property
     def round_positions(self) -> int:
@@ -117,7 +115,10 @@ class Spec:
         return () if self.draft is None or self.method == "ar" else self.draft.target_layer_ids
 
 
-def make_spec(target_cfg: ModelConfig, draft_cfg: DraftConfig | None, options: GenerateOptions, **kw) -> Spec:
+def make_spec(target_cfg: ModelConfig, draft_cfg: DraftConfig | None, options: GenerateOptions,
+              tuning: Tuning = Tuning(), **kw) -> Spec:
+    """The Spec of a decode with ``options``; ``kw``: further Spec fields. ``tuning.verify_align`` unset becomes
+    :func:`default_verify_align`'s for the method."""
     if options.method not in METHODS:
         raise ValueError(f"unknown method {options.method!r} (choose from {', '.join(METHODS)})")
     if options.method != "ar":
@@ -127,12 +128,10 @@ def make_spec(target_cfg: ModelConfig, draft_cfg: DraftConfig | None, options: G
     if options.method == "ddtree" and options.tree_budget < 1:
         raise ValueError(f"tree budget must be at least 1, got {options.tree_budget}")
     budget = {"ar": 0, "dflash": (draft_cfg.block_size - 1) if draft_cfg else 0, "ddtree": options.tree_budget}
-    kw.setdefault("verify_align", default_verify_align(options.method))
     kw.setdefault("sampling", options.temperature > 0)
     kw.setdefault("filtering", kw["sampling"] and accept.filters(options.top_p, options.top_k))
-    unroll = kw.get("layer_unroll")
-    if unroll is not None and not (isinstance(unroll, int) and unroll >= 1):
-        raise ValueError(f"layer_unroll must be a positive integer, got {unroll!r}")
+    if tuning.verify_align is None:
+        tuning = dataclasses.replace(tuning, verify_align=default_verify_align(options.method))
     return Spec(
         target=target_cfg,
         draft=draft_cfg if options.method != "ar" else None,
@@ -141,6 +140,7 @@ def make_spec(target_cfg: ModelConfig, draft_cfg: DraftConfig | None, options: G
         max_rounds=options.max_new_tokens,
         attention=resolve_attention(options.attention),
         trace=options.trace,
+        tuning=tuning,
         **kw,
     )
 
@@ -280,7 +280,8 @@ def draft_logits(spec: Spec, target: TargetParams, drafter: DraftParams, state: 
     if spec.proposer is not None:
         return spec.proposer(drafter, spec.draft, target, dcache, state.bonus, attention=spec.attention), dcache
     # Keep the cache the drafter wrote its block into (scratch slots only): no copy of the draft cache.
-    return dflash.propose(drafter, spec.draft, target, dcache, state.bonus, attention=spec.attention, return_cache=True)
+    return dflash.propose(drafter, spec.draft, target, dcache, state.bonus, attention=spec.attention,
+                          tuning=spec.tuning, return_cache=True)
 
 
 def build_tree(spec: Spec, logits: Array) -> trees.Tree:
@@ -310,7 +311,7 @@ def verify(spec: Spec, target: TargetParams, state: State, tree: trees.Tree):
     hidden, cache, taps = model.forward(
         target, spec.target, jnp.pad(tokens, [(0, 0), (0, pad)]), positions, state.cache,
         pad_rows(tree.bits, spec.verify_len), taps=spec.taps, attention=spec.attention,
-        unroll=spec.layer_unroll or default_layer_unroll(tokens.shape[0] * spec.verify_len),
+        unroll=spec.tuning.layer_unroll or default_layer_unroll(tokens.shape[0] * spec.verify_len), tuning=spec.tuning,
     )
     return model.logits(target, hidden[:, :n]), cache, taps, tokens
 
@@ -439,7 +440,7 @@ def prefill(spec: Spec, target: TargetParams, drafter: DraftParams | None, state
     """Run the prompts [B, P_pad] (P_pad a multiple of the chunk) through the target chunk by chunk,
     fill both caches, and choose the first token. ``state`` comes from :func:`init_state`."""
     b, p_pad = tokens.shape
-    chunk = min(spec.prefill_chunk, p_pad)
+    chunk = min(spec.tuning.prefill_chunk, p_pad)
     lengths = state.prompt_len
     bits = causal_bits(b, chunk)
 
@@ -450,7 +451,8 @@ def prefill(spec: Spec, target: TargetParams, drafter: DraftParams | None, state
         positions = start + jnp.broadcast_to(jnp.arange(chunk), (b, chunk))
         cache = dataclasses.replace(cache, length=jnp.full((b,), start, jnp.int32))
         hidden, cache, taps = model.forward(
-            target, spec.target, toks, positions, cache, bits, taps=spec.taps, attention=spec.attention
+            target, spec.target, toks, positions, cache, bits, taps=spec.taps, attention=spec.attention,
+            tuning=spec.tuning,
         )
         if dcache is not None:
             dcache = dataclasses.replace(dcache, length=jnp.full((b,), start, jnp.int32))
@@ -533,11 +535,7 @@ def init_state(spec: Spec, prompt_lens, options_per_seq, capacity: int, out_len:
 # ----------------------------------------------------------------------------------------- host API
 
 
-LAYOUTS = ("auto", "stacked", "unstacked", "stacked-out-major", "unstacked-out-major", "stacked-out-major-fused",
-           "unstacked-out-major-fused", "stacked-fused")
-
-
-def device_layout(params, backend: str | None = None, layout: str | None = None, method: str | None = None):
+def device_layout(params, backend: str | None = None, layout: str = "auto", method: str | None = None):
     """The weights laid out for the backend and the method. On GPU: layers stacked under ``lax.scan`` (with
     ``XLA_OPTIONS`` the GEMMs read each layer's slice in place; the per-layer layout, ``params.unstack_layers``,
     avoids slicing altogether but its unrolled loop compiles for minutes) with q/k/v and gate/up fused into one
@@ -547,7 +545,7 @@ def device_layout(params, backend: str | None = None, layout: str | None = None,
     ``params.output_major``); a drafter output-major (``DRAFT_GPU_LAYOUT``). Elsewhere as given (stacked and
     input-major as loaded). Same math.
 
-    ``layout`` (default: the ``DDTREE_JAX_LAYOUT`` environment variable, else "auto") forces one of ``LAYOUTS``:
+    ``layout`` (``Tuning.layout``) other than "auto" forces one of ``tuning.LAYOUTS``:
     "-out-major" matrices output-major, else input-major (either turned into the other); "-fused" q/k/v and gate/up
     concatenated (skipped for weights split across devices; never undone); "unstacked" per-layer buffers. A drafter
     takes the same forms (its ``fc`` stays input-major). Idempotent: callers
@@ -557,9 +555,8 @@ def device_layout(params, backend: str | None = None, layout: str | None = None,
     On CPU a tied output projection is also materialised once, in float32 ([D, V]): otherwise XLA:CPU
     converts and transposes the embedding outside the round loop of every call (82 ms per call for
     SmolLM2-135M's 49152 x 576, whatever the number of rounds); the math is the same (CPU dots run in f32)."""
-    layout = layout or os.environ.get("DDTREE_JAX_LAYOUT", "auto")
     if layout not in LAYOUTS:
-        raise ValueError(f"DDTREE_JAX_LAYOUT must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
     if params is None:
         return params
     backend = backend or jax.default_backend()
@@ -608,7 +605,7 @@ def layout(spec: Spec, prompt_lens: list[int], max_new_tokens: int) -> tuple[int
     """(padded prompt length, cache capacity, output buffer length) for a batch. Capacity and output length are
     rounded up to multiples of 64, so prompts of nearby lengths share shapes (and compiled programs)."""
     longest = max(prompt_lens)
-    chunk = min(spec.prefill_chunk, round_up(longest, 16))
+    chunk = min(spec.tuning.prefill_chunk, round_up(longest, 16))
     p_pad = round_up(longest, chunk)
     capacity = round_up(max(p_pad, longest + max_new_tokens + spec.scratch_slots), 64)
     return p_pad, capacity, round_up(max(p_pad, longest + max_new_tokens + spec.path_len + 1), 64)
@@ -707,6 +704,7 @@ def generate(
     stream_every: int = 4,
     proposer: Callable | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    tuning: Tuning = Tuning(),
 ) -> GenerateResult:
     """Generate for a batch of prompts. target: (ModelConfig, TargetParams); draft: (DraftConfig, DraftParams).
 
@@ -714,6 +712,7 @@ def generate(
     proposer, when given, replaces ``draft.propose`` (same signature): a research hook for other drafters.
     mesh, when given (``sharding.make_mesh``), runs tensor/data parallel: the weights are placed on it (KV
     heads repeated when the model axis exceeds them) and the batch is padded to a multiple of its data axis.
+    tuning: how the decode runs on the device (its layout applied to the weights here; ``ddtree_jax.tuning``).
 
     A decode fault (round statistics no correct program gives: ``round_statistics_problem``) raises RuntimeError.
     """
@@ -722,7 +721,8 @@ def generate(
         draft = sharding.shard_model(draft, mesh) if draft is not None and options.method != "ar" else draft
     tcfg, tparams = target
     dcfg, dparams = draft if draft is not None else (None, None)
-    tparams, dparams = device_layout(tparams, method=options.method), device_layout(dparams)
+    tparams = device_layout(tparams, layout=tuning.layout, method=options.method)
+    dparams = device_layout(dparams, layout=tuning.layout)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if options.max_new_tokens < 1:
@@ -731,7 +731,7 @@ def generate(
         bad = [t for t in p if not 0 <= t < tcfg.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} outside the vocabulary (size {tcfg.vocab_size})")
-    spec = make_spec(tcfg, dcfg, options, proposer=proposer, mesh=mesh)
+    spec = make_spec(tcfg, dcfg, options, tuning, proposer=proposer, mesh=mesh)
     if spec.method == "ar":
         dparams = None
     rows = prompts + [prompts[0][:1]] * (sharding.padded_batch(len(prompts), mesh) - len(prompts))  # + dummies

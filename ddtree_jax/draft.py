@@ -16,6 +16,7 @@ from ddtree_jax import cache as kvcache
 from ddtree_jax import model
 from ddtree_jax.config import DraftConfig
 from ddtree_jax.params import DraftParams, TargetParams
+from ddtree_jax.tuning import Tuning
 from pallas_kernels.bitmask import full_bits
 
 Array = jax.Array
@@ -72,15 +73,17 @@ def propose(
     bonus: Array,
     *,
     attention: str = "xla",
+    tuning: Tuning = Tuning(),
     return_cache: bool = False,
 ) -> Array | tuple[Array, kvcache.KVCache]:
     """Draft logits [B, bs-1, V] (f32) for the bs-1 positions after ``bonus`` [B].
 
     The block [bonus, mask x (bs-1)] sits at positions dcache.length[b] + i. The committed cache is
     not changed: the block's K/V go to scratch slots (>= length) that the next :func:`extend`
-    overwrites before they can be seen. With ``return_cache`` the cache holding those scratch writes
-    is returned too, as (logits, cache): a caller that keeps it instead of its input lets XLA write
-    in place rather than copy the whole draft cache every round (the copy shows in the HLO).
+    overwrites before they can be seen. ``attention`` and ``tuning`` as for ``model.forward``. With
+    ``return_cache`` the cache holding those scratch writes is returned too, as (logits, cache): a caller
+    that keeps it instead of its input lets XLA write in place rather than copy the whole draft cache
+    every round (the copy shows in the HLO).
     """
     lc, bs = cfg.layers, cfg.block_size
     b = bonus.shape[0]
@@ -92,16 +95,16 @@ def propose(
     start = dcache.length
     window = window_mask(cfg, positions, dcache.capacity)
     sliding = jnp.asarray([t == "sliding_attention" for t in (cfg.layer_types or ("full_attention",) * lc.num_layers)])
-    attend = model.attention_fn(attention)
+    attend = model.attention_fn(attention, tuning)
     stacked = None if isinstance(params.layers, (tuple, list)) else params.layers  # q/k norms read in place
-    mask = model.layer_mask(attention, bits, start, lc.num_heads, dcache.k)
+    mask = model.layer_mask(attention, bits, start, lc.num_heads, dcache.k, tuning)
 
     def layer(carry, inputs):
         x, k_all, v_all = carry
         w, i = inputs
         h = model.rms_norm(x, w.attn_norm, lc.rms_norm_eps)
         q, k_all, v_all = model.attention_inputs(h, w, lc.rms_norm_eps, cos, sin, k_all, v_all, i, start, attention,
-                                                 stacked)
+                                                 stacked, tuning)
         if window is None:
             o = attend(q, k_all, v_all, start, mask, layer=i)
         else:

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import accept, decode, sharding
+from ddtree_jax.tuning import Tuning
 
 Array = jax.Array
 log = logging.getLogger("ddtree_jax.engine")
@@ -86,6 +87,7 @@ class EngineConfig:
     # requests (gathered from and scattered back into the slot batch), so a ddtree verify with few live
     # requests does not pay for max_batch x (budget + 1) tokens
     batch_buckets: tuple[int, ...] = ()
+    tuning: Tuning = Tuning()  # how the rounds run on the device (ddtree_jax.tuning)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,12 +356,14 @@ class Engine:
         options = decode.GenerateOptions(method=config.method, max_new_tokens=config.max_len,
                                          tree_budget=config.tree_budget, attention=config.attention)
         # requests choose: the prefill and the slots take any request
-        self.spec = decode.make_spec(self.tcfg, dcfg, options, mesh=mesh, sampling=True, filtering=True)
+        self.spec = decode.make_spec(self.tcfg, dcfg, options, config.tuning, mesh=mesh, sampling=True,
+                                     filtering=True)
         # a step runs the least general program its live requests allow (no per-round branch: decode.Spec)
         self.programs = {"greedy": dataclasses.replace(self.spec, sampling=False, filtering=False),
                          "sampling": dataclasses.replace(self.spec, filtering=False), "filtering": self.spec}
-        self.dparams = decode.device_layout(dparams) if config.method != "ar" else None
-        self.tparams = decode.device_layout(self.tparams, method=config.method)
+        layout = config.tuning.layout
+        self.dparams = decode.device_layout(dparams, layout=layout) if config.method != "ar" else None
+        self.tparams = decode.device_layout(self.tparams, layout=layout, method=config.method)
         block = self.spec.round_positions
         allowed = self.tcfg.max_position_embeddings
         if config.max_len + block > allowed:

@@ -25,6 +25,7 @@ from typing import Any, Sequence, TextIO
 
 from ddtree_jax import cli, config, decode
 from ddtree_jax.tokenizer import Tokenizer, load_tokenizer
+from ddtree_jax.tuning import Tuning
 
 
 _EPILOG = """\
@@ -96,6 +97,7 @@ def build_parser() -> cli.ArgumentParser:
                         "stop tokens (default: the eos ids of tokenizer_config.json, generation_config.json "
                         "and config.json)")
     g.add_argument("--attention", choices=cli.ATTENTIONS, default="auto", help=cli.ATTENTION_HELP)
+    cli.add_tuning(g)
     g.add_argument("--mesh", default=None, metavar="DxM",
                    help="run on several devices as a data x model mesh: 1x8 splits every layer over 8 devices "
                         "(tensor parallel), 8x1 splits the prompts over them (data parallel), 2x4 both. D*M must "
@@ -146,6 +148,7 @@ class Plan:
     as_json: bool
     compare_ar: bool = False  # also time AR on the same prompts (the default pair's demo)
     mesh: str | None = None  # --mesh DxM (checked against the devices and the configs)
+    tuning: Tuning = Tuning()  # --tuning: how the decode runs on the device
 
 
 def required_positions(prompt_len: int, options: decode.GenerateOptions, block_size: int = 0) -> int:
@@ -238,7 +241,7 @@ def plan(args: argparse.Namespace) -> Plan:
     return Plan(target_path=target_path, draft_path=draft_path, dtype=args.dtype, target_config=target_cfg,
                 draft_config=draft_cfg, tokenizer=tok, prompts=[list(p) for p in prompts], options=options,
                 as_json=bool(args.json), compare_ar=default_pair and options.method != "ar" and not args.json,
-                mesh=_check_mesh(args.mesh, target_cfg, draft_cfg))
+                mesh=_check_mesh(args.mesh, target_cfg, draft_cfg), tuning=args.tuning)
 
 
 def _check_mesh(text: str | None, target_cfg: config.ModelConfig, draft_cfg: config.DraftConfig | None):
@@ -317,8 +320,9 @@ def load_models(p: Plan, mesh=None):
         draft = w.load_draft(p.draft_path, dtype)
         cli.info(f"loaded drafter {p.draft_path} ({p.dtype}) in {time.perf_counter() - t0:.1f}s")
     if mesh is None:  # laid out for the backend once here, not in each decode.generate call (it is idempotent)
-        target = (target[0], decode.device_layout(target[1], method=p.options.method))
-        draft = (draft[0], decode.device_layout(draft[1])) if draft is not None else None
+        layout = p.tuning.layout
+        target = (target[0], decode.device_layout(target[1], layout=layout, method=p.options.method))
+        draft = (draft[0], decode.device_layout(draft[1], layout=layout)) if draft is not None else None
     return target, draft
 
 
@@ -436,7 +440,7 @@ def execute(p: Plan, out: TextIO) -> None:
         from ddtree_jax import sharding
 
         mesh = sharding.make_mesh(p.mesh)
-    kw = {} if mesh is None else {"mesh": mesh}
+    kw = {"mesh": mesh, "tuning": p.tuning}
     target, draft = load_models(p, mesh)
     streamer = None if p.as_json else Streamer(out, p.tokenizer, len(p.prompts))
     result = decode.generate(target, p.prompts, p.options, draft=draft, on_tokens=streamer, **kw)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +18,7 @@ from ddtree_jax import cache as kvcache, sharding
 from ddtree_jax.config import ModelConfig
 from ddtree_jax.params import LayerWeights, TargetParams, num_heads
 from ddtree_jax.sharding import constrain, per_device_attention
+from ddtree_jax.tuning import Tuning
 from pallas_kernels import add_norm, decode_attention, qkv_write, tree_attention as tree_attention_lib
 
 Array = jax.Array
@@ -50,37 +50,22 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
 ATTENTION_IMPLS = ("xla", "pallas", "pallas-interpret", "pallas-inplace", "pallas-inplace-interpret")
 
 
-# The layer kernels' switches, read when a function is traced: unset or "kernel" is on, the value here is off.
-QKV_WRITE_ENV, ADD_NORM_ENV = "DDTREE_JAX_QKV_WRITE", "DDTREE_JAX_ADD_NORM"
-DECODE_ATTENTION_ENV = "DDTREE_JAX_DECODE_ATTENTION"
-KERNEL_SWITCHES = {QKV_WRITE_ENV: "xla", ADD_NORM_ENV: "xla", DECODE_ATTENTION_ENV: "tree"}
-
-
-def kernel_on(env: str) -> bool:
-    """Whether the layer kernel behind the environment variable ``env`` (``KERNEL_SWITCHES``) is on; any value but
-    "kernel" and its off value is a ValueError (one line from the command line), not silently the default."""
-    value = os.environ.get(env, "kernel")
-    if value not in ("kernel", KERNEL_SWITCHES[env]):
-        raise ValueError(f"{env}={value!r}: expected 'kernel' or {KERNEL_SWITCHES[env]!r}")
-    return value == "kernel"
-
-
 def _layer_kernels(impl: str) -> bool:
     """Whether ``impl`` takes the layer kernels that run on one device only (qkv_write, add_norm): 'pallas-inplace'
     (on GPU or interpreted) without a mesh."""
     return impl.startswith("pallas-inplace") and sharding.active() is None
 
 
-def decode_attention_applies(q: Array, k: Array) -> bool:
+def decode_attention_applies(q: Array, k: Array, tuning: Tuning = Tuning()) -> bool:
     """Whether 'pallas-inplace' attention of q [B, T, H, hd] over the stacked cache k takes
     ``pallas_kernels.decode_attention`` (one row per sequence, an AR step; per device under a mesh, as the tree
     kernel) instead of the tree kernel: T = 1, batch x cache slots at most ``decode_attention.MAX_KEYS``, and
-    ``DDTREE_JAX_DECODE_ATTENTION`` not "tree"."""
+    ``tuning.decode_attention``."""
     return (decode_attention.supports(q, k) and q.shape[0] * k.shape[-3] <= decode_attention.MAX_KEYS
-            and kernel_on(DECODE_ATTENTION_ENV))
+            and tuning.decode_attention)
 
 
-def attention_fn(impl: str):
+def attention_fn(impl: str, tuning: Tuning = Tuning()):
     """The tree attention implementation ``attend(q, k, v, prefix_len, tree_bits, layer=None, **kw)``: 'xla' (the
     jnp reference), 'pallas' (the kernel), 'pallas-inplace' (the kernel reading the layer's K/V in place from the
     stacked cache; one-row steps by ``pallas_kernels.decode_attention``, see :func:`decode_attention_applies`), each
@@ -108,7 +93,7 @@ def attention_fn(impl: str):
             if layer is None:
                 return sharded(q, k, v, prefix_len, bits)
             if in_place is not None:
-                if decode_attention_applies(q, k):
+                if decode_attention_applies(q, k, tuning):
                     return one_row(q, k, v, prefix_len, bits, layer)
                 return in_place(q, k, v, prefix_len, mask, layer)
             return sharded(q, k[layer], v[layer], prefix_len, bits)
@@ -186,7 +171,7 @@ DOWN_SPLITS = 2  # the MLP's down projection into this many partial products (1:
 O_SPLITS = 2  # the attention's output projection likewise
 
 
-def product_splits(impl: str, rows: int, depth: int, width: int, wanted: int) -> int:
+def product_splits(impl: str, rows: int, depth: int, width: int, wanted: int, tuning: Tuning = Tuning()) -> int:
     """How many partial products :func:`forward` splits a product of contracted depth ``depth`` and ``width`` output
     columns that ``add_norm`` adds up (the MLP's down projection, ``DOWN_SPLITS``; the attention's output projection,
     ``O_SPLITS``) into: ``wanted`` where ``add_norm`` (the layer kernels, :func:`residual_norm`) runs and B x T is
@@ -198,7 +183,7 @@ def product_splits(impl: str, rows: int, depth: int, width: int, wanted: int) ->
     / ddtree 16 / 32 / 64 0.10 / 0.23 / 0.13 / 0.13 ms shorter split; 8B ddtree 32 0.06 longer. Narrower models (the
     default pair's 576 columns) take the narrow rule untimed, as they took the wide one before."""
     lo, hi = NARROW_SPLIT_ROWS if width <= NARROW_WIDTH else SPLIT_ROWS
-    ok = _layer_kernels(impl) and kernel_on(ADD_NORM_ENV) and lo <= rows <= hi and depth % wanted == 0
+    ok = _layer_kernels(impl) and tuning.add_norm and lo <= rows <= hi and depth % wanted == 0
     return wanted if ok and wanted > 1 else 1
 
 
@@ -220,16 +205,17 @@ TAP_IN_NORM = True  # the target's taps written by the add_norm kernel, not by a
 
 
 def residual_norm(x: Array, delta: Array, w: Array, eps: float, impl: str = "xla",
-                  stacked: tuple[Array, Array, Array] | None = None, tap: tuple[Array, Array, Array] | None = None):
+                  stacked: tuple[Array, Array, Array] | None = None, tap: tuple[Array, Array, Array] | None = None,
+                  tuning: Tuning = Tuning()):
     """(x + delta, :func:`rms_norm` of it): the residual add and the norm after it, f32 x and delta [..., D] (or
     partial sums [P, ..., D], added up first: :func:`product_splits`). With
-    'pallas-inplace' attention on one device (no mesh) and ``DDTREE_JAX_ADD_NORM`` not "xla", one kernel
+    'pallas-inplace' attention on one device (no mesh) and ``tuning.add_norm``, one kernel
     (``pallas_kernels.add_norm``: the same math, its mean square summed in its own order). ``stacked``: (every
     layer's weights [L, D], the layer, the prefix lengths [B]), which the kernel reads in place instead of w (the
     layer's row of them), so that XLA needs no slice kernel for it. ``tap``: (taps [S, ..., D], slots [L] int32, the
     layer): the sum is also written, in taps' dtype, at taps[slots[layer]], and the taps are returned third (by the
     kernel where it reads ``stacked`` and ``TAP_IN_NORM`` holds, else by an update of their own)."""
-    if _layer_kernels(impl) and x.dtype == jnp.float32 and kernel_on(ADD_NORM_ENV):
+    if _layer_kernels(impl) and x.dtype == jnp.float32 and tuning.add_norm:
         kw = dict(eps=eps, interpret=impl.endswith("-interpret"))
         if stacked is not None and tap is not None and TAP_IN_NORM:
             return add_norm.add_norm(x, delta.astype(jnp.float32), *stacked, tap=tap[:2], **kw)
@@ -243,33 +229,33 @@ def residual_norm(x: Array, delta: Array, w: Array, eps: float, impl: str = "xla
     return x, h, jax.lax.dynamic_update_index_in_dim(taps, x.astype(taps.dtype), slots[layer], 0)
 
 
-def qkv_kernel_applies(impl: str, w: LayerWeights, x: Array, k_all: Array) -> bool:
+def qkv_kernel_applies(impl: str, w: LayerWeights, x: Array, k_all: Array, tuning: Tuning = Tuning()) -> bool:
     """Whether :func:`attention_inputs` uses the ``pallas_kernels.qkv_write`` kernel: with the attention reading the
     stacked cache in place ('pallas-inplace', on GPU or interpreted), fused q|k|v weights, 16-bit floats, one device
-    (no mesh), and ``DDTREE_JAX_QKV_WRITE`` not "xla"."""
+    (no mesh), and ``tuning.qkv_write``."""
     return (_layer_kernels(impl) and w.fused and x.dtype == k_all.dtype and qkv_write.supports(x.dtype, k_all.shape[-1])
-            and kernel_on(QKV_WRITE_ENV))
+            and tuning.qkv_write)
 
 
 MASK_ONCE = True  # the tree kernel's mask operand made once per forward, not in every layer (read when traced)
 
 
-def layer_mask(impl: str, tree_bits: Array, prefix_len: Array, heads: int, k_all: Array):
+def layer_mask(impl: str, tree_bits: Array, prefix_len: Array, heads: int, k_all: Array, tuning: Tuning = Tuning()):
     """What a layer loop passes its attention (:func:`attention_fn`) as the mask: where the in-place tree kernel will
     run on one device (:func:`_layer_kernels`, a 16-bit cache, T > 1 or no ``decode_attention``; ``MASK_ONCE``) a
     ``tree_attention.KernelMask``, its operand made here, once for every layer; else tree_bits [B, T, W] as given.
     heads: H; k_all: the stacked cache [L, B, S, K, hd]."""
     b, t, _ = tree_bits.shape
-    if not (MASK_ONCE and _layer_kernels(impl) and _tree_kernel_reads(b, t, heads, k_all)):
+    if not (MASK_ONCE and _layer_kernels(impl) and _tree_kernel_reads(b, t, heads, k_all, tuning)):
         return tree_bits
     return tree_attention_lib.kernel_mask(tree_bits, prefix_len, (b, t, heads, k_all.shape[-1]), k_all.shape)
 
 
-def _tree_kernel_reads(b: int, t: int, heads: int, k_all: Array) -> bool:
+def _tree_kernel_reads(b: int, t: int, heads: int, k_all: Array, tuning: Tuning) -> bool:
     """Whether the in-place attention gives q [B, T, H, hd] in the cache's dtype to the tree kernel (not to
     ``decode_attention``, nor, for shapes the kernel does not take, to the reference); k_all [L, B, S, K, hd]."""
     q_like = jax.ShapeDtypeStruct((b, t, heads, k_all.shape[-1]), k_all.dtype)
-    return tree_attention_lib.supports(q_like, k_all) and not decode_attention_applies(q_like, k_all)
+    return tree_attention_lib.supports(q_like, k_all) and not decode_attention_applies(q_like, k_all, tuning)
 
 
 PACKED_Q = True  # qkv_write writes q in the tree kernel's row layout where that kernel reads it (read when traced)
@@ -277,7 +263,7 @@ PACKED_Q = True  # qkv_write writes q in the tree kernel's row layout where that
 
 def attention_inputs(x: Array, w: LayerWeights, eps: float, cos: Array, sin: Array, k_all: Array, v_all: Array,
                      layer: Array, start: Array, impl: str = "xla",
-                     stacked: LayerWeights | None = None) -> tuple[Array, Array, Array]:
+                     stacked: LayerWeights | None = None, tuning: Tuning = Tuning()) -> tuple[Array, Array, Array]:
     """A layer's attention inputs: q [B, T, H, hd] and the stacked caches k_all, v_all [L, B, S, K, hd] with the
     layer's k and v written at slots start[b] + t (:func:`qkv` then ``cache.write_layer``). Where
     :func:`qkv_kernel_applies`, the norms, RoPE and both writes are one kernel (``pallas_kernels.qkv_write``: the
@@ -285,12 +271,12 @@ def attention_inputs(x: Array, w: LayerWeights, eps: float, cos: Array, sin: Arr
     weights of ``stacked`` (every layer's weights, if given) in place at ``layer`` instead of w's, and, where the
     tree kernel will read q (T > 1 or no ``decode_attention``; ``PACKED_Q``), writes q in that kernel's row layout
     (a ``tree_attention.PackedQ``, which :func:`attention_fn`'s other paths unpack)."""
-    if qkv_kernel_applies(impl, w, x, k_all):
+    if qkv_kernel_applies(impl, w, x, k_all, tuning):
         qkv_ = linear(x, w.wq, "btd,dhk->bthk", w.output_major)  # [B, T, H + 2K, hd]
         norms = stacked if stacked is not None else w
         b, t, heads, hd = x.shape[0], x.shape[1], num_heads(w), qkv_.shape[-1]
         rows = None  # (the kernel writes q in x's dtype, which is the cache's, at the cache's hd)
-        if PACKED_Q and _tree_kernel_reads(b, t, heads, k_all):
+        if PACKED_Q and _tree_kernel_reads(b, t, heads, k_all, tuning):
             rows = tree_attention_lib.packed_rows(b, t, heads, k_all.shape[-2], k_all.shape[-3], hd)
         return qkv_write.qkv_write(qkv_, norms.q_norm, norms.k_norm, cos, sin, k_all, v_all, layer, start,
                                    heads=heads, eps=eps, interpret=impl.endswith("-interpret"), q_rows=rows)
@@ -309,6 +295,7 @@ def forward(
     taps: tuple[int, ...] = (),
     attention: str = "xla",
     unroll: int = 1,
+    tuning: Tuning = Tuning(),
 ) -> tuple[Array, kvcache.KVCache, Array | None]:
     """Run the target over T new tokens per sequence.
 
@@ -318,9 +305,9 @@ def forward(
     hidden states [B, T, len(taps) * D] or None). ``taps`` are transformers' layer ids: tap i reads
     hidden_states[i + 1], the output of decoder layer i (the last layer's is taken after the final norm).
     ``attention`` picks the attention implementation (:func:`attention_fn`); ``unroll`` layers run per iteration
-    of the layer loop (``lax.scan``'s unroll). Neither changes the math.
+    of the layer loop (``lax.scan``'s unroll); ``tuning`` says which layer kernels run. None changes the math.
     """
-    attend = attention_fn(attention)
+    attend = attention_fn(attention, tuning)
     b, t = tokens.shape
     # The residual stream stays in f32; matmul operands are in the weights' dtype.
     x = constrain(jnp.take(params.embed, tokens, axis=0).astype(jnp.float32), ("batch", "seq", "embed"))
@@ -338,7 +325,7 @@ def forward(
     eps = cfg.rms_norm_eps
 
     stacked = None if isinstance(params.layers, (tuple, list)) else params.layers  # the kernels read norms in place
-    mask = layer_mask(attention, tree_bits, start, cfg.num_heads, cache.k)
+    mask = layer_mask(attention, tree_bits, start, cfg.num_heads, cache.k, tuning)
 
     def layer(carry, inputs):
         x, delta, k_all, v_all, tapped = carry  # the residual stream is x + delta: the MLP's output is added by the
@@ -349,12 +336,13 @@ def forward(
 
         if n_taps:  # the previous layer's output is this sum
             x, h, tapped = residual_norm(x, delta, w.attn_norm, eps, attention, at("attn_norm"),
-                                         tap=(tapped, prev_slot, i))
+                                         tap=(tapped, prev_slot, i), tuning=tuning)
         else:
-            x, h = residual_norm(x, delta, w.attn_norm, eps, attention, at("attn_norm"))
-        q, k_all, v_all = attention_inputs(h, w, eps, cos, sin, k_all, v_all, i, start, attention, stacked)
+            x, h = residual_norm(x, delta, w.attn_norm, eps, attention, at("attn_norm"), tuning=tuning)
+        q, k_all, v_all = attention_inputs(h, w, eps, cos, sin, k_all, v_all, i, start, attention, stacked, tuning)
         o = attend(q, k_all, v_all, start, mask, layer=i)  # [B, T, H, hd]
-        x, h = residual_norm(x, output_projection(o, w, o_splits), w.mlp_norm, eps, attention, at("mlp_norm"))
+        x, h = residual_norm(x, output_projection(o, w, o_splits), w.mlp_norm, eps, attention, at("mlp_norm"),
+                             tuning=tuning)
         x = constrain(x, ("batch", "seq", "embed"))
         delta = mlp(h, w, splits)  # [B, T, D] or its partial sums [splits, B, T, D] (one device only)
         delta = constrain(delta, ("batch", "seq", "embed")) if splits == 1 else delta
@@ -362,8 +350,8 @@ def forward(
 
     # [taps + 1, B, T, D] in the final norm's dtype (the features' dtype: one rounding, as when cast at the end)
     tapped = jnp.zeros((n_taps + 1, b, t, cfg.hidden_size), params.final_norm.dtype) if n_taps else None
-    splits = product_splits(attention, b * t, cfg.intermediate_size, cfg.hidden_size, DOWN_SPLITS)
-    o_splits = product_splits(attention, b * t, cfg.num_heads * cfg.head_dim, cfg.hidden_size, O_SPLITS)
+    splits = product_splits(attention, b * t, cfg.intermediate_size, cfg.hidden_size, DOWN_SPLITS, tuning)
+    o_splits = product_splits(attention, b * t, cfg.num_heads * cfg.head_dim, cfg.hidden_size, O_SPLITS, tuning)
     delta = jnp.zeros(x.shape if splits == 1 else (splits, *x.shape), x.dtype)  # zeros_like would copy x's sharding
     carry = (x, delta, cache.k, cache.v, tapped)
     if isinstance(params.layers, (tuple, list)):  # unstacked (params.unstack_layers): an unrolled loop
@@ -372,7 +360,7 @@ def forward(
     else:
         carry, _ = jax.lax.scan(layer, carry, (params.layers, jnp.arange(cfg.num_layers)), unroll=unroll)
     x, delta, k_all, v_all, tapped = carry
-    _, x = residual_norm(x, delta, params.final_norm, eps, attention)
+    _, x = residual_norm(x, delta, params.final_norm, eps, attention, tuning=tuning)
     features = None
     if n_taps:
         tapped = tapped[:n_taps].astype(x.dtype)

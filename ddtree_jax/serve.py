@@ -619,6 +619,7 @@ def build_parser() -> cli.ArgumentParser:
                    help=f"draft-tree nodes verified per round, --method ddtree only "
                         f"(default: {decode.DEFAULT_TREE_BUDGET})")
     g.add_argument("--attention", choices=cli.ATTENTIONS, default="auto", help=cli.ATTENTION_HELP)
+    cli.add_tuning(g)
     g.add_argument("--mesh", type=parse_mesh, default=(1, 1), metavar="DxM",
                    help="device mesh, data x model: the slots are split over D devices (data parallel), heads, "
                         "MLP and vocabulary over M (tensor parallel); D*M must equal the visible devices "
@@ -723,7 +724,7 @@ def plan(args: argparse.Namespace) -> Plan:
     name = args.served_model_name or (args.target if shape else os.path.basename(os.path.normpath(args.target)))
     ecfg = engines.EngineConfig(method=method, tree_budget=budget, max_batch=args.max_batch, max_len=max_len,
                                 rounds_per_step=args.rounds_per_step, max_queue=args.max_queue,
-                                attention=args.attention, batch_buckets=buckets)
+                                attention=args.attention, batch_buckets=buckets, tuning=args.tuning)
     return Plan(target_path, draft_path, args.dtype, name, ecfg, args.mesh, tok, eos, args.host, args.port,
                 args.log_level, args.warmup_all, shape)
 

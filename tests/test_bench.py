@@ -72,9 +72,9 @@ def test_models_mode_writes_the_issue_records(tmp_path):
     """``bench models`` on the tiny shape (CPU): one record per method with the fields the results files hold
     (model, method, budget, batch, prompt_len, ms_per_round, breakdown_ms, roofline_ms, date, command), AR against
     its roofline, rounds against AR, the stage breakdown of the breakdown configurations (ddtree's: the key budgets,
-    which --quick keeps when given)."""
+    which --quick keeps when given), each under the --tuning asked."""
     code = bench.main(["models", "--quick", "--batches", "1", "--budgets", "4", "--key-budgets", "4", "--no-hlo",
-                       "--no-profile", "--no-tree-micro", "--out", str(tmp_path)])
+                       "--no-profile", "--no-tree-micro", "--tuning", "verify_align=4", "--out", str(tmp_path)])
     assert code == 0
     records = json.loads((tmp_path / "results.json").read_text())
     assert sorted((r["method"], r["budget"]) for r in records) == [("ar", None), ("ddtree", 4), ("dflash", None)]
@@ -83,6 +83,7 @@ def test_models_mode_writes_the_issue_records(tmp_path):
                 "date", "command"} <= set(r)
         assert r["model"] == "tiny" and r["batch"] == 1 and r["prompt_len"] == 64 and r["ms_per_round"] > 0
         assert r["command"].startswith("python -m ddtree_jax.bench models")
+        assert r["details"]["tuning"]["verify_align"] == 4 and r["details"]["tuning"]["add_norm"] is True
     by = {r["method"]: r for r in records}
     assert by["ar"]["roofline_ms"] > 0 and by["ar"]["ratio_to_roofline"] > 0
     assert set(by["ar"]["breakdown_ms"]) >= {"verify", "accept_commit"}
@@ -97,21 +98,16 @@ def test_models_mode_writes_the_issue_records(tmp_path):
                                                          else decode.GPU_LAYOUT) == projection.LAYOUTS[r["method"]]
 
 
-def test_layout_flags_offer_decodes_layouts():
-    """bench models' --layout / --draft-layout choices (written out: --help imports no jax) are decode.LAYOUTS."""
-    assert set(bench.LAYOUT_CHOICES) == set(decode.LAYOUTS) - {"auto"}
-
-
 def test_interleaved_ab_script(tmp_path):
-    """benchmarks/ab_interleaved.py on the tiny shape (CPU): each variant's layouts, layer unroll, module constants and
+    """benchmarks/ab_interleaved.py on the tiny shape (CPU): each variant's layouts, tuning, module constants and
     XLA options as asked, one timing per pair each, the paired differences against the first; a malformed variant is
     a one-line error."""
     root = Path(__file__).resolve().parents[1]
     script, out = root / "benchmarks" / "ab_interleaved.py", tmp_path / "ab.json"
     env = {**os.environ, "PYTHONPATH": str(root)}
     args = [sys.executable, str(script), "--model", "tiny", "--method", "ddtree", "--budget", "4", "--prompt", "16",
-            "--rounds", "2", "--pairs", "3", "--variant", "base:", "--variant", "dom:draft=stacked-out-major,unroll=2",
-            "--variant", "env:DDTREE_JAX_QKV_WRITE=xla,sampling=1,pallas_kernels.decode_attention.BLOCK=32",
+            "--rounds", "2", "--pairs", "3", "--variant", "base:", "--variant", "dom:draft=stacked-out-major,layer_unroll=2",
+            "--variant", "tuned:qkv_write=0,sampling=1,pallas_kernels.decode_attention.BLOCK=32",
             "--json", str(out), "--hlo", str(tmp_path / "hlo")]
     done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -119,17 +115,17 @@ def test_interleaved_ab_script(tmp_path):
     base, dom = got["variants"]["base"], got["variants"]["dom"]
     assert got["model"] == "tiny" and got["budget"] == 4 and got["pairs"] == 3
     assert base["draft_layout"] == "stacked-out-major-fused" and dom["draft_layout"] == "stacked-out-major"
-    assert base["layer_unroll"] is None and dom["layer_unroll"] == 2  # the Spec's; None: decode's default
+    assert base["tuning"]["layer_unroll"] is None and dom["tuning"]["layer_unroll"] == 2  # None: decode's default
     assert len(base["ms"]) == len(dom["ms"]) == 3 and min(base["ms"] + dom["ms"]) > 0
     assert base["median_diff_ms_vs_first"] == 0 and base["pairs_faster_than_first"] == 0
     assert all(v["same_tokens_as_first"] for v in got["variants"].values())  # none of these changes the math
-    assert got["variants"]["env"]["env"] == {"DDTREE_JAX_QKV_WRITE": "xla"} and base["env"] == {}
-    assert got["variants"]["env"]["constants"] == {"pallas_kernels.decode_attention.BLOCK": 32}
+    assert got["variants"]["tuned"]["tuning"]["qkv_write"] is False and base["tuning"]["qkv_write"] is True
+    assert got["variants"]["tuned"]["constants"] == {"pallas_kernels.decode_attention.BLOCK": 32}
     assert base["constants"] == {}
-    assert got["variants"]["env"]["sampling"] and not base["sampling"] and not base["filtering"]
-    hlo = {name: gzip.open(tmp_path / "hlo" / f"{name}.hlo.txt.gz", "rt").read() for name in ("base", "dom", "env")}
+    assert got["variants"]["tuned"]["sampling"] and not base["sampling"] and not base["filtering"]
+    hlo = {name: gzip.open(tmp_path / "hlo" / f"{name}.hlo.txt.gz", "rt").read() for name in ("base", "dom", "tuned")}
     assert all(text.startswith("HloModule") for text in hlo.values())  # --hlo: each variant's optimized HLO module
-    assert hlo["env"].count(" xor(") > hlo["base"].count(" xor(")  # the sampling program draws (threefry's xors)
+    assert hlo["tuned"].count(" xor(") > hlo["base"].count(" xor(")  # the sampling program draws (threefry's xors)
     for variant, msg in (("nocolon", "is not NAME:FIELD=VALUE"), ("x:draft=rolled", "draft='rolled': expected one of")):
         bad = subprocess.run(args[:-8] + ["--variant", variant], capture_output=True, text=True, env=env, timeout=120)
         assert bad.returncode == 2 and msg in bad.stderr.strip().splitlines()[-1], bad.stderr
@@ -141,8 +137,8 @@ def test_interleaved_ab_script(tmp_path):
     with pytest.raises(argparse.ArgumentTypeError, match="filtering='2': expected 0 or 1"):
         module.variant("x:filtering=2")
     for bad_unroll in ("0", "two"):
-        with pytest.raises(argparse.ArgumentTypeError, match=f"unroll='{bad_unroll}': expected a positive integer"):
-            module.variant(f"x:unroll={bad_unroll}")
+        with pytest.raises(argparse.ArgumentTypeError, match="layer_unroll=.*: expected a positive integer"):
+            module.variant(f"x:layer_unroll={bad_unroll}")
     from pallas_kernels import decode_attention as da  # module constants: set while a variant compiles, then restored
 
     _, fields = module.variant("x:pallas_kernels.decode_attention.BLOCK=128,ddtree_jax.tree.KERNEL_MAX_BATCH=4")
@@ -198,8 +194,8 @@ def test_ab_options_parse_list_values():
         "cb", {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,WHILE", "xla_gpu_enable_pdl": False})
 
 
-@pytest.mark.parametrize("argv", [["models", "--budgets", "0"], ["models", "--verify-align", "0"],
-                                  ["models", "--layer-unroll", "0"], ["models", "--ab", "noname"],
+@pytest.mark.parametrize("argv", [["models", "--budgets", "0"], ["models", "--tuning", "verify_align=0"],
+                                  ["models", "--tuning", "unroll=2"], ["models", "--ab", "noname"],
                                   ["models", "--ab", "x:FUSION,a=b"], ["models", "--ab", "x:a="],
                                   ["fixtures", "--mesh", "3x3"], ["fixtures", "--mesh", "two"]])
 def test_bad_flag_is_one_line_error(argv, capsys):

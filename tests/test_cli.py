@@ -23,6 +23,7 @@ import pytest
 from ddtree_jax import cli, decode
 from ddtree_jax import generate as gen
 from ddtree_jax.tokenizer import load_tokenizer
+from ddtree_jax.tuning import Tuning
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "ddtree_reference")
 TARGET = os.path.join(FIXTURES, "target")
@@ -108,6 +109,7 @@ BAD = {
                               ["--stop-token-ids", "400"]),
     "stop_ids_malformed": (["--target", TARGET, "--prompt-ids", "1", "--stop-token-ids", "5;6"], ["--stop-token-ids"]),
     "unknown_flag": (["--target", TARGET, "--prompt-ids", "1", "--beam-width", "4"], ["--beam-width"]),
+    "bad_tuning": (["--target", TARGET, "--prompt-ids", "1", "--tuning", "add_norm=xla"], ["--tuning", "add_norm"]),
 }
 
 
@@ -177,8 +179,8 @@ def _install_fakes(monkeypatch, *, noisy=False, split=True, raise_in_load=None):
         seen["draft"] = (path, str(dtype))
         return ("draft-config", "draft-params")
 
-    def fake_generate(target, prompts, options, draft=None, on_tokens=None):
-        seen.update(target=seen.get("target"), prompts=prompts, options=options, draft_arg=draft)
+    def fake_generate(target, prompts, options, draft=None, on_tokens=None, mesh=None, tuning=None):
+        seen.update(target=seen.get("target"), prompts=prompts, options=options, draft_arg=draft, tuning=tuning)
         if noisy:  # what a library might print: Python-level and C-level writes to stdout
             print("noise from python")
             os.write(1, b"noise from C\n")
@@ -217,7 +219,8 @@ def test_json_ddtree_trace_and_options(capsys, monkeypatch):
     seen = _install_fakes(monkeypatch)
     code, out, err = run_main(capsys, "--target", TARGET, "--draft", DRAFT, "--method", "ddtree", "--tree-budget", "4",
                               "--prompt-ids", "1", "--json", "--trace", "--temperature", "0.7", "--top-p", "0.9",
-                              "--top-k", "20", "--seed", "3", "--stop-token-ids", "10,33", "--attention", "xla")
+                              "--top-k", "20", "--seed", "3", "--stop-token-ids", "10,33", "--attention", "xla",
+                              "--tuning", "add_norm=0,prefill_chunk=64")
     assert code == 0, err
     (r,) = json.loads(out)["results"]
     assert r["acceptance_lengths"] == [2, 1] and r["mean_acceptance_length"] == 1.5
@@ -225,6 +228,7 @@ def test_json_ddtree_trace_and_options(capsys, monkeypatch):
     assert seen["options"] == decode.GenerateOptions(method="ddtree", max_new_tokens=128, tree_budget=4,
                                                      temperature=0.7, top_p=0.9, top_k=20, stop_token_ids=(10, 33),
                                                      attention="xla", trace=True, seed=3)
+    assert seen["tuning"] == Tuning(add_norm=False, prefill_chunk=64)
     assert seen["draft_arg"] == ("draft-config", "draft-params")
     assert seen["target"] == (TARGET, "bfloat16")  # the default dtype
 

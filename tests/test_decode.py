@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax import accept, decode, engine, projection
+from ddtree_jax import accept, decode, engine, projection, tuning
 from ddtree_jax.params import LayerWeights
+from ddtree_jax.tuning import Tuning
 
 
 def tree_paths(tokens, parents):
@@ -282,38 +283,32 @@ def test_fused_projections_are_the_separate_ones(target, out_major):
 
 
 @pytest.mark.parametrize("align,budget", [(8, 4), (16, 16)])  # 5 rows -> 8, 17 -> 32
-def test_a_padded_verify_block_changes_nothing(target, drafter, reference_runs, monkeypatch, align, budget):
+def test_a_padded_verify_block_changes_nothing(target, drafter, reference_runs, align, budget):
     """On GPU the verify block's rows are padded to a multiple of 8 (decode.default_verify_align: XLA pads its
-    GEMMs so anyway). Padding rows see the prefix and themselves only and have no logits: the rounds are the
-    reference's, whatever the padding."""
-    monkeypatch.setattr(decode, "default_verify_align", lambda method: 1 if method == "ar" else align)
+    GEMMs so anyway; Tuning.verify_align sets it). Padding rows see the prefix and themselves only and have no
+    logits: the rounds are the reference's, whatever the padding."""
     run = reference_runs[0]
-    opts = options("ddtree", run, tree_budget=budget)
-    spec = decode.make_spec(target[0], drafter[0], opts)
+    opts, tuned = options("ddtree", run, tree_budget=budget), Tuning(verify_align=align)
+    spec = decode.make_spec(target[0], drafter[0], opts, tuned)
     assert spec.verify_len == -(-(1 + budget) // align) * align > 1 + budget
-    res = decode.generate(target, [run["prompt"]], opts, draft=drafter)
+    assert decode.make_spec(target[0], drafter[0], opts).tuning.verify_align == 1  # CPU's default
+    res = decode.generate(target, [run["prompt"]], opts, draft=drafter, tuning=tuned)
     ref = run["ddtree"][str(budget)]
     assert res.output_ids[0] == ref["output"] and res.acceptance_lengths[0] == ref["acceptance_lengths"]
 
 
 @pytest.mark.parametrize("unroll", [2, 4])
-def test_an_unrolled_layer_loop_changes_nothing(target, drafter, reference_runs, monkeypatch, unroll):
-    """The verify's layer loop unrolled (2 divides the tiny target's 6 layers, 4 does not), for every block as the
-    default does for one row on GPU: AR's tokens, and at 4 the reference's ddtree rounds too (a block of 17 rows
-    unrolled as one row is: the loop is the same)."""
-    import collections
-
-    monkeypatch.setattr(decode, "default_layer_unroll", lambda rows: unroll)
-    monkeypatch.setattr(decode, "_COMPILED", collections.OrderedDict())  # trace again: the patch is not in the Spec
-    jax.clear_caches()
-    run = reference_runs[0]
+def test_an_unrolled_layer_loop_changes_nothing(target, drafter, reference_runs, unroll):
+    """The verify's layer loop unrolled (Tuning.layer_unroll; 2 divides the tiny target's 6 layers, 4 does not), for
+    every block as the default does for one row on GPU: AR's tokens, and at 4 the reference's ddtree rounds too (a
+    block of 17 rows unrolled as one row is: the loop is the same)."""
+    run, tuned = reference_runs[0], Tuning(layer_unroll=unroll)
     if unroll == 4:
-        res = decode.generate(target, [run["prompt"]], options("ddtree", run, tree_budget=16), draft=drafter)
+        res = decode.generate(target, [run["prompt"]], options("ddtree", run, tree_budget=16), draft=drafter,
+                              tuning=tuned)
         ref = run["ddtree"]["16"]
         assert res.output_ids[0] == ref["output"] and res.acceptance_lengths[0] == ref["acceptance_lengths"]
-    assert decode.generate(target, [run["prompt"]], options("ar", run)).output_ids[0] == run["ar"]
-    spec = decode.make_spec(target[0], drafter[0], options("ddtree", run, tree_budget=16), layer_unroll=3)
-    assert spec.layer_unroll == 3
+    assert decode.generate(target, [run["prompt"]], options("ar", run), tuning=tuned).output_ids[0] == run["ar"]
 
 
 def test_the_default_unroll_is_for_one_row_on_gpu_only(monkeypatch):
@@ -323,14 +318,13 @@ def test_the_default_unroll_is_for_one_row_on_gpu_only(monkeypatch):
     assert decode.default_layer_unroll(8) == decode.default_layer_unroll(72) == 1
 
 
-def test_round_positions_are_the_blocks_a_round_writes_before_padding(target, drafter, monkeypatch):
+def test_round_positions_are_the_blocks_a_round_writes_before_padding(target, drafter):
     """What the engine and the server check against max_position_embeddings: root + tree (or chain) + the
     drafter's block, whatever the verify padding (padding rows sit at the root's position)."""
     (cfg, _), (dcfg, _) = target, drafter
     bs = dcfg.block_size
-    monkeypatch.setattr(decode, "default_verify_align", lambda method: 8)
-    spec = {m: decode.make_spec(cfg, dcfg if m != "ar" else None, decode.GenerateOptions(method=m, tree_budget=20))
-            for m in ("ar", "dflash", "ddtree")}
+    spec = {m: decode.make_spec(cfg, dcfg if m != "ar" else None, decode.GenerateOptions(method=m, tree_budget=20),
+                                Tuning(verify_align=8)) for m in ("ar", "dflash", "ddtree")}
     assert {m: s.round_positions for m, s in spec.items()} == {"ar": 1, "dflash": 2 * bs, "ddtree": 21 + bs}
     assert spec["ddtree"].scratch_slots == 24 + bs > spec["ddtree"].round_positions
 
@@ -356,21 +350,28 @@ def test_greedy_runs_compile_the_greedy_choice_alone(target):
     decode.init_state(sampled, [3], [decode.GenerateOptions(top_k=5)], 16, 8, np.float32)  # greedy rows: fine
 
 
-def test_a_bad_layer_unroll_is_a_clear_error(target):
-    with pytest.raises(ValueError, match="layer_unroll must be a positive integer"):
-        decode.make_spec(target[0], None, decode.GenerateOptions(), layer_unroll=0)
+def test_tuning_is_parsed_and_checked():
+    """--tuning KEY=VALUE,... (tuning.parse) sets fields over a base; an unknown key or a bad value is a one-line
+    ValueError, as is a bad field given to Tuning itself."""
+    got = tuning.parse("qkv_write=0, layer_unroll=2,layout=stacked", Tuning(add_norm=False))
+    assert got == Tuning(layout="stacked", qkv_write=False, add_norm=False, layer_unroll=2)
+    assert tuning.parse("") == Tuning() and hash(got) == hash(dataclasses.replace(got))
+    for text, msg in (("unroll=2", "expected KEY=VALUE with KEY one of layout,"), ("add_norm=xla", "expected 0 or 1"),
+                      ("prefill_chunk=0", "expected a positive integer"), ("verify_align=x", "a positive integer"),
+                      ("layout=rolled", "expected one of auto, stacked,"), ("qkv_write", "expected KEY=VALUE")):
+        with pytest.raises(ValueError, match=msg):
+            tuning.parse(text)
+    with pytest.raises(ValueError, match="layer_unroll=True: expected a positive integer"):
+        Tuning(layer_unroll=True)
 
 
-def test_layout_can_be_forced(target, monkeypatch):
-    """DDTREE_JAX_LAYOUT (or layout=) overrides the per-backend choice; a bad value is a clear error."""
+def test_layout_can_be_forced(target):
+    """layout= (Tuning.layout) overrides the per-backend choice; a bad value is a clear error."""
     _, tp = target
     assert decode.device_layout(tp, backend="gpu", layout="stacked") is tp
     assert decode.device_layout(tp, backend="cpu", layout="unstacked").layers.__class__ is tuple
-    monkeypatch.setenv("DDTREE_JAX_LAYOUT", "stacked")
-    assert decode.device_layout(tp, backend="gpu") is tp
-    monkeypatch.setenv("DDTREE_JAX_LAYOUT", "rolled")
-    with pytest.raises(ValueError, match="DDTREE_JAX_LAYOUT must be one of"):
-        decode.device_layout(tp)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        decode.device_layout(tp, layout="rolled")
 
 
 def test_cpu_layout_materialises_a_tied_head_in_f32(llama, target):

@@ -10,6 +10,7 @@ import pytest
 
 from ddtree_jax import engine as engines
 from ddtree_jax.tokenizer import load_tokenizer
+from ddtree_jax.tuning import Tuning
 from tests.conftest import fixture_path
 
 SLOTS = 3
@@ -253,12 +254,13 @@ def test_batch_buckets_run_only_the_live_slots(target, drafter, tokenizer, refer
     sample is the same in a smaller bucket (one live request and a free slot) and in the full batch, and every size
     ran. Steps without a sampling request run the greedy-only program, those with one the sampling one, with top-k /
     top-p the filtering one (warm-up compiled the three). One bucket of 2 rows out of 3 slots: a gather of several
-    rows, padded with free ones, as any smaller bucket (each size is three more programs to compile)."""
+    rows, padded with free ones, as any smaller bucket (each size is three more programs to compile). The verify
+    block padded to 8 rows (the config's Tuning, as on GPU) changes nothing."""
     cfg = engines.EngineConfig(method="ddtree", tree_budget=4, max_batch=3, max_len=MAX_LEN, rounds_per_step=2,
-                               batch_buckets=(2,))
+                               batch_buckets=(2,), tuning=Tuning(verify_align=8))
     eng = engines.Engine(target, drafter, cfg, tokenizer=tokenizer).start()
     try:
-        assert eng.sizes == [2, 3]
+        assert eng.sizes == [2, 3] and eng.spec.verify_len == 8
         warm = dict(eng.step_sizes)
         assert eng.step_programs == {"greedy": 2, "sampling": 2, "filtering": 2}  # warm-up: each at each size
         run = reference_runs[0]

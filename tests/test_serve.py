@@ -31,6 +31,7 @@ import pytest
 from ddtree_jax import generate as gen
 from ddtree_jax import loadtest, serve
 from ddtree_jax.tokenizer import load_tokenizer
+from ddtree_jax.tuning import Tuning
 from tests.conftest import fixture_path
 
 TARGET, DRAFT = fixture_path("target"), fixture_path("draft")
@@ -502,8 +503,10 @@ def test_random_target_plan_needs_no_files():
     p = serve.plan(serve.build_parser().parse_args(["--target", "random:tiny", "--method", "dflash"]))
     assert (p.random_shape, p.target_path, p.draft_path, p.tokenizer) == ("tiny", None, None, None)
     assert p.model_name == "random:tiny" and p.engine_config.method == "dflash"
-    p = serve.plan(serve.build_parser().parse_args(["--target", "random:tiny", "--batch-buckets", "4,1,4"]))
+    p = serve.plan(serve.build_parser().parse_args(["--target", "random:tiny", "--batch-buckets", "4,1,4",
+                                                    "--tuning", "layout=stacked,decode_attention=0"]))
     assert p.engine_config.batch_buckets == (1, 4)
+    assert p.engine_config.tuning == Tuning(layout="stacked", decode_attention=False)
     assert serve.plan(serve.build_parser().parse_args(["--target", "random:tiny"])).engine_config.method == "ddtree"
 
 
