@@ -1,27 +1,25 @@
 """The residual add and the RMSNorm after it in one Pallas (Triton) kernel: (x + delta, rms_norm(x + delta) * w).
 
-A transformer layer adds each branch's output to the f32 residual stream and normalises the sum for the next branch.
-In an autoregressive step XLA makes that two kernels (a reduction for the mean square, then the scaled copy, each
-recomputing the adds it needs) of about 4 µs together per norm (Qwen3-4B on an H200; benchmarks/PERF.md, seventeenth
-run). Here one program per row reads x and delta, writes their sum and the normalised row.
+A transformer layer adds each branch's output to the f32 residual stream and normalises the sum for the next branch;
+XLA makes that two kernels (a reduction for the mean square, then the scaled copy). Here one program per row reads x
+and delta and writes their sum and the normalised row. Used by ``ddtree_jax.model.residual_norm`` in the target's layer
+loop (``model.forward``) with 'pallas-inplace' attention.
 
 Semantics (``reference``): s = x + delta (f32); h = round(w * (s * rsqrt(mean(s^2) + eps))) in w's dtype, as
 ``model.rms_norm``. The mean square is summed in another order than XLA's, so h can differ from XLA's in a last bit.
 
 Shapes: x, delta [..., D] float32, w [D] -> (s [..., D] float32, h [..., D] in w's dtype). Or w every layer's weights
 [L, D] with ``layer`` and ``prefix_len`` [B]: the kernel reads the layer index from the layer kernels' shared integer
-operand (``pallas_kernels.lengths``) and that row of w in place. A layer's [D] row as an operand of its own is a slice
-that XLA copies in a kernel of its own (the norm weights' slices were four kernels of 1.3-1.5 µs per iteration of the
-4-layer loop in the eighteenth run's 4B AR profile; reading them in place took 0.06 ms off a 4B AR step).
+operand (``pallas_kernels.lengths``) and that row of w in place (a [D] row as an operand of its own is a slice XLA
+copies in a kernel of its own).
 
-delta may also come as partial sums [P, ..., D] (a product split over its contraction: ``model.mlp``'s down
-projection at 128-384 rows, which cuBLAS reads faster as two half-depth products; benchmarks/PERF.md, thirty-second
-run): the kernel adds them up, in order, before the residual (s = x + (d_0 + d_1 + ...)).
+delta may also come as partial sums [P, ..., D] of a product split over its contraction (``model.product_splits``:
+cuBLAS reads some layer products faster so): the kernel adds them up, in order, before the residual
+(s = x + (d_0 + d_1 + ...)).
 
 With those, ``tap`` = (taps [S, ..., D], slots [L] int32) also writes s, cast to taps' dtype, into taps[slots[layer]]
 in place and returns the taps third: the target's layer loop records the hidden states its drafter reads this way (a
-layer's output is the sum its next layer's first norm makes), where an update of its own was a kernel of 2.4 µs a
-layer in a Qwen3-8B verify (benchmarks/PERF.md, thirtieth run).
+layer's output is the sum its next layer's first norm makes), sparing an update kernel per layer.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 Row j of the mask has bit i set iff tree index i is j or one of j's ancestors (``pallas_kernels.bitmask`` packing:
 word w holds indices 32 w .. 32 w + 31, least significant bit first). XLA's form (``tree.ancestor_bits``, pointer
-doubling) is a chain of about ten small kernels; here one program per tree walks every node up its ancestors at once
-(max_depth gathers of the parents, from global memory, read only), then ORs one bit per row and distance into the
-words, which stay in registers.
+doubling, also the reference) is a chain of about ten small kernels; here one program per tree walks every node up
+its ancestors at once (max_depth gathers of the parents, from global memory, read only), then ORs one bit per row and
+distance into the words, which stay in registers. Used by ``tree.ancestor_bits`` (how='kernel', chosen by
+``tree.default_bits``) for trees of up to ``MAX_NODES`` nodes.
 
 Shapes: parents [B, M] int32 (tree index 0 the root, parents[:, 0] = -1, every node's depth <= max_depth)
         -> words [B, M, ceil(M / 32)] uint32

@@ -3,24 +3,27 @@
     PYTHONPATH=. python -m pallas_kernels.bench_kernels --stages smoke,validate,sweep,bench,accept --out DIR
 
 Stages
-  smoke     one small call of each kernel (compiles; catches a hang early when run under `timeout`)
+  smoke     one small call of tree_attention in each of SMOKE_CONFIGS and of tree_accept (compiles; catches a
+            hang early when run under `timeout`)
   validate  tree_attention vs the reference computed in f32 (highest precision) on upcast inputs, over
             a grid of prefixes (0..32k, ragged), budgets (T 1..1025), batch 1..16, head_dim 64/128,
             GQA 1..8, random / chain / star trees; max abs error, relative L2 error, NaN, determinism.
             tree_accept vs its reference (exact) on random trees and the golden fixtures.
-  sweep     kernel configs (wgs, block_kv, stages, splits) at a few shapes
+  sweep     tree_attention's default config (wgs, block_kv, stages, splits) against the other warpgroup count
+            and half and twice the splits, at a few shapes
   bench     Qwen3-8B heads (32 q, 8 kv, hd 128), batch 1, prefixes 1k..32k, budgets 16..512: kernel
             vs the XLA reference path vs jax.nn.dot_product_attention with a dense mask; device time
             (CUPTI, sum of kernel durations), K/V bandwidth and its share of the measured copy
             roofline, and the share of the two-number floor max(bytes / copy BW, flops / matmul rate)
-  accept    tree_accept (+ the cache commit) timing at batch 1, budget 256, Qwen3-8B cache
+  accept    tree_accept against its XLA form (batch 1 and 8, 65..1025 nodes), and the walk with the cache commit at
+            batch 1, budget 256, over a Qwen3-8B cache
   decode    decode_attention (one query row per sequence, the stacked cache in place) at Qwen3-8B's heads, batch 1
             and 8, prefixes 0..32k: error against the f32 reference, device time against the tree kernel at T = 1,
             at 1-32 splits, and for the models grid's cache at batch 1 at other tilings (block, warps, stages)
   qkv       qkv_write (q/k norm, RoPE and the K/V cache write) at Qwen3-8B's heads, batch x rows 1x1 .. 8x72:
             against its per-operation-rounded definition computed in numpy (values off, in bf16 ulps), slots
             untouched, and device time per layer against XLA's form (split, norms, RoPE, two scatters)
-Each stage writes DIR/kernels_<stage>.json as it goes; a short table is printed last.
+Each stage writes DIR/kernels_<stage>.json as it goes and prints a line per item.
 """
 
 from __future__ import annotations
@@ -421,14 +424,12 @@ def stage_accept(rec, args, deadline):
         rec.add({"walk_commit_error": repr(e)[:500]})
 
 
-# decode_attention's (block, warps, stages) timed where the cache has the grid's 2,880 slots at batch 1 (PERF.md,
-# twenty-eighth run: at prompt 2k the kernel seemed to read its K/V at about 0.9 TB/s; twenty-ninth: the sweep)
+# decode_attention's (block, warps, stages) timed where the cache has the models grid's 2,880 slots at batch 1
 DECODE_TILINGS = [(64, 4, 2), (64, 4, 3), (64, 8, 3), (64, 2, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3),
                   (32, 4, 3), (256, 8, 2)]
 DECODE_TILING_SLOTS = 2880
 # Layers of the stacked caches, timed one after another so that a layer's K/V has left the L2 (50 MB) before it is
-# read again, as in a model's step. With one layer timed, its 8.4 MB of K/V at 2k slots came from the L2: the kernel
-# took 4.5 µs, against 6.1 read from HBM (twenty-ninth run).
+# read again, as in a model's step (one layer timed alone reads its K/V from the L2: a shorter time than a model sees).
 DECODE_LAYERS = 8
 # (batch, prefix, cache slots: None for the prefix + 321, an AR step's own slot and a round's scratch; 2880 is the
 # models grid's capacity at prompts 512 and 2048)
@@ -593,17 +594,27 @@ def _shrink_for_dry_run():
     ACCEPT_SHAPES = [(1, 65, 15)]
 
 
+STAGES = {"smoke": stage_smoke, "validate": stage_validate, "sweep": stage_sweep, "bench": stage_bench,
+          "accept": stage_accept, "decode": stage_decode, "qkv": stage_qkv}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stages", default="smoke,validate,sweep,bench,accept")
-    ap.add_argument("--out", default=".")
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--stages", default="smoke,validate,sweep,bench,accept",
+                    help=f"comma-separated stages, run in order, of {','.join(STAGES)} (default: %(default)s)")
+    ap.add_argument("--out", default=".", help="directory for kernels_<stage>.json (default: the current one)")
+    ap.add_argument("--quick", action="store_true", help="bench stage: prefixes 8k and 32k, budgets 16, 64, 256 only")
     ap.add_argument("--dry-run", action="store_true", help="CPU rehearsal: interpret mode, tiny shapes")
     ap.add_argument("--cases", type=lambda x: [int(c) for c in x.split(",")], default=None,
                     help="validation case indices (default: all)")
-    ap.add_argument("--baselines-from", type=int, default=0, help="time XLA / dot_product_attention from this prefix")
-    ap.add_argument("--budget-s", type=float, default=400.0, help="stop starting new items after this")
+    ap.add_argument("--baselines-from", type=int, default=0,
+                    help="bench stage: time XLA and jax.nn.dot_product_attention from this prefix on (default: 0)")
+    ap.add_argument("--budget-s", type=float, default=400.0,
+                    help="seconds after which no new item starts (default: %(default)s)")
     args = ap.parse_args(argv)
+    unknown = [name for name in args.stages.split(",") if name not in STAGES]
+    if unknown:
+        ap.error(f"unknown stage {unknown[0]!r}; the stages are {','.join(STAGES)}")
     os.makedirs(args.out, exist_ok=True)
     if args.dry_run:
         _shrink_for_dry_run()
@@ -617,17 +628,14 @@ def main(argv=None):
         "command": " ".join(["python -m pallas_kernels.bench_kernels"] + (argv or sys.argv[1:])),
     }
     print(meta)
-    stages = {"smoke": stage_smoke, "validate": stage_validate, "sweep": stage_sweep, "bench": stage_bench,
-              "accept": stage_accept, "qkv": stage_qkv,
-              "decode": stage_decode}
     for name in args.stages.split(","):
         rec = Recorder(args.out, name, meta)
         t0 = time.time()
         try:
             if name == "smoke":
-                stages[name](rec, args)
+                STAGES[name](rec, args)
             else:
-                stages[name](rec, args, t_start + args.budget_s)
+                STAGES[name](rec, args, t_start + args.budget_s)
         except Exception as e:  # noqa: BLE001
             import traceback
 

@@ -6,8 +6,9 @@ list's best; the frontier of depth d is the ``budget`` best candidate pairs (slo
 d), (i + 1)(j + 1) <= budget, in ``lax.top_k``'s order (value, then pair index); the tree is the ``budget`` best
 paths over all depths (value, then depth, then slot). No step iterates a selection: every order is a rank count (a
 pair's rank = the pairs before it), spread over the programs of one kernel, and a kernel boundary is the only
-synchronisation (about 1.3 µs on an H200, against 2-6 µs for an atomic barrier between programs:
-benchmarks/launch_probe.py).
+synchronisation (about 1.3 µs on an H200, cheaper than an atomic barrier between programs).
+Used by ``tree.tree_from_lists`` (select='kernel', chosen by ``tree.default_select``); the reference is
+``tree._best_first_one`` with ``tree.ancestor_bits``.
 
 Kernel ``depth`` runs once per depth d = 1 .. Dp (the same compiled program from d = 2; d is an operand):
   - for d < Dp, each program ranks a few candidate pairs of depth d (``own_per_program``), each a scalar compared
@@ -21,12 +22,8 @@ Kernel ``depth`` runs once per depth d = 1 .. Dp (the same compiled program from
 Kernel ``nodes`` then gives each tree position its token, depth, parent (its parent's place + 1) and ancestor-or-self
 bits (one gather per ancestor, all independent).
 
-On an H200 (benchmarks/PERF.md, twenty-sixth run) a depth kernel takes about 2 µs at budget 64 and 3.7 at 256, the
-whole build (with the vocabulary top-k) 63 / 72 / 77 / 88 µs at budgets 16 / 64 / 128 / 256, faster than one
-program doing every depth (the kernel this one replaced, 12 µs a depth at 256) and than XLA's rank counting; at 512
-no faster than rank counting (185 against 182 µs). The twenty-fourth run's first form of this chain ranked 32 pairs
-a program against tiles of 64 loaded one after another, each tile two dependent loads and a reduction across the
-program's threads: 24 µs a depth.
+On an H200 a depth kernel takes a few µs; the whole build is faster than XLA's rank counting up to budget 256 and
+no faster at 512 (docs/KERNELS.md).
 
 Shapes (B sequences, Dp depths, K <= W list entries, W = budget):
     lp [B, Dp, K] float32, ids [B, Dp, K] int32 (each row sorted descending, as tree.top_log_probs gives them)
@@ -49,15 +46,14 @@ from pallas_kernels.ranking import comes_before
 from pallas_kernels.selection import order_key
 
 NODES_OWN = 32  # tree nodes per program of the nodes kernel
-WARPS = 4  # of each program (2 and 8 no faster at budgets 64-256, twenty-sixth run)
+WARPS = 4  # of each program (2 and 8 no faster at budgets 64-256 on an H200)
 MAX_PAIRS = 8192  # candidate pairs (padded to a power of two) one program loads at most: budgets up to 1024
 
 
 def own_per_program(pairs: int) -> int:
     """Pairs (and merge elements) one program of the depth kernel ranks, for ``pairs`` candidate pairs: each program
-    loads every pair's key, so fewer programs load less, but each rank is a reduction over all pairs. H200 (twenty-sixth
-    run, whole builds): 1 up to 1024 padded pairs (budgets up to 128; 2 and 3 slower), 2 at 2048 (256: 87.6 against 99.7
-    with 1, 98.9 with 4), 3 at 4096 (512: 184.8 against 193.5 with 2)."""
+    loads every pair's key, so fewer programs load less, but each rank is a reduction over all pairs. The fastest
+    whole builds on an H200: 1 up to 1024 padded pairs (budgets up to 128), 2 at 2048 (256), 3 at 4096 (512)."""
     padded = pow2(pairs)
     return 1 if padded <= 1024 else 2 if padded <= 2048 else 3
 
@@ -207,7 +203,7 @@ def _nodes_kernel(score_ref, tok_ref, anc_ref, rs_ref, rq_ref, place_ref, tok_ou
 
 def supports(budget: int, k: int, depths: int) -> bool:
     """Whether the kernels take lists of ``depths`` x k for a tree of ``budget``: 0 < k <= budget, depths >= 1, at
-    most ``MAX_PAIRS`` candidate pairs (padded; budgets up to 1024; run on a GPU up to 512)."""
+    most ``MAX_PAIRS`` candidate pairs (padded; budgets up to 1024; timed on a GPU up to 512)."""
     return 0 < k <= budget and depths >= 1 and pow2(len(candidate_pairs(budget, k)[0])) <= MAX_PAIRS
 
 

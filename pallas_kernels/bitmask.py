@@ -1,7 +1,8 @@
 """Bit-packed visibility masks: bit j of row t says whether query t may see block key j.
 
-Word w of a row holds keys 32*w .. 32*w+31, least significant bit first. Packed rows are what the tree
-attention kernel reads (a 1024-node tree row is 32 words instead of 1024 bytes).
+Word w of a row holds keys 32*w .. 32*w+31, least significant bit first. Packed rows are what the attention
+(``tree_attention``, kernel and reference) reads (a 1024-node tree row is 32 words instead of 1024 bytes); the tree
+build, the decoder and the drafter make them with these functions.
 """
 
 from __future__ import annotations

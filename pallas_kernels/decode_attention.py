@@ -1,20 +1,18 @@
-"""Attention of one new token per sequence (an autoregressive step) in a Pallas (Triton) kernel, split over keys.
+"""Attention of one new token per sequence (an autoregressive step) over the stacked cache, as a Pallas (Triton)
+kernel split over the keys.
 
-``tree_attention``'s semantics for T = 1: the token sees the cache's slots [0, prefix_len) and, where bit 0 of its
-mask row is set (always, for an AR step: a node sees itself), its own slot prefix_len. The Mosaic GPU tree kernel
-pads the G = H / K query heads of a KV head to its 64-row tiles, and with the pad before it and the combine after it
-an AR step's attention is three kernels of about 8 µs together per layer on an H200 (Qwen3-4B, prompt 512;
-benchmarks/PERF.md, seventeenth run). Here: a grid of (sequence x KV head, split); each program takes the G query rows
-(padded to 16, the smallest dot), walks its share of the visible slots in blocks (of 64) with an online softmax, and
-stores its partial (accumulator [S, B x K, G, hd], running max and sum [S, B x K, G]) for the G rows; a second
-Pallas kernel merges the splits (``split_merge.merge_splits_kernel``, a program per query row reading its S partials
-at once; a split that saw no slot, max -inf and sum 0, weighs 0). With one split the kernel writes the output itself.
-XLA's fusion of the merge made two kernels at 22 splits, 3.6 µs against 1.8, and AR steps
-at prompt 2k 0.08 ms longer (H200, twenty-ninth run).
+``tree_attention``'s semantics for T = 1 (its reference: ``tree_attention.tree_attention_reference`` at T = 1): the
+token sees the cache's slots [0, prefix_len) and, where bit 0 of its mask row is set (always, for an AR step: a node
+sees itself), its own slot prefix_len. Used by ``ddtree_jax.model.attention_fn`` ('pallas-inplace') for AR steps up
+to ``MAX_KEYS`` batch x cache slots, where the tree kernel, which pads a KV head's G query rows to 64-row tiles, is
+slower.
 
-Merging in the kernel instead (the last program of a sequence x KV head, found by an atomic count, reads the others'
-partials) made the kernel 2.5-4 µs longer, more than XLA's kernels after it cost, and AR steps 0.02-0.03 ms slower
-(eighteenth run; ``benchmarks/decode_combine_in_kernel.patch``).
+A grid of (sequence x KV head, split): each program takes the G query rows (padded to 16, the smallest dot), walks
+its share of the visible slots in blocks with an online softmax, and stores its partial (accumulator [S, B x K, G, hd],
+running max and sum [S, B x K, G]); ``split_merge.merge_splits_kernel`` merges the splits (a split that saw no slot,
+max -inf and sum 0, weighs 0). With one split the kernel writes the output itself. A merge in XLA's fusion was two
+kernels at 22 splits, and a merge inside this kernel (its last program per row) lengthened it more than the
+separate merge costs (docs/KERNELS.md).
 
 Shapes: q [B, 1, H, hd] (16-bit float), k, v the stacked caches [L, B, S, K, hd] read in place at ``layer``,
 prefix_len [B] int32, tree_bits [B, 1, W] uint32 -> [B, 1, H, hd] in q's dtype.
@@ -31,18 +29,15 @@ from pallas_kernels.blocks import pow2
 from pallas_kernels.lengths import lengths
 from pallas_kernels.split_merge import merge_splits_kernel
 
-# keys per step; warps of a program; Triton's software-pipeline stages, None: 3 at batch 1, 2 above. At batch 1, 3
-# stages rather than 2 made AR steps 0.021-0.029 ms shorter on both models at prompts 512 and 2k (blocks of 128 with 2
-# stages, the other candidate of the kernel's sweep over ten tilings, 0.012 ms shorter at 2k and 0.038 at 512,
-# Qwen3-4B); at batch 8, prompt 2k, 0.070-0.075 ms longer (H200, twenty-ninth run, benchmarks/PERF.md)
+# keys per step; warps of a program; Triton's software-pipeline stages, None: 3 at batch 1, 2 above (on an H200 the
+# deeper pipeline shortens batch-1 AR steps and lengthens batch-8 ones; the sweep over tilings: docs/KERNELS.md)
 BLOCK, WARPS, STAGES = 64, 4, None
 SLOTS_PER_SPLIT = 128  # default_splits' cache slots per program (read when traced)
 _MIN_ROWS = 16  # the smallest M of a Triton dot
 
 
-# batch x cache slots up to which it takes the one-row steps, a limit set between measured points (H200, Qwen3-8B
-# heads, µs with XLA's combine, against the tree kernel: batch 1 at 8.5k slots 13.8 against 17.5, at 33k 43.5 against
-# 42.1; batch 8 at 2.4k and 2.9k slots 23.4 and 23.1 against 29.2 and 29.3; benchmarks/PERF.md, eighteenth run)
+# batch x cache slots up to which it takes the one-row steps, set between measured points on an H200 (Qwen3-8B heads:
+# faster than the tree kernel at 8.5k slots at batch 1 and 2.9k at batch 8, no faster at 33k; docs/KERNELS.md)
 MAX_KEYS = 24576
 
 
@@ -50,13 +45,8 @@ def default_splits(slots: int, rows: int = 1) -> int:
     """Programs per (sequence, KV head) for a cache of ``slots`` and ``rows`` = batch x KV heads: one per
     ``SLOTS_PER_SPLIT`` (128) slots, 2 to 32, at most 512 programs in all unless that leaves fewer than 2. Each
     split's share of the visible slots is set at run time (whole blocks), and the merge reads every split: more splits
-    shorten the kernel and lengthen the combine (eighteenth run's sweep, H200, Qwen3-8B heads, with XLA's reduction as
-    the combine: batch 1 best at 4-8 splits for 513 visible slots, 16-32 for 2k, 32 for 8k; batch 8 at 4-8). With
-    XLA's combine written split by split (twenty-eighth run: one kernel at 11 splits; at 22 it was two, twenty-ninth
-    run), one split per 128 slots instead of 256 made AR steps at prompt 512 0.9-1.4% shorter (both models at batch 1,
-    Qwen3-8B at batch 8) and changed nothing at 2k; one per 64 or 32 was 0.05-0.06 ms slower at 2k. With the Pallas
-    merge kernel (thirtieth run, AR A/Bs): 64 slots a split -0.021 ms on Qwen3-8B at 512, on Qwen3-4B -0.041 and
-    -0.002 at 512 in two processes, +0.019 at batch 8, +0.006 at 2k (8B +0.001); 256 +0.031 at 2k (4B): kept at 128."""
+    shorten the kernel and lengthen the merge. Of 32-256 slots a split, none was faster than 128 across models,
+    prompts and batches in AR steps on an H200 (docs/KERNELS.md)."""
     return max(2, min(32, slots // SLOTS_PER_SPLIT, 512 // max(rows, 1)))
 
 
@@ -114,7 +104,9 @@ def _kernel(q_ref, k_ref, v_ref, lens_ref, bits_ref, *out_refs, batch: int, kv: 
 def decode_attention(q, k, v, prefix_len, tree_bits, layer, *, scale: float | None = None, splits: int | None = None,
                      interpret: bool = False, block: int | None = None, warps: int | None = None,
                      stages: int | None = None):
-    """See the module doc. ``splits``: programs per (sequence, KV head) (default :func:`default_splits`);
+    """q [B, 1, H, hd], k, v [L, B, S, K, hd], prefix_len [B] int32, tree_bits [B, 1, W] uint32, layer (an int32
+    scalar, may be traced) -> [B, 1, H, hd] in q's dtype (see the module doc).
+    ``splits``: programs per (sequence, KV head) (default :func:`default_splits`);
     ``interpret``: the Pallas interpreter (CPU); ``block`` (keys per step, a power of two of at least 16),
     ``warps``, ``stages``: the tiling (default the module's ``BLOCK``, ``WARPS``, ``STAGES``, read when traced,
     ``STAGES`` None: 3 at batch 1, 2 above; the same output up to the sums' order; ``pallas_kernels.bench_kernels``'

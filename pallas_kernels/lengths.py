@@ -2,10 +2,10 @@
 
 ``tree_attention``, ``qkv_write`` and ``decode_attention`` read the stacked caches, and ``add_norm`` and ``qkv_write``
 every layer's norm weights, in place at a layer index that must reach them inside an operand. As an operand of its
-own, an int32 [1] that XLA sliced asynchronously out of the layer loop's indices (dynamic-slice fusion on), it made
-the compiled prefill set the state's round counter to the prompt length at batch 1 on an H200 (jaxlib 0.11.2;
-benchmarks/PERF.md, twelfth run). The kernels take this one array, the sequences' prefix lengths (cache slots before
-the new rows) with the layer appended, built by the same concatenation, which XLA makes once per layer for all.
+own, an int32 [1] that XLA sliced asynchronously out of the layer loop's indices (dynamic-slice fusion on), it was
+miscompiled on an H200 (jaxlib 0.11.2: the compiled prefill returned a wrong round counter at batch 1). The kernels
+take this one array, the sequences' prefix lengths (cache slots before the new rows) with the layer appended, built
+by the same concatenation, which XLA makes once per layer for all.
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
 After a layer's fused q|k|v projection, XLA's form (``model.qkv`` then ``cache.write_layer`` twice) is five or six
 small kernels per layer: the q norm with RoPE, the k norm with RoPE, the two cache writes (scatters, with a read and
-select of the old slot for rows past the cache) and a slice: 4.2 µs per layer of an autoregressive step of Qwen3-4B on
-an H200, where this kernel takes 2.5 (benchmarks/PERF.md, seventeenth run). Programs (sequence x row, 8 heads each:
-Qwen3's 32 + 8 + 8 heads of a token in 6) read their heads of the row's q|k|v, normalise and rotate q and k, and write
-q, or store k or v into the stacked caches in place (the caches are aliased to the outputs: no copy, the other slots
-untouched).
+select of the old slot for rows past the cache) and a slice; this kernel takes about 60% of their time on an H200
+(docs/KERNELS.md). Programs (sequence x row, 8 heads each: Qwen3's 32 + 8 + 8 heads of a token in 6) read their heads
+of the row's q|k|v, normalise and rotate q and k, and write q, or store k or v into the stacked caches in place (the
+caches are aliased to the outputs: no copy, the other slots untouched). Used by ``ddtree_jax.model.attention_inputs``
+in the target's and drafter's layer loops (where ``model.qkv_kernel_applies``).
 
 Semantics (``reference``): exactly the math of ``model.qkv`` + ``cache.write_layer`` with each operation rounded to
 the cache's 16-bit float type as written there (and as PyTorch computes it): n = round(w * (x * rsqrt(mean(x^2) +

@@ -3,12 +3,13 @@ many others (larger key first, ties: lower index first) = the number of them bef
 
 The others come a tile at a time from memory, in groups whose loads are all issued before their compares (so that
 their latencies can overlap rather than add up, one per tile), and the compares of a tile, [own, tile], stay small
-([64, 256] tiles, presumably spilling registers, not checked, made an experimental tree build about 1.8x slower on an
-H200 than [32, 64] tiles did: benchmarks/PERF.md, twenty-fourth run). The tiles' compares add up elementwise in an
-[own, tile] count, summed over its tile axis once at the end: a sum over that axis is a reduction across the
-program's threads (shuffles, and a layout change for the [own] result), which per tile would cost more than the
-tile's compares (H200, ``vocab_top_k``'s rank kernel: 5.4 -> 3.6 µs at k = 256, 13.1 -> 6.8 at 512; PERF.md,
-twenty-sixth run).
+([64, 256] tiles were much slower than [32, 64] on an H200, presumably spilling registers). The tiles' compares add
+up elementwise in an [own, tile] count, summed over its tile axis once at the end: a sum over that axis is a
+reduction across the program's threads (shuffles, and a layout change for the [own] result), which per tile cost
+more than the tile's compares (``vocab_top_k``'s rank kernel took a third to a half less time summing at the end).
+
+Used by ``vocab_top_k``'s rank kernel (``rank_count``) and by ``best_first`` and ``ddtree_jax.tree``'s rank counting
+(``comes_before``); the order is ``lax.top_k``'s, the reference the callers' tests check against.
 """
 
 from __future__ import annotations

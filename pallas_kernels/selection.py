@@ -1,6 +1,6 @@
-"""Exact selection inside one Pallas (Triton) program, without a sort: ``lax.top_k``'s order (larger first, ties:
-lower index first) from counts and cumsums. ``vocab_top_k``'s chunk selection builds on these, and ``best_first`` on
-``order_key``.
+"""Exact selection inside one Pallas (Triton) program, without a sort: ``lax.top_k``'s entries (larger first, ties:
+lower index first; the reference the tests check against) from counts and cumsums. ``vocab_top_k``'s chunk selection
+builds on these, and ``best_first`` and ``ddtree_jax.tree``'s rank counting on ``order_key``.
 
 Keys are the float32 bits mapped to int32 in the float total order (-0.0 below +0.0; ``order_key``). The largest key
 t with count(key >= t) >= k is found by a search that cuts its interval to a third per count (two thresholds

@@ -1,10 +1,14 @@
-"""The merge of the attention kernels' split-K partials: ``merge_splits``, written for XLA to fuse (``tree_attention``'s
-merge), and ``merge_splits_kernel``, the same as one Pallas kernel (``decode_attention``'s).
+"""The merge of the attention kernels' split-K partials: ``merge_splits``, jnp written for XLA to fuse (used by
+``tree_attention``), and ``merge_splits_kernel``, the same as one Pallas (Triton) kernel (used by ``decode_attention``;
+its reference is ``merge_splits``).
 
 Each split of a row's keys gives a partial: an accumulator (the exp-weighted values), its running max and, for
 ``decode_attention``, its running sum (``tree_attention`` stores a base-2 log-sum-exp instead, max and sum in one:
 its sums are 1 and its weights exp2). The row's output is the partials weighted by exp(max_s - the largest max),
 normalised.
+
+Shapes: ``merge_splits`` acc [N, S, ..., hd], m, l [N, S, ...] -> [N, ..., hd]; ``merge_splits_kernel`` acc [S, N, g,
+hd], m, l [S, N, g] -> [batch, 1, K x g, hd] (N = batch x K).
 """
 
 from __future__ import annotations
@@ -14,11 +18,9 @@ import jax.numpy as jnp
 
 def merge_splits(acc, m, l, exp=jnp.exp):
     """sum_s w_s acc_s / sum_s w_s l_s with w_s = exp(m_s - max_s m_s), over the static split axis 1 of acc [N, S,
-    ...] and m, l [N, S, ...], written as one elementwise expression per split rather than as reductions over the
-    axis, so that XLA can fuse it with what follows it (with reductions it was two kernels; written this way one at
-    ``decode_attention``'s 11 splits, H200, twenty-eighth run: Qwen3-4B AR at prompt 2k 0.032 ms a token shorter,
-    Qwen3-8B ddtree-64 rounds 0.064 ms; nothing slower; but two at 22 splits, the max apart, twenty-ninth run). The
-    sums run in split order."""
+    ..., hd] and m, l [N, S, ...] -> [N, ..., hd]. Written as one elementwise expression per split rather than as
+    reductions over the axis, so that XLA can fuse it with what follows it (as reductions it took a kernel more).
+    The sums run in split order."""
     top = m[:, 0]
     for s in range(1, m.shape[1]):
         top = jnp.maximum(top, m[:, s])
@@ -50,13 +52,9 @@ def merge_splits_kernel(acc, m, l, *, batch: int, dtype, interpret: bool = False
     """``merge_splits`` as one Pallas (Triton) kernel that writes the attention's output: acc [S, N, g, hd], m and l
     [S, N, g] (f32, the split axis first as ``decode_attention`` writes them) for N = batch x KV heads and g query heads
     a KV head -> [batch, 1, KV heads x g, hd] in ``dtype``. A grid of N x g programs, each reading its row's S partials
-    at once. Every row must have seen a key in some split (an AR step's row sees at least itself).
-
-    Against XLA's fusion of ``merge_splits`` (H200, twenty-ninth run): 1.8 µs instead of 3.6 for 22 splits of Qwen3's
-    32 / 8 heads at batch 1, where XLA made two kernels, and Qwen3 AR steps at prompt 2k 0.08 ms shorter (at batch 8,
-    8 splits, 0.02-0.04). For ``tree_attention``'s partials (base-2 log-sum-exp, its rows' layout) it was no faster:
-    Qwen3-8B ddtree-64 rounds 0.053 ms longer at prompt 512, Qwen3-4B ddtree-256 0.036 shorter
-    (``benchmarks/tree_merge_kernel.patch``)."""
+    at once. Every row must have seen a key in some split (an AR step's row sees at least itself). On an H200 it is
+    one kernel where XLA's fusion of ``merge_splits`` made two at 22 splits, about half the time
+    (docs/KERNELS.md)."""
     import functools
 
     import jax

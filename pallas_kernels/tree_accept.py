@@ -1,4 +1,6 @@
-"""Tree-walk acceptance for a batch: the accepted path, its length and the bonus token, on device.
+"""Tree-walk acceptance for a batch: the accepted path, its length and the bonus token, on device, as one Pallas
+(Mosaic GPU) kernel, ``tree_accept``, with its jnp reference ``tree_accept_reference`` (the XLA path). Used by
+``ddtree_jax.accept.walk`` after every verify with the 'pallas' implementations.
 
 Semantics (the official ``follow_verified_tree``, shared by the reference and the Pallas kernel):
     node_tokens    [B, N1] int32   the token of every tree index (index 0 = root; its token is unused)

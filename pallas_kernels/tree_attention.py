@@ -1,6 +1,10 @@
-"""Tree attention for the verify step: cached prefix + ancestor-masked tree block, GQA.
+"""Tree attention: T new tokens over a cached prefix and an ancestor-masked tree block, GQA, as one Pallas (Mosaic
+GPU, Hopper) kernel, ``tree_attention``, with its jnp reference ``tree_attention_reference`` (the XLA path).
 
-Semantics (shared by the reference below and the Pallas kernel):
+Used through ``ddtree_jax.model.attention_fn`` by the target's verify and prefill and the drafter's block (and by
+one-row steps where ``decode_attention`` does not apply) with the 'pallas' attention implementations.
+
+Semantics (shared by the reference and the kernel):
     q           [B, T, H, hd]   the T new tokens (tree nodes, prefill chunk or one AR token)
     k, v        [B, S, K, hd]   the cache, with the T new tokens' K/V already written at slots
                                 prefix_len[b] .. prefix_len[b] + T - 1; or, with ``layer``, the stacked
@@ -73,7 +77,8 @@ def tree_attention_reference(q, k, v, prefix_len, tree_bits, *, scale: float | N
 # past the end of the cache are zero-filled by TMA).
 #
 # Split-K. With ``splits`` > 1 each CTA takes a contiguous share of its sequence's key tiles and
-# writes its normalised f32 partial output and log2-sum-exp; an XLA epilogue merges the shares. The
+# writes its normalised f32 partial output and log2-sum-exp; ``split_merge.merge_splits``, fused by XLA
+# with the output's unpacking, merges the shares (a Pallas merge kernel was no faster here). The
 # partials are staged in SMEM that aliases the K/V ring (plgpu.RefUnion), after a barrier that both
 # compute warpgroups pass once their last matmul has retired.
 #
@@ -82,7 +87,7 @@ def tree_attention_reference(q, k, v, prefix_len, tree_bits, *, scale: float | N
 #
 # Interpret mode (CPU) runs the same code except the PV product: the interpreter has no pl.run_state
 # and takes wgmma operands from SMEM only, so there P goes through SMEM into a scratch accumulator.
-# Measurements, versions and the calibration of ``default_config``: benchmarks/KERNELS.md.
+# Measurements and the calibration of ``default_config``: docs/KERNELS.md.
 
 _BQ = 64  # rows per compute warpgroup (the wgmma M)
 _ALIGN = 8  # TMA row-offset granule for the (8, 64)-tiled SMEM layout
@@ -96,7 +101,7 @@ def _tree_tiles(t: int, bkv: int) -> int:
     return -(-(t + _ALIGN - 1) // bkv)
 
 
-# A cost model of the kernel, calibrated on an H200 (benchmarks/KERNELS.md): one CTA per SM; a
+# A cost model of the kernel, calibrated on an H200 (docs/KERNELS.md): one CTA per SM; a
 # 128-key tile costs a CTA ~2.1 us with two compute warpgroups (128 rows), ~1.5 us with one;
 # ~3 us fixed per CTA (either; per warpgroup count so that a refit can tell them apart); HBM at
 # ~3.4 TB/s; split-K partials (f32) are written and read once.

@@ -15,10 +15,12 @@ of 151936 for Qwen3), sorted as ``lax.top_k`` sorts (larger first, ties: lower i
    top k has its true rank (every entry before it is a candidate too) and any other a rank >= k.
 
 Stage 2 is an exact selection without a sort (``pallas_kernels.selection``: counts and cumsums in one program per
-row). Stages 3 and 4 replaced an exact selection of the k among all k * C entries and a rank count of the k (one
-program per row each), which made a tree build 33 us shorter at k = 256 on an H200 (193.7 -> 160.8 us) and 4 us at
-k = 64 (benchmarks/PERF.md, twenty-fourth run). The stages are separate kernels because each reads what the one before stored from other
-programs or threads; a kernel boundary costs about 1.3 us there (``benchmarks/launch_probe.py``).
+row). Stages 3 and 4 run on many programs per row: one program per row selecting the k among all k * C entries
+made tree builds slower on an H200 (docs/KERNELS.md). The stages are separate kernels because each reads what the
+one before stored from other programs or threads; a kernel boundary costs about 1.3 µs there.
+
+Used by ``tree.top_k_by_kernel`` (the tree build's per-depth top-k where ``supports`` holds); the reference is
+``lax.top_k``.
 
 Shapes (R rows; every tensor a power of two, as the Triton lowering needs):
     x [R, V] float32 or bfloat16  ->  vals [R, k] float32, ids [R, k] int32   (requires ceil(V / C) >= k)
@@ -171,7 +173,8 @@ def top_k(x: jax.Array, k: int, *, interpret: bool = False, warps: int = 8) -> t
                          "vocab_chunk_select", warps, k=k, n1p=n1p)(maxima)
     ckey, cval, cidx, cnt = call(_candidates_kernel, (rows, -(-k // _CAND_CHUNKS)),
                                  (i32(rows, cap + 1), f32(rows, cap + 1), i32(rows, cap + 1), i32(rows, 2)),
-                                 "vocab_candidates", 4, aliases={3: 3}, vocab=vocab, k=k, c=c, cap=cap)(x2, cid, tau, cnt)
+                                 "vocab_candidates", 4, aliases={3: 3}, vocab=vocab, k=k, c=c, cap=cap)(
+                                     x2, cid, tau, cnt)
     vals, ids = call(_ranks_kernel, (rows, _RANK_PROGRAMS), (f32(rows, k + 1), i32(rows, k + 1)), "vocab_ranks", 4,
                      k=k)(cnt, ckey, cval, cidx)
     return vals[:, :k].reshape(*lead, k), ids[:, :k].reshape(*lead, k)

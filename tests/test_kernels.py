@@ -1,10 +1,11 @@
-"""Pallas kernels vs their jnp references, on CPU: the kernels run in the Mosaic GPU interpreter.
+"""Pallas kernels vs their jnp references, on CPU: the Mosaic GPU kernels (tree_attention, tree_accept) run in its
+interpreter, the Triton ones in the Pallas interpreter.
 
-Small shapes (the interpreter simulates every warpgroup, barrier and copy), but each case exercises a
-different path: GQA ratios 1/2/4, head_dim 64/128, budget 1 and the single AR token, an empty prefix,
-ragged prefixes with every value of p % 8, split-K with its combine, one and two compute warpgroups,
-random / chain (full depth) / star trees. The GPU grid (prefixes to 32k, T to 1025, batch 16) lives in
-``python -m pallas_kernels.bench_kernels --stages validate``; its results are in benchmarks/.
+Small shapes (the interpreter simulates every warpgroup, barrier and copy), but each tree-attention case exercises
+a different path: GQA ratios 1/2/4, head_dim 64/128, budget 1 and the single AR token, an empty prefix, ragged
+prefixes with every value of p % 8, split-K with its merge, one and two compute warpgroups, random / chain (full
+depth) / star trees. The GPU grid (prefixes to 32k, T to 1025, batch 16) is
+``python -m pallas_kernels.bench_kernels --stages validate``; its results: docs/KERNELS.md.
 """
 
 from __future__ import annotations
@@ -156,8 +157,7 @@ def test_the_layer_index_reaches_the_kernel_inside_the_lengths_operand():
     """With ``layer`` the kernel call's one integer operand is the lengths with the layer index appended, [B + 1],
     computed (a concatenation), never a bare slice of the layer loop's index array. As an operand of its own, an
     int32 [1] that XLA sliced asynchronously out of the layer loop's indices, the compiled prefill returned the state's
-    round counter set to the prompt length at batch 1 on an H200 (jaxlib 0.11.2, twelfth run: every such decode
-    faulted, the default pair's batch-1 fault)."""
+    round counter set to the prompt length at batch 1 on an H200 (jaxlib 0.11.2: every such decode faulted)."""
     import jax
 
     def kernel_int_operands(b, layer):
