@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 import re
 from typing import Any, Callable, Sequence
 
@@ -356,51 +355,23 @@ def _vocab_specs(ndim: int, rules: Rules) -> tuple[P, P]:
     return P(rules.batch, *mid, rules.vocab), P(rules.batch, *mid, None)
 
 
-VOCAB_GATHERS = ("all-gather", "psum")
-
-
-def vocab_gather() -> str:
-    """How :func:`top_k` and :func:`argmax` collect the shards' candidates: ``DDTREE_JAX_VOCAB_GATHER`` (read when
-    a program is traced), "all-gather" (default) or "psum" (an all-reduce of zero-padded slots). The same bits either
-    way; on two H200s neither was faster (benchmarks/PERF.md, sixteenth run)."""
-    how = os.environ.get("DDTREE_JAX_VOCAB_GATHER", "all-gather")
-    if how not in VOCAB_GATHERS:
-        raise ShardingError(f"DDTREE_JAX_VOCAB_GATHER={how!r}: expected one of {', '.join(VOCAB_GATHERS)}")
-    return how
-
-
-def gather_shards(x: Array, axis: str, shards: int, how: str = "all-gather") -> Array:
-    """Inside shard_map: [..., k] on each of ``shards`` devices along mesh axis ``axis`` -> [..., shards * k], the
-    devices' parts in axis order, on every device (``all_gather(tiled=True)``). ``how="psum"``: each device writes
-    its part, as integer bits, into its slot of a zero buffer and the buffers are summed (integer adds of zeros:
-    the same bits, -0.0 and NaN included), an all-reduce instead of an all-gather."""
-    if how == "all-gather":
-        return jax.lax.all_gather(x, axis, axis=x.ndim - 1, tiled=True)
-    bits_type = {2: jnp.int16, 4: jnp.int32}[x.dtype.itemsize]
-    bits = x if jnp.issubdtype(x.dtype, jnp.integer) else jax.lax.bitcast_convert_type(x, bits_type)
-    if bits.dtype.itemsize < 4:  # psum of 16-bit integers: widen (the values stay small: one term is non-zero)
-        bits = bits.astype(jnp.int32)
-    slots = jnp.zeros((*x.shape[:-1], shards, x.shape[-1]), bits.dtype)
-    slots = jax.lax.dynamic_update_index_in_dim(slots, bits, jax.lax.axis_index(axis), axis=x.ndim - 1)
-    out = jax.lax.psum(slots, axis).reshape(*x.shape[:-1], shards * x.shape[-1])
-    if jnp.issubdtype(x.dtype, jnp.integer):
-        return out.astype(x.dtype)
-    return jax.lax.bitcast_convert_type(out.astype(bits_type), x.dtype)
+def gather_shards(x: Array, axis: str) -> Array:
+    """Inside shard_map: [..., k] on each device along mesh axis ``axis`` -> [..., M * k], the devices' parts in axis
+    order, on every device (a tiled all-gather)."""
+    return jax.lax.all_gather(x, axis, axis=x.ndim - 1, tiled=True)
 
 
 def _from_shard_candidates(x: Array, local: Callable, pick: Callable, n_out: int) -> tuple[Array, ...]:
     """Under a vocabulary split of x [B, ..., V]: on each device ``local(shard) -> (vals, ids)`` [..., k] (ids within
-    the shard), the devices' candidates gathered in shard order with global ids (:func:`gather_shards`, as
-    :func:`vocab_gather` says), then ``pick(vals, ids)`` on every device: ``n_out`` arrays [B, ..., k'], replicated
-    over the vocabulary axis."""
+    the shard), the devices' candidates gathered in shard order with global ids (:func:`gather_shards`), then
+    ``pick(vals, ids)`` on every device: ``n_out`` arrays [B, ..., k'], replicated over the vocabulary axis."""
     mesh, rules = _vocab_split()
     split, rep = _vocab_specs(x.ndim, rules)
-    shards, how = axis_size(mesh, rules.vocab), vocab_gather()
 
     def shard(x):
         vals, ids = local(x)
         ids = ids + jax.lax.axis_index(rules.vocab).astype(ids.dtype) * x.shape[-1]
-        return pick(gather_shards(vals, rules.vocab, shards, how), gather_shards(ids, rules.vocab, shards, how))
+        return pick(gather_shards(vals, rules.vocab), gather_shards(ids, rules.vocab))
 
     # the gathered candidates are the same on every vocabulary shard, which check_vma cannot infer
     return _per_device(shard, mesh, (split,), (rep,) * n_out, check_vma=False)(x)

@@ -9,8 +9,6 @@ report JSON that the tests below assert on:
   lengths) and 5 sampled with temperature / top-k / top-p (compared with one device, same seeds);
 - the compiled HLO of a 2x2 round and AR step (row-parallel all-reduces present, nothing vocabulary-sized gathered) and
   of an 8x1 round and prefill (no collective at all: data parallelism is communication-free);
-- the shards' argmax and top-k candidates gathered by an all-reduce instead (DDTREE_JAX_VOCAB_GATHER=psum): same bits,
-  and the grid's 1x4 ddtree run takes them so (its rows checked as every grid run's, its round without an all-gather);
 - decode.generate(mesh=...) padding a batch of 3 to the data axis, and with output-major target weights; the attention and tree-walk kernels per
   device under shard_map (the wrappers' splits on 2x2; the Pallas kernels in the Mosaic GPU interpreter on
   1x1); a checkpoint saved from one sharded layout and restored into another; impossible meshes.
@@ -41,7 +39,6 @@ METHODS = ("ar", "dflash", "ddtree")
 # and on five meshes would be): the sharded path on one device (1x1) is test_bench.py's fixtures mode on a mesh, and 1x2
 # (the model axis alone, no replication) is 2x2's model split, and runs below with output-major weights.
 GRID = {"none": METHODS, "2x2": METHODS, "1x4": ("ar", "ddtree"), "8x1": ("ddtree",)}
-PSUM_CASE = ("1x4", "ddtree")  # run with DDTREE_JAX_VOCAB_GATHER=psum: the tree's top-k and the argmax by all-reduces
 CASES = [(shape, method) for shape, methods in GRID.items() for method in methods]
 BUDGET = 16  # ddtree; every round of the fixtures matches at budgets <= 16
 VOCAB = 256
@@ -127,18 +124,7 @@ def _script(out_path: str) -> None:
         mesh = None if shape == "none" else mesh_of(shape)
         report["grid"][shape] = {}
         for method in methods:
-            psum = (shape, method) == PSUM_CASE
-            if psum:  # read when traced: every program from here on is traced again, and after it
-                jax.clear_caches()
-                os.environ["DDTREE_JAX_VOCAB_GATHER"] = "psum"
-            try:
-                result, prefill_hlo, rounds_hlo = run(method, mesh)
-            finally:
-                if psum:
-                    del os.environ["DDTREE_JAX_VOCAB_GATHER"]
-                    jax.clear_caches()
-            if psum:
-                report["vocab_gather_psum"] = {"ops": sorted({c["op"] for c in sharding.collectives(rounds_hlo)})}
+            result, prefill_hlo, rounds_hlo = run(method, mesh)
             report["grid"][shape][method] = result
             if (shape, method) in (("2x2", "ddtree"), ("2x2", "dflash"), ("2x2", "ar"), ("8x1", "ddtree")):
                 report["hlo"][f"{shape} {method}"] = {
@@ -315,20 +301,6 @@ def _script(out_path: str) -> None:
         except sharding.ShardingError as e:
             errors[name] = str(e)
     report["errors"] = errors
-
-    # the shards' candidates gathered by an all-reduce of zero-padded slots (DDTREE_JAX_VOCAB_GATHER=psum)
-    t0 = time.time()
-    special = jnp.asarray([[-0.0, 0.0, jnp.nan, -jnp.inf, 1.5, -2.25, 3e38, -1e-45]], jnp.float32)
-
-    def gathered(how, x):
-        f = jax.shard_map(lambda a: sharding.gather_shards(a, "model", 4, how), mesh=mesh_of("1x4"),
-                          in_specs=P(None, "model"), out_specs=P(), check_vma=False)
-        return np.asarray(jax.jit(f)(x)).view(np.uint8)
-
-    same_bits = all(np.array_equal(gathered("psum", x), gathered("all-gather", x))
-                    for x in (special, special.astype(jnp.bfloat16), jnp.arange(-3, 5, dtype=jnp.int32)[None]))
-    report["vocab_gather_psum"]["same_bits"] = same_bits
-    report["seconds"]["vocab_gather_psum"] = time.time() - t0
     with open(out_path, "w") as f:
         json.dump(report, f)
 
@@ -419,26 +391,6 @@ def test_hlo_of_a_tensor_parallel_ar_step(report):
     assert not [c for c in rounds + report["hlo"]["2x2 ar"]["prefill"] if _vocab_sized(c)]
     gathers = [c for c in rounds if c["op"] == "all-gather"]
     assert gathers and all(max(d[-1] for _, d in c["shapes"]) <= 2 for c in gathers), gathers
-
-
-def test_candidates_gathered_by_psum_are_the_same(report):
-    """DDTREE_JAX_VOCAB_GATHER=psum (sharding.gather_shards): the tiled all-gather's bits (f32 with -0.0, NaN, -inf,
-    bf16, int32) by an all-reduce, and the grid's 1x4 ddtree run, whose round has no all-gather left, gives one
-    device's rows (greedy rows: the reference's tokens, test_greedy_rows_match_the_reference)."""
-    got = report["vocab_gather_psum"]
-    assert got["same_bits"]
-    assert got["ops"] == ["all-reduce"], got["ops"]
-    shape, method = PSUM_CASE
-    for key in ("outputs", "acceptance"):
-        assert report["grid"][shape][method][key] == report["grid"]["none"][method][key]
-
-
-def test_a_bad_vocab_gather_is_a_one_line_error(monkeypatch):
-    from ddtree_jax import sharding
-
-    monkeypatch.setenv("DDTREE_JAX_VOCAB_GATHER", "ring")
-    with pytest.raises(sharding.ShardingError, match="expected one of all-gather, psum"):
-        sharding.vocab_gather()
 
 
 def test_hlo_of_a_data_parallel_round_has_no_collectives(report):
