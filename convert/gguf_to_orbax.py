@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ddtree_jax import checkpoint, gguf_model
+from ddtree_jax import checkpoint, cli, gguf_model
 
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = cli.ArgumentParser(
         prog="python -m convert.gguf_to_orbax",
         description="Dequantise a GGUF model with the gguf package and write a ddtree_jax orbax checkpoint "
         "(config.json from the GGUF metadata, tokenizer.json + tokenizer_config.json from its tokenizer).",
@@ -34,28 +34,28 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None) -> None:
     p = _parser()
     args = p.parse_args(argv)
-    try:
-        if args.default:
-            if args.dst is not None:
-                p.error("--default takes at most one path (DST)")
-            src = gguf_model.fetch_gguf()
-            dst = args.src or gguf_model.converted_path()
-            if checkpoint.is_checkpoint(dst) and not args.force:
-                print(f"already converted: {dst}")
-                return 0
-        else:
-            if args.src is None or args.dst is None:
-                p.error("SRC and DST are required (or --default)")
-            src, dst = args.src, args.dst
-        gguf_model.convert(src, dst, args.dtype, force=args.force or args.default)
-    except (gguf_model.GGUFError, checkpoint.CheckpointError, OSError) as e:
-        print(f"gguf_to_orbax: error: {e}", file=sys.stderr)
-        return 1
+    if args.default:
+        if args.dst is not None:
+            p.error("--default takes at most one path (DST)")
+        src = gguf_model.fetch_gguf()
+        dst = args.src or gguf_model.converted_path()
+        if checkpoint.is_checkpoint(dst) and not args.force:
+            print(f"already converted: {dst}")
+            return
+    else:
+        if args.src is None or args.dst is None:
+            p.error("SRC and DST are required (or --default)")
+        src, dst = args.src, args.dst
+    gguf_model.convert(src, dst, args.dtype, force=args.force or args.default)
     print(f"wrote target checkpoint ({args.dtype}) to {dst}")
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Bad input (a missing or unreadable GGUF, an existing DST) is one stderr line and exit status 2."""
+    return cli.run(_main, argv)
 
 
 if __name__ == "__main__":

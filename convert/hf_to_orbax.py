@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import tqdm
 
-from ddtree_jax import checkpoint, weights
+from ddtree_jax import checkpoint, cli, weights
 from ddtree_jax.config import ConfigError
 from ddtree_jax.params import logical_axes
 
@@ -82,13 +82,8 @@ def convert(src: str, dst: str, dtype: str = "bfloat16", kind: str = "auto", for
     return kind
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage block
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = cli.ArgumentParser(
         prog="python -m convert.hf_to_orbax",
         description="Convert a Hugging Face model directory (config.json + model.safetensors or sharded "
         "safetensors with model.safetensors.index.json) into a ddtree_jax orbax checkpoint with stacked layers.",
@@ -109,16 +104,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None) -> None:
     args = _parser().parse_args(argv)
     jax.config.update("jax_platforms", "cpu")  # conversion is host work; never claim an accelerator
-    try:
-        kind = convert(args.src, args.dst, args.dtype, args.kind, args.force)
-    except (weights.WeightsError, checkpoint.CheckpointError, ConfigError, OSError) as e:
-        print(f"hf_to_orbax: error: {e}", file=sys.stderr)
-        return 1
+    kind = convert(args.src, args.dst, args.dtype, args.kind, args.force)
     print(f"wrote {kind} checkpoint ({args.dtype}) to {args.dst}")
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Bad input (a missing or malformed model, an existing DST) is one stderr line and exit status 2."""
+    return cli.run(_main, argv)
 
 
 if __name__ == "__main__":

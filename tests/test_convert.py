@@ -1,4 +1,5 @@
-"""Orbax checkpoints (save/restore, shardings) and the HF -> orbax converter CLI, including its memory bound."""
+"""Orbax checkpoints (save/restore, shardings), the HF -> orbax converter CLI with its memory bound, and the GGUF
+converter CLI's handling of bad input."""
 
 import json
 import os
@@ -189,6 +190,32 @@ def test_cli_help_describes_every_flag():
     assert run.returncode == 0
     for flag in ("SRC", "DST", "--dtype", "--kind", "--force", "bfloat16", "auto"):
         assert flag in run.stdout
+
+
+@pytest.mark.parametrize("args,words", [
+    ([], "SRC and DST are required"),
+    (["--default", "a", "b"], "--default takes at most one path"),
+    (["{tmp}/missing.gguf", "{tmp}/out"], "not a readable GGUF file"),
+    (["{tmp}/bad.gguf", "{tmp}/out"], "GGUF magic invalid"),
+    (["{tmp}/bad.gguf", "{tmp}/out", "--dtype", "int8"], "invalid choice"),
+])
+def test_gguf_cli_bad_input_is_one_stderr_line(tmp_path, capsys, args, words):
+    from convert import gguf_to_orbax
+
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf file")
+    code = gguf_to_orbax.main([a.format(tmp=tmp_path) for a in args])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and words in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_gguf_cli_help_describes_every_flag(capsys):
+    from convert import gguf_to_orbax
+
+    assert gguf_to_orbax.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("SRC", "DST", "--default", "--dtype", "--force", "float32"):
+        assert flag in out
 
 
 # ---------------------------------------------------------------------------------------------- memory
