@@ -135,22 +135,18 @@ def linear(x: Array, w: Array, spec: str, output_major: bool = False, out_dtype=
     return jnp.einsum(f"{xs},{outs + ins}->{ys}", x, w, preferred_element_type=out_dtype)
 
 
-GATE_UP_F32 = False  # gate and up out of their product in f32, the form before the thirty-first run (read when traced)
-
-
 def mlp(x: Array, w: LayerWeights, down_splits: int = 1) -> Array:
     """SwiGLU; x [B, T, D] in the weights' dtype, f32 result. gate and up come out of their product in x's dtype, as
-    PyTorch's Linear gives them (accumulated in f32, rounded once): the SiLU product then reads half the bytes of f32
-    (``GATE_UP_F32`` gives f32). ``down_splits`` > 1: the down projection's partial sums [down_splits, B, T, D]
-    (:func:`linear`'s splits; :func:`product_splits` says when)."""
-    om, f32 = w.output_major, jnp.float32
-    inner = f32 if GATE_UP_F32 else x.dtype
+    PyTorch's Linear gives them (accumulated in f32, rounded once): the SiLU product then reads half the bytes of f32.
+    ``down_splits`` > 1: the down projection's partial sums [down_splits, B, T, D] (:func:`linear`'s splits;
+    :func:`product_splits` says when)."""
+    om = w.output_major
     if w.fused:  # one product for both (params.fuse_projections)
-        gate, up = jnp.split(linear(x, w.w_gate, "btd,df->btf", om, inner), 2, axis=-1)
+        gate, up = jnp.split(linear(x, w.w_gate, "btd,df->btf", om, x.dtype), 2, axis=-1)
     else:
-        gate, up = (linear(x, m, "btd,df->btf", om, inner) for m in (w.w_gate, w.w_up))
+        gate, up = (linear(x, m, "btd,df->btf", om, x.dtype) for m in (w.w_gate, w.w_up))
     h = constrain((jax.nn.silu(gate) * up).astype(x.dtype), ("batch", "seq", "mlp"))
-    return linear(h, w.w_down, "btf,fd->btd", om, f32, splits=down_splits)
+    return linear(h, w.w_down, "btf,fd->btd", om, jnp.float32, splits=down_splits)
 
 
 def output_projection(o: Array, w: LayerWeights, splits: int = 1) -> Array:
@@ -201,9 +197,6 @@ def qkv(x: Array, w: LayerWeights, eps: float, cos: Array, sin: Array) -> tuple[
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-TAP_IN_NORM = True  # the target's taps written by the add_norm kernel, not by an update of their own (read when traced)
-
-
 def residual_norm(x: Array, delta: Array, w: Array, eps: float, impl: str = "xla",
                   stacked: tuple[Array, Array, Array] | None = None, tap: tuple[Array, Array, Array] | None = None,
                   tuning: Tuning = Tuning()):
@@ -214,10 +207,10 @@ def residual_norm(x: Array, delta: Array, w: Array, eps: float, impl: str = "xla
     layer's weights [L, D], the layer, the prefix lengths [B]), which the kernel reads in place instead of w (the
     layer's row of them), so that XLA needs no slice kernel for it. ``tap``: (taps [S, ..., D], slots [L] int32, the
     layer): the sum is also written, in taps' dtype, at taps[slots[layer]], and the taps are returned third (by the
-    kernel where it reads ``stacked`` and ``TAP_IN_NORM`` holds, else by an update of their own)."""
+    kernel where it reads ``stacked``, else by an update of their own)."""
     if _layer_kernels(impl) and x.dtype == jnp.float32 and tuning.add_norm:
         kw = dict(eps=eps, interpret=impl.endswith("-interpret"))
-        if stacked is not None and tap is not None and TAP_IN_NORM:
+        if stacked is not None and tap is not None:
             return add_norm.add_norm(x, delta.astype(jnp.float32), *stacked, tap=tap[:2], **kw)
         x, h = add_norm.add_norm(x, delta.astype(jnp.float32), *(stacked or (w,)), **kw)
     else:
@@ -237,16 +230,13 @@ def qkv_kernel_applies(impl: str, w: LayerWeights, x: Array, k_all: Array, tunin
             and tuning.qkv_write)
 
 
-MASK_ONCE = True  # the tree kernel's mask operand made once per forward, not in every layer (read when traced)
-
-
 def layer_mask(impl: str, tree_bits: Array, prefix_len: Array, heads: int, k_all: Array, tuning: Tuning = Tuning()):
     """What a layer loop passes its attention (:func:`attention_fn`) as the mask: where the in-place tree kernel will
-    run on one device (:func:`_layer_kernels`, a 16-bit cache, T > 1 or no ``decode_attention``; ``MASK_ONCE``) a
+    run on one device (:func:`_layer_kernels`, a 16-bit cache, T > 1 or no ``decode_attention``) a
     ``tree_attention.KernelMask``, its operand made here, once for every layer; else tree_bits [B, T, W] as given.
     heads: H; k_all: the stacked cache [L, B, S, K, hd]."""
     b, t, _ = tree_bits.shape
-    if not (MASK_ONCE and _layer_kernels(impl) and _tree_kernel_reads(b, t, heads, k_all, tuning)):
+    if not (_layer_kernels(impl) and _tree_kernel_reads(b, t, heads, k_all, tuning)):
         return tree_bits
     return tree_attention_lib.kernel_mask(tree_bits, prefix_len, (b, t, heads, k_all.shape[-1]), k_all.shape)
 
@@ -258,9 +248,6 @@ def _tree_kernel_reads(b: int, t: int, heads: int, k_all: Array, tuning: Tuning)
     return tree_attention_lib.supports(q_like, k_all) and not decode_attention_applies(q_like, k_all, tuning)
 
 
-PACKED_Q = True  # qkv_write writes q in the tree kernel's row layout where that kernel reads it (read when traced)
-
-
 def attention_inputs(x: Array, w: LayerWeights, eps: float, cos: Array, sin: Array, k_all: Array, v_all: Array,
                      layer: Array, start: Array, impl: str = "xla",
                      stacked: LayerWeights | None = None, tuning: Tuning = Tuning()) -> tuple[Array, Array, Array]:
@@ -269,14 +256,14 @@ def attention_inputs(x: Array, w: LayerWeights, eps: float, cos: Array, sin: Arr
     :func:`qkv_kernel_applies`, the norms, RoPE and both writes are one kernel (``pallas_kernels.qkv_write``: the
     same math, rounded after each operation; XLA's form may differ in a value's last bit), which reads the q/k norm
     weights of ``stacked`` (every layer's weights, if given) in place at ``layer`` instead of w's, and, where the
-    tree kernel will read q (T > 1 or no ``decode_attention``; ``PACKED_Q``), writes q in that kernel's row layout
+    tree kernel will read q (T > 1 or no ``decode_attention``), writes q in that kernel's row layout
     (a ``tree_attention.PackedQ``, which :func:`attention_fn`'s other paths unpack)."""
     if qkv_kernel_applies(impl, w, x, k_all, tuning):
         qkv_ = linear(x, w.wq, "btd,dhk->bthk", w.output_major)  # [B, T, H + 2K, hd]
         norms = stacked if stacked is not None else w
         b, t, heads, hd = x.shape[0], x.shape[1], num_heads(w), qkv_.shape[-1]
         rows = None  # (the kernel writes q in x's dtype, which is the cache's, at the cache's hd)
-        if PACKED_Q and _tree_kernel_reads(b, t, heads, k_all, tuning):
+        if _tree_kernel_reads(b, t, heads, k_all, tuning):
             rows = tree_attention_lib.packed_rows(b, t, heads, k_all.shape[-2], k_all.shape[-3], hd)
         return qkv_write.qkv_write(qkv_, norms.q_norm, norms.k_norm, cos, sin, k_all, v_all, layer, start,
                                    heads=heads, eps=eps, interpret=impl.endswith("-interpret"), q_rows=rows)

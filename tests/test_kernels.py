@@ -745,7 +745,7 @@ def _pallas_outputs(closed, name: str) -> tuple[tuple, ...]:
     return [tuple(tuple(v.aval.shape) for v in e.outvars) for e in _pallas_eqns(closed) if e.params["name"] == name][0]
 
 
-def test_the_model_writes_q_k_v_by_the_kernel_with_pallas_inplace(monkeypatch):
+def test_the_model_writes_q_k_v_by_the_kernel_with_pallas_inplace():
     """model.forward with 'pallas-inplace' attention and fused q|k|v weights takes the qkv_write kernel and the
     add_norm kernel, which read every layer's norm weights in place (no slice of them per layer), the first norm of
     a layer also writing the previous layer's output into the taps (Tuning(qkv_write=False, add_norm=False), or
@@ -768,8 +768,7 @@ def test_the_model_writes_q_k_v_by_the_kernel_with_pallas_inplace(monkeypatch):
                              tuning=tuning)
 
     def run(params, tuning=Tuning()):
-        fn = jax.jit(lambda p, c: forward(p, c, tuning=tuning))  # a new function: jit's cache does not key on the
-        # module's switches
+        fn = jax.jit(lambda p, c: forward(p, c, tuning=tuning))
         return fn(params, cache), fn.lower(params, cache).as_text()
 
     (hk, ck, fk), text = run(fused)
@@ -786,18 +785,6 @@ def test_the_model_writes_q_k_v_by_the_kernel_with_pallas_inplace(monkeypatch):
     assert not model.qkv_kernel_applies("xla", layer0, hk.astype(jnp.bfloat16), cache.k)
     rows = tat.packed_rows(b, t, tcfg.num_heads, tcfg.num_kv_heads, cache.k.shape[2], hd)  # q in the tree kernel's
     assert _pallas_outputs(jax.make_jaxpr(forward)(fused, cache), "qkv_write")[0] == (b, tcfg.num_kv_heads, rows, hd)
-    monkeypatch.setattr(model, "PACKED_Q", False)  # q as [B, T, H, hd], packed by XLA: the same everything
-    assert _pallas_outputs(jax.make_jaxpr(lambda p, c: forward(p, c))(fused, cache), "qkv_write")[0] == (
-        b, t, tcfg.num_heads, hd)  # (a new function: make_jaxpr caches on it)
-    (hp, cp, fp), _ = run(fused)
-    for x, y in ((hp, hk), (cp.k, ck.k), (cp.v, ck.v), (fp, fk)):
-        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
-    monkeypatch.setattr(model, "PACKED_Q", True)
-    monkeypatch.setattr(model, "TAP_IN_NORM", False)  # the kernel's taps by an update of their own: the same ones
-    (_, _, fu), text = run(fused)
-    assert "add_norm" in text
-    np.testing.assert_array_equal(np.asarray(fu, np.float32), np.asarray(fk, np.float32))
-    monkeypatch.setattr(model, "TAP_IN_NORM", True)
     (hx, cx, fx), text = run(fused, Tuning(qkv_write=False, add_norm=False))
     assert "qkv_write" not in text and "add_norm" not in text
     assert "qkv_write" not in run(plain)[1]  # unfused weights: XLA's form
@@ -821,11 +808,10 @@ def _primitives(jaxpr) -> set[str]:
     return names
 
 
-def test_the_layer_loop_makes_the_tree_kernels_mask_once(monkeypatch):
+def test_the_layer_loop_makes_the_tree_kernels_mask_once():
     """model.forward with 'pallas-inplace' attention makes the tree kernel's mask operand (model.layer_mask) before
-    its layer loop: no shift of the mask words inside the loop's body, where ``MASK_ONCE`` False (the kernel making
-    it in every layer) has them; the same hidden states, caches and taps. An AR step (decode_attention) and XLA's
-    attention take the bits as they are."""
+    its layer loop: no shift of the mask words inside the loop's body (the kernel given the bits would make it in
+    every layer). An AR step (decode_attention) and XLA's attention take the bits as they are."""
     from ddtree_jax import model
     from pallas_kernels.bitmask import causal_bits
 
@@ -834,23 +820,13 @@ def test_the_layer_loop_makes_the_tree_kernels_mask_once(monkeypatch):
     cache, tokens, positions = _block_on_a_filled_cache(tcfg, b, t, seed=1)
     bits = causal_bits(b, t)
 
-    def traced():  # a new function each time: jit's and make_jaxpr's caches do not key on the switch
-        fn = lambda c: model.forward(tparams, tcfg, tokens, positions, c, bits, taps=(0,),  # noqa: E731
-                                     attention="pallas-inplace-interpret")
-        (scan,) = [e for e in jax.make_jaxpr(fn)(cache).jaxpr.eqns if e.primitive.name == "scan"]
-        return jax.jit(fn)(cache), _primitives(scan.params["jaxpr"].jaxpr)
-
-    (h1, c1, f1), body = traced()
+    fn = lambda c: model.forward(tparams, tcfg, tokens, positions, c, bits, taps=(0,),  # noqa: E731
+                                 attention="pallas-inplace-interpret")
+    (scan,) = [e for e in jax.make_jaxpr(fn)(cache).jaxpr.eqns if e.primitive.name == "scan"]
+    body = _primitives(scan.params["jaxpr"].jaxpr)
     assert "shift_left" not in body and "pallas_call" in body
     mask = model.layer_mask("pallas-inplace", bits, cache.length, tcfg.num_heads, cache.k)
     assert isinstance(mask, tat.KernelMask)
-    monkeypatch.setattr(model, "MASK_ONCE", False)
-    (h2, c2, f2), body = traced()
-    assert "shift_left" in body
-    for x, y in ((h1, h2), (c1.k, c2.k), (c1.v, c2.v), (f1, f2)):
-        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
-    assert model.layer_mask("pallas-inplace", bits, cache.length, tcfg.num_heads, cache.k) is bits
-    monkeypatch.setattr(model, "MASK_ONCE", True)
     assert model.layer_mask("xla", bits, cache.length, tcfg.num_heads, cache.k) is bits
     one = causal_bits(b, 1)  # an AR step: decode_attention reads the bits
     assert model.layer_mask("pallas-inplace", one, cache.length, tcfg.num_heads, cache.k) is one
