@@ -1,7 +1,7 @@
 """Interleaved same-process A/B of whole rounds: every variant compiled once, then timed in alternating pairs (A B,
-B A, A B, ...) so that the drift of one process's speed (up to 8% over a minute on an H200: benchmarks/PERF.md,
-tenth and thirteenth runs) falls on every variant alike. Reports each variant's median ms per round, the median of
-the paired differences against the first variant, and how many pairs the variant won.
+B A, A B, ...) so that the drift of one process's speed (up to 8% over a minute on an H200: docs/PERFORMANCE.md)
+falls on every variant alike. Reports each variant's median ms per round, the median of the paired differences
+against the first variant, and how many pairs the variant won.
 
 A variant is NAME:FIELD=VALUE,... with fields ``draft`` (the drafter's layout, decode.LAYOUTS; default
 decode.DRAFT_GPU_LAYOUT), ``layout`` (the target's; default decode.GPU_LAYOUT, decode.GPU_AR_LAYOUT for ar),

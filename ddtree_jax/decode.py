@@ -150,9 +150,9 @@ GPU_VERIFY_ALIGN = 8
 
 def default_verify_align(method: str) -> int:
     """Rows of a verify block are padded to a multiple of this: ``GPU_VERIFY_ALIGN`` on GPU for trees and chains,
-    the multiple XLA pads a bf16 cuBLAS GEMM's rows to anyway (at 65 rows it pads every GEMM input of every
-    layer: about six small copies per layer; benchmarks/PERF.md, seventh run). Nothing elsewhere, nor for an AR
-    step (one row: row reductions, no GEMMs), where padding would only add work."""
+    the multiple XLA pads a bf16 cuBLAS GEMM's rows to anyway (otherwise with a copy of every GEMM input of every
+    layer). Nothing elsewhere, nor for an AR step (one row: row reductions, no GEMMs), where padding would only add
+    work."""
     return GPU_VERIFY_ALIGN if jax.default_backend() == "gpu" and method != "ar" else 1
 
 
@@ -162,17 +162,15 @@ GPU_AR_LAYER_UNROLL = 4
 def default_layer_unroll(rows: int) -> int:
     """Target layers per iteration of the layer loop of a verify forward over ``rows`` = batch x block rows:
     ``GPU_AR_LAYER_UNROLL`` for one row on GPU (an AR step at batch 1), where each iteration of the stacked
-    layers' loop costs about 4 us of loop bookkeeping and the step's row reductions read their layer's weights
-    in place either way (Qwen3-4B on an H200: 3.38 -> 3.23 ms per token; benchmarks/PERF.md, eighth run).
-    1 otherwise: unrolled, the GEMMs (cuBLAS) of a longer block no longer read the stacked weights in place but
-    copy them (Qwen3-8B ddtree 64, unroll 2: 8.0 -> 14.4 ms per round)."""
+    layers' loop costs a few microseconds of bookkeeping and the step's row reductions read their layer's weights
+    in place either way. 1 otherwise: unrolled, the GEMMs (cuBLAS) of a longer block no longer read the stacked
+    weights in place but copy them (docs/PERFORMANCE.md)."""
     return GPU_AR_LAYER_UNROLL if jax.default_backend() == "gpu" and rows == 1 else 1
 
 
 def resolve_attention(choice: str) -> str:
     """'auto' -> on a GPU, the Pallas kernels with the attention reading each layer's K/V in place
-    ('pallas-inplace', measured faster than the sliced kernel: benchmarks/PERF.md, sixth run) when the probe of
-    it passes, else the sliced kernel ('pallas') when its probe passes, else XLA; XLA elsewhere. 'pallas' and
+    ('pallas-inplace', faster than the sliced kernel: no per-layer copy of the cache) when the probe of it passes, else the sliced kernel ('pallas') when its probe passes, else XLA; XLA elsewhere. 'pallas' and
     'pallas-inplace' on CPU run the kernels in interpret mode."""
     on_gpu = jax.default_backend() == "gpu"
     if choice == "auto":
@@ -386,17 +384,13 @@ def first_stop(out: Array, state: State, n_out: Array) -> Array:
 
 
 # XLA options of every top-level compile of the round loop and prefill (``decode.compiled``, the engine's steps,
-# the bench; jax takes compiler options on top-level jits only; the GPU ones are inert on CPU). Measured on an
-# H200 (benchmarks/PERF.md, fourth run), stacked output-major weights: dynamic-slice fusion lets cuBLAS read each
-# layer's slice of the stacked weights in place, where XLA's Triton GEMMs copy it first (a ddtree-64 round of
-# Qwen3-8B: 9.5 ms with these options, 17.2 ms without); one-row products are row reductions, which neither
-# option touches (AR 5.39 / 5.37 ms). A dot-merger threshold of 0 stops XLA from concatenating each layer's
-# gate+up and q/k/v weights into new buffers every round to merge their products (sixth run: a ddtree-64 round of
-# Qwen3-4B 8.61 -> 6.97 ms; Qwen3-8B and AR within 4 % either way). ``bench models --ab`` compiles with others.
-# Concurrent command-buffer scheduling builds each CUDA graph from the data dependencies rather than in program
-# order, so small independent kernels may overlap: 2-5 % faster rounds and AR steps (tenth and eleventh runs,
-# same-process A/Bs; the fixture pair gives the reference's tokens under it on the GPU). Options set here override
-# XLA_FLAGS.
+# the bench; jax takes compiler options on top-level jits only; the GPU ones are inert on CPU; they override
+# XLA_FLAGS). Dynamic-slice fusion with cuBLAS GEMMs lets each GEMM read its layer's slice of the stacked weights
+# in place, where XLA's Triton GEMMs copy it first (a Qwen3-8B ddtree-64 round: 9.5 against 17.2 ms). A dot-merger
+# threshold of 0 stops XLA from concatenating each layer's gate+up and q/k/v weights into new buffers every round to
+# merge their products. Concurrent command-buffer scheduling builds each CUDA graph from the data dependencies, so
+# small independent kernels may overlap (a few percent). Measurements: docs/PERFORMANCE.md; ``bench models --ab``
+# compiles with others.
 XLA_OPTIONS = {
     "xla_gpu_enable_dynamic_slice_fusion": True,
     "xla_gpu_enable_triton_gemm": False,
@@ -408,9 +402,9 @@ XLA_OPTIONS = {
 # Every jit that donates a State keeps its unused arguments. jax pairs each donated buffer with the first output of its
 # shape and dtype; when an argument the program never reads is pruned (prefill overwrites the lengths, bonus and n_out),
 # the pairs shift and a pass-through output is given another leaf's buffer (prompt_len's value into n_rounds' buffer).
-# XLA on an H200 miscompiled such a pairing: prefill with an input-major drafter returned n_rounds = prompt_len, the
-# "decode fault" of benchmarks/PERF.md's twenty-second run (traced in the twenty-third). With every argument kept, each
-# output takes its own input's buffer (tests/test_decode.py checks the pairs of the compiled programs).
+# XLA on an H200 miscompiled such a pairing: prefill with an input-major drafter returned n_rounds = prompt_len (a
+# "decode fault", docs/CORRECTNESS.md). With every argument kept, each output takes its own input's buffer
+# (tests/test_decode.py checks the pairs of the compiled programs).
 donating_jit = functools.partial(jax.jit, keep_unused=True)
 
 
@@ -580,20 +574,15 @@ def _replicated(tree) -> bool:
     return all(getattr(getattr(x, "sharding", None), "is_fully_replicated", True) for x in jax.tree.leaves(tree))
 
 
-# device_layout's choices on GPU. For the rounds, the target's matrices input-major with q/k/v and gate/up fused: cuBLAS
-# reads input-major matrices faster at every row count from 2 to 264, a layer's four products summed
-# (benchmarks/gemm_layouts.py; Qwen3-8B at 72 rows 107.5 against 112.4 us a layer), and in interleaved A/Bs against
-# the output-major fused layout the rounds were faster (benchmarks/PERF.md, twenty-second run: ddtree 64, Qwen3-8B
-# -0.106 ms, 4B -0.040). Fusing took a Qwen3-8B ddtree-64
-# round from 8.73 to 7.87 ms (seventh run).
+# device_layout's choices on GPU (docs/PERFORMANCE.md has the measurements). For the rounds, the target's matrices
+# input-major with q/k/v and gate/up fused: cuBLAS reads input-major matrices faster at every row count from 2 to 264
+# (benchmarks/gemm_layouts.py), and fewer, larger products are faster.
 GPU_LAYOUT = "stacked-fused"
-# ... a drafter's (its products have 16 rows per sequence): output-major and fused. Input-major drafters are no faster
-# in interleaved A/Bs of ddtree 64 (PERF.md, twenty-third run: Qwen3-8B +0.010 ms, 4B -0.020); their wrong rounds on the
-# GPU in the twenty-second run were XLA's, from a shifted buffer pairing in prefill (see donating_jit), since avoided.
+# ... a drafter's (its products have 16 rows per sequence): output-major and fused; input-major is no faster there.
 DRAFT_GPU_LAYOUT = "stacked-out-major-fused"
 # ... and AR's: output-major, so that a one-row step (batch 1) is a row reduction (input-major, XLA's one-row product
-# is 4x slower: 18.3 against 4.5 ms a Qwen3-8B step); batches of AR steps would be faster input-major (batch 8: -0.297
-# ms), but one engine serves every batch size with one layout.
+# is 4x slower); batches of AR steps would be faster input-major, but one engine serves every batch size with one
+# layout.
 GPU_AR_LAYOUT = "stacked-out-major-fused"
 
 
@@ -617,7 +606,7 @@ def round_statistics_problem(spec: Spec, n_rounds: np.ndarray, hist: np.ndarray)
     Every round commits its accepted path (the root at least, at most ``path_len`` nodes), so a sequence takes at
     most ``max_new_tokens`` rounds and every recorded length is in [1, path_len]. Anything else means the compiled
     program computed wrong values: on an H200, traced runs under XLA's default GPU options (without
-    ``XLA_OPTIONS``) took more rounds than tokens (docs/DEFAULT_PAIR.md). Checked after the loop, on the host."""
+    ``XLA_OPTIONS``) took more rounds than tokens (docs/CORRECTNESS.md). Checked after the loop, on the host."""
     for i, n in enumerate(n_rounds.tolist()):
         if n > spec.max_rounds:
             return f"sequence {i} took {n} rounds for at most {spec.max_rounds} new tokens"

@@ -1,5 +1,5 @@
 """The default pair: SmolLM2-135M-Instruct (target, fetched and converted on first use) and the DFlash drafter
-trained for it with :mod:`ddtree_jax.train_draft`, shipped in ``ddtree_jax/data`` (see docs/DEFAULT_PAIR.md).
+trained for it with :mod:`ddtree_jax.train_draft`, shipped in ``ddtree_jax/data`` (see docs/TRAINING.md).
 
 ``python -m ddtree_jax.generate`` with no ``--target`` runs this pair.
 """
@@ -13,12 +13,12 @@ from ddtree_jax import gguf_model
 TARGET = gguf_model.SMOLLM2
 DRAFT_DIR_NAME = "smollm2-135m-dflash"
 METHOD = "ddtree"
-# The budget `generate` runs, measured for this pair at batch 1 (docs/DEFAULT_PAIR.md): on CPU a verify costs in
+# The budget `generate` runs, measured for this pair at batch 1 (docs/TRAINING.md): on CPU a verify costs in
 # proportion to its tokens, so small trees win (16: 1.11x AR); on an H200, checked with the current XLA options,
 # 32 gave 1.23x AR, within 5% of the fastest (128: 1.29x; 16: 1.19x, 256: 1.10x; 64 not re-measured).
 TREE_BUDGET = {"cpu": 16, "gpu": 32}
 # In the drafter's domain (it was trained on Python documentation and code; off-domain prompts accept less,
-# e.g. 1.38 tokens per round for "Explain in a few sentences why the sky is blue.": docs/DEFAULT_PAIR.md)
+# e.g. 1.38 tokens per round for "Explain in a few sentences why the sky is blue.": docs/TRAINING.md)
 PROMPT = "Explain what a Python list comprehension is."
 
 

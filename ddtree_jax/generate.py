@@ -269,7 +269,7 @@ def _use_default_pair(args: argparse.Namespace) -> None:
     if args.prompt is None and args.prompt_ids is None:
         args.prompt = [defaults.PROMPT]
     if not defaults.target_cached():
-        cli.info("first run: fetching the default target model (SmolLM2-135M-Instruct, ~98 MB, once)")
+        cli.info("first use: fetching the default target model (SmolLM2-135M-Instruct, ~98 MB, once)")
     args.target = defaults.target_path()
     # Keep compiled programs on disk: later runs of the default pair skip compilation.
     import jax

@@ -172,12 +172,9 @@ def product_splits(impl: str, rows: int, depth: int, width: int, wanted: int, tu
     columns that ``add_norm`` adds up (the MLP's down projection, ``DOWN_SPLITS``; the attention's output projection,
     ``O_SPLITS``) into: ``wanted`` where ``add_norm`` (the layer kernels, :func:`residual_norm`) runs and B x T is
     within ``SPLIT_ROWS`` (``NARROW_SPLIT_ROWS`` up to ``NARROW_WIDTH`` columns) and ``wanted`` divides the depth,
-    else 1. cuBLAS reads Qwen3-8B's down matrix (4096 columns) at 136 and 264 rows in 33 and 44 µs as two half-depth
-    products against 43 and 55 as one, its o matrix in 15.5 and 20.4 against 17.2 and 23.3, at 16 and 72 rows no
-    faster (thirty-second run); Qwen3-4B's (2560 columns) at 16 and 72 rows: down 16.6 and 18.5 against 18.6 and
-    21.1, o 9.9 and 11.1 against 10.8 and 12.5 (thirty-fourth run; benchmarks/PERF.md). Interleaved rounds: 4B dflash
-    / ddtree 16 / 32 / 64 0.10 / 0.23 / 0.13 / 0.13 ms shorter split; 8B ddtree 32 0.06 longer. Narrower models (the
-    default pair's 576 columns) take the narrow rule untimed, as they took the wide one before."""
+    else 1. cuBLAS reads two half-depth products faster than one where the rows are too few to fill the GPU: from
+    128 rows for Qwen3-8B's 4096 columns, from 16 for Qwen3-4B's 2560 (docs/PERFORMANCE.md); narrower models (the
+    default pair's 576 columns) take the narrow rule, untimed."""
     lo, hi = NARROW_SPLIT_ROWS if width <= NARROW_WIDTH else SPLIT_ROWS
     ok = _layer_kernels(impl) and tuning.add_norm and lo <= rows <= hi and depth % wanted == 0
     return wanted if ok and wanted > 1 else 1

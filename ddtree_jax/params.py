@@ -201,8 +201,8 @@ def output_major(params: TargetParams | DraftParams) -> TargetParams | DraftPara
     multiplies one row by every matrix, and ``model.linear`` then takes a row reduction (f32 products summed
     over the contiguous input axes), which XLA fuses into one pass over the weights: measured on an H200
     (benchmarks/gemv_ab.py) 3.9 TB/s, where XLA's one-row GEMM over [in, out] weights reads at 2.2 TB/s.
-    Products of two rows or more are GEMMs, which cuBLAS reads faster input-major (benchmarks/PERF.md,
-    twenty-second run): see :func:`input_major`. Idempotent; stacked or not, fused or not."""
+    Products of two rows or more are GEMMs, which cuBLAS reads faster input-major (docs/PERFORMANCE.md): see
+    :func:`input_major`. Idempotent; stacked or not, fused or not."""
     return _orient(params, True)
 
 
@@ -238,7 +238,7 @@ def fuse_projections(params: TargetParams | DraftParams) -> TargetParams | Draft
     [L, H + 2K, hd, D] output-major) and its gate and up matrices as one (``w_gate``: [L, D, 2F], or [L, 2F, D]).
 
     Same math; fewer, larger products. At 65 rows (a DDTree verify) cuBLAS reads the 8 MB k and v matrices of
-    Qwen3-8B at about 1 TB/s each, against 3.4 TB/s for the 100 MB gate and up (benchmarks/PERF.md, seventh run);
+    Qwen3-8B at about 1 TB/s each, against 3.4 TB/s for the 100 MB gate and up (docs/PERFORMANCE.md);
     XLA's dot merger would concatenate them at run time, copying the weights every step. Here they are
     concatenated once, at load. A drafter keeps its separate ``wk`` and ``wv`` too: ``draft.extend`` projects the
     context with them alone (a product over a slice of the fused matrix would copy it). Not for sharded weights:

@@ -21,13 +21,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PAPER_TAU = REPO / "benchmarks" / "paper_tau.json"
 RESULTS = REPO / "benchmarks" / "results" / "h200.json"
-# the target's layout, per method, of the records the README's tables read: decode's GPU defaults since the
-# twenty-second run (decode.GPU_AR_LAYOUT for ar, decode.GPU_LAYOUT for the rounds; tests/test_decode.py checks that
-# they agree), first measured as a grid in the twenty-third
+# the target's layout, per method, of the records the performance tables read: decode's GPU defaults
+# (decode.GPU_AR_LAYOUT for ar, decode.GPU_LAYOUT for the rounds; tests/test_decode.py checks that they agree)
 LAYOUTS = {"ar": "stacked-out-major-fused", "dflash": "stacked-fused", "ddtree": "stacked-fused"}
-# ... and the drafter's layouts of the records the README's tables read, preferred first: decode.DRAFT_GPU_LAYOUT
-# since the sixteenth run (every group of h200.json measured in it by the eighteenth run), then "stacked" (input-major,
-# the default before; records without the field), for records files whose groups were not measured again.
+# ... and the drafter's layouts of the records the tables read, preferred first: decode.DRAFT_GPU_LAYOUT, then
+# "stacked" (input-major, the earlier default; records without the field) for records not measured again.
 DRAFT_LAYOUTS = ("stacked-out-major-fused", "stacked")
 
 

@@ -18,8 +18,9 @@ Tensor parallelism (``model``), inside each data shard, by XLA's SPMD partitione
 
 The vocabulary is never gathered: the greedy argmax is a per-shard argmax + a gather of one (value, index)
 pair per shard (:func:`argmax`); the tree's per-depth top-k is a per-shard top-k + a gather of k candidates
-per shard (:func:`top_k`); top-p / top-k filtering for sampling finds its cutoff by a 32-step bisection over
-the float's bit pattern, each step an all-reduce of two [B, T] arrays (:func:`filter_logits`); the Gumbel
+per shard (:func:`top_k`); top-p / top-k filtering for sampling finds its cutoff by a 16-step search over
+the float's bit pattern (``FILTER_BITS`` = 2 bits a step), each step one all-reduce of the counts and masses
+above three thresholds, [B, T, 3] each (:func:`filter_logits`); the Gumbel
 noise is generated in place (partitionable threefry), so a sampled token is the same on every mesh.
 
 KV heads. When the model axis is larger than the number of KV heads (Qwen3 MoE models have 4, Qwen3-8B 8),
@@ -427,11 +428,10 @@ def filter_logits(x: Array, top_p: Array, top_k_: Array) -> Array:
     Logits of up to ``FILTER_SEARCH_MAX_BYTES`` on one device, and every shard of a split vocabulary, find the cutoff
     without a sort: a search over x's order-preserving uint32 bit pattern, ``FILTER_BITS`` bits per step (2^bits - 1
     thresholds, each one's count and mass summed over the vocabulary, all-reduced under a mesh; XLA reduces each
-    threshold as its own row, reading the logits again). Larger logits on one device are sorted. On an H200 (Qwen3-8B,
-    ddtree 64, top-p 0.95; benchmarks/PERF.md, twenty-first run) the search's rounds were 0.64 ms shorter than the
-    sort's at 72 rows (43.8 MB of logits), the sort's 0.56 ms shorter at 136 rows (82.7 MB) and 2.4 ms at 576; presumably
-    the search's re-reads come from the 50 MB L2 while the logits fit it. Probability sums run in a different
-    order in the two forms, so a token whose mass boundary lies within float rounding of top_p may fall on either side.
+    threshold as its own row, reading the logits again). Larger logits on one device are sorted: on an H200 the
+    search was faster while the logits fit the 50 MB L2 and the sort beyond (docs/PERFORMANCE.md). Probability sums
+    run in a different order in the two forms, so a token whose mass boundary lies within float rounding of top_p may
+    fall on either side.
     """
     act = _vocab_split()
     if act is None:

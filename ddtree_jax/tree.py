@@ -17,7 +17,7 @@ over all depths. ``select="sort"`` does it with ``lax.top_k`` (a sort on GPU: 15
 sort), the same result bit for bit; ``select="kernel"`` runs the scan, the last selection and the ancestor bits as
 a chain of Pallas kernels, one per depth, of many programs each (``pallas_kernels.best_first``), the same result again.
 Defaults (:func:`default_select`): on GPU up to batch 8 the kernels up to budget 256; at batch 1 "count" up to
-512; "sort" otherwise (benchmarks/PERF.md).
+512; "sort" otherwise (each measured fastest there on an H200: docs/PERFORMANCE.md).
 
 Before the depths, the per-depth top-k over the vocabulary; after them, the packed ancestor mask. Both have Pallas
 kernels (``pallas_kernels.vocab_top_k``, ``pallas_kernels.ancestor_bits``) beside their XLA forms here, the GPU
@@ -214,36 +214,28 @@ def top_log_probs(draft_logits: Array, k: int, chunk: int | tuple[int, ...] | st
     return vals - jax.nn.logsumexp(logits, axis=-1, keepdims=True), ids.astype(jnp.int32)
 
 
-KERNEL_MAX_K = 512  # the largest vocabulary top-k at which the kernels were measured faster (H200, twenty-fifth run)
+KERNEL_MAX_K = 512  # the largest vocabulary top-k at which the kernels were measured faster (H200)
 
 
 def default_topk_chunk(k: int, kernels: bool = False) -> int | tuple[int, ...] | str:
     """:func:`top_log_probs`' vocabulary chunks unless told: with ``kernels`` (on GPU: :func:`default_kernels`) and
-    k <= ``KERNEL_MAX_K``, "kernel"; else two levels, (64, 8), up to k = 256, one of 32 above (H200, Qwen3
-    vocabulary, 15 depths: k = 64 / 256 / 512 in 85 / 102 / 144 us against 103 / 151 / 150 with the other; an
-    unchunked top-k took 630 at 256; benchmarks/PERF.md, eighth run; the kernels at k = 64 / 256 / 512: 60 / 84 / 197 us
-    against XLA's 86 / 114 / 147 in the same processes, nineteenth run; with their last stages as a rank count, whole
-    builds at budgets 384 / 512: 190 / 218 us against 284 / 306 with XLA's, twenty-fifth run). Every choice gives the
-    same result."""
+    k <= ``KERNEL_MAX_K``, "kernel"; else two levels, (64, 8), up to k = 256, one of 32 above: each the fastest
+    measured there on an H200 at Qwen3's vocabulary (an unchunked top-k is several times slower; docs/PERFORMANCE.md).
+    Every choice gives the same result."""
     if kernels and k <= KERNEL_MAX_K:
         return "kernel"
     return (64, 8) if k <= 256 else 32
 
 
-KERNEL_MAX_BATCH = 8  # the largest batch at which the kernels were measured faster (H200, twenty-seventh run)
+KERNEL_MAX_BATCH = 8  # the largest batch at which the kernels were measured faster (H200)
 
 
 def default_kernels(batch: int = 1) -> bool:
     """Whether the tree build uses its Pallas kernels (the vocabulary top-k up to ``KERNEL_MAX_K``, the depth scan up
     to ``KERNEL_MAX_BUDGET``, the ancestor bits up to ``pallas_kernels.ancestor_bits.MAX_NODES``) unless told: on GPU
-    up to ``KERNEL_MAX_BATCH`` sequences without a mesh (measured faster there on an H200, at Qwen3's vocabulary and
-    the default pair's, benchmarks/PERF.md, thirteenth, fourteenth, nineteenth and twenty-seventh runs). At batch 8
-    whole builds took 121 / 127 / 152 / 222 / 370 / 640 us at budgets 16 / 32 / 64 / 128 / 256 / 512 against XLA's
-    forms' 264 / 236 / 276 / 330 / 458 / 903-1069, and Qwen3-8B ddtree-16 / 32 rounds 0.13 / 0.10 ms less
-    (twenty-seventh run; the fourteenth run's kernels, before the depth-scan chain and the top-k's rank count, had
-    gained nothing at batch 8). At batch 16 they were faster at budget 32 (198 against 307 us) and slower at 256 (664
-    against 564), so XLA's forms above 8; larger batches not timed. Meshes not timed, though the top-k kernels run per
-    vocabulary shard: tests/test_sharding.py."""
+    up to ``KERNEL_MAX_BATCH`` sequences without a mesh: measured faster there on an H200, at Qwen3's vocabulary and
+    the default pair's, at every budget up to 512 at batch 8 and not always at batch 16 (docs/PERFORMANCE.md). Meshes
+    not timed, though the top-k kernels run per vocabulary shard: tests/test_sharding.py."""
     return _on_gpu() and batch <= KERNEL_MAX_BATCH and sharding.active() is None
 
 
@@ -254,13 +246,9 @@ KERNEL_MAX_BUDGET = 256  # the largest budget at which the best_first kernels we
 def default_select(budget: int, batch: int = 1) -> str:
     """The selection :func:`best_first` uses unless told: on GPU the ``best_first`` kernels up to
     ``KERNEL_MAX_BUDGET`` where :func:`default_kernels` (up to batch 8), then for one sequence rank counting up to
-    ``COUNT_MAX_BUDGET``, ``lax.top_k`` otherwise. H200, whole builds at batch 1 (twenty-sixth run,
-    benchmarks/PERF.md): the kernels 63 / 63 / 72 / 67 / 77 / 88 us at budgets 16 / 32 / 64 / 96 / 128 / 256 against
-    the previous defaults' 65 / 69 / 88 / 94 (one Pallas program for every depth) / 107 / 113 (rank counting); at 512
-    185 against rank counting's 182. Rank counting's O(n^2) compares grow with the budget squared and with the batch:
-    it built a tree faster than ``lax.top_k`` at batch 1 and budgets 64-512 (229 / 287 / 354 against 314 / 440 / 679
-    us) and slower at batch 8, budget 256 (715 against 648 us; seventh and nineteenth runs). At batch 8 the kernels:
-    twenty-seventh run, :func:`default_kernels`."""
+    ``COUNT_MAX_BUDGET``, ``lax.top_k`` otherwise. On an H200 the kernels built a tree fastest up to budget 256 (at 512
+    no faster than rank counting); rank counting's O(n^2) compares grow with the budget squared and with the batch,
+    faster than ``lax.top_k`` at batch 1 up to budget 512 and slower at batch 8 (docs/PERFORMANCE.md)."""
     if default_kernels(batch) and budget <= KERNEL_MAX_BUDGET:
         return "kernel"
     return "count" if _on_gpu() and batch == 1 and budget <= COUNT_MAX_BUDGET else "sort"
@@ -288,7 +276,7 @@ def best_first(
     the vocabulary top-k, the depth scan through :func:`default_select`, the ancestor bits), elsewhere the chunked
     top-k (:func:`default_topk_chunk`; on each vocabulary shard under a mesh, see ``sharding.top_k``) and XLA's
     ancestor bits; a fully unrolled depth loop and :func:`default_select`; each measured faster on an H200
-    (benchmarks/PERF.md)."""
+    (docs/PERFORMANCE.md)."""
     b, _, vocab = draft_logits.shape
     k = min(budget, vocab)
     if chunk is None:

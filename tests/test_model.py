@@ -83,7 +83,7 @@ def test_llama_greedy_equals_transformers(llama):
 def test_bfloat16_first_tokens_agree(target, reference_runs):
     """bf16 weights give the f32 reference's first tokens up to a near tie: a run may leave them only where the f32
     logits of the two tokens are within 0.1 (bf16 keeps 8 bits: its logits of size ~4 move by a few hundredths).
-    Since the thirty-first run's bf16 gate/up (PyTorch's rounding) one run leaves at a gap of 0.05."""
+    With gate and up rounded to bf16 (PyTorch's rounding, model.mlp) one prompt leaves at a gap of 0.05."""
     cfg, params = target
     bf16 = (cfg, P.cast(params, jnp.bfloat16))
     res = decode.generate(bf16, [r["prompt"] for r in reference_runs], decode.GenerateOptions(max_new_tokens=8))

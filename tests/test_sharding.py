@@ -381,7 +381,7 @@ def test_hlo_of_a_tensor_parallel_round(report, method):
 def test_hlo_of_a_tensor_parallel_ar_step(report):
     """2x2 AR: the row-parallel all-reduces of the residual stream (attention output, MLP down), the embedding's, and
     the argmax's all-gather of one (value, index) per vocabulary shard; nothing vocabulary-sized. (On 2 x H200 the
-    all-reduces take 5-10 µs each and the argmax's all-gather carries 8 bytes: benchmarks/PERF.md, fifteenth run.)"""
+    all-reduces take 5-10 µs each and the argmax's all-gather carries 8 bytes: docs/PERFORMANCE.md.)"""
     rounds = report["hlo"]["2x2 ar"]["rounds"]
     assert all(c["op"] in ("all-reduce", "all-gather") for c in rounds), rounds
     for einsum in ("bthk,hkd->btd", "btf,fd->btd"):
