@@ -1,9 +1,9 @@
 """Model configurations parsed from Hugging Face ``config.json`` files.
 
-Two families of target (``Qwen3ForCausalLM``, ``LlamaForCausalLM``) and the z-lab DFlash drafter
-(``DFlashDraftModel``). Both spellings found in the wild are accepted: transformers 4 (``rope_theta`` and
+Three families of target (``Qwen3ForCausalLM``, ``LlamaForCausalLM``, and the Mixture-of-Experts
+``Qwen3MoeForCausalLM``) and the z-lab DFlash drafter (``DFlashDraftModel``). Both spellings found in the wild are accepted: transformers 4 (``rope_theta`` and
 ``rope_scaling`` at top level, as in the real Qwen3 and Llama-3.1 checkpoints) and transformers 5
-(``rope_parameters``). Anything unsupported is a :class:`ConfigError` that names the field.
+(``rope_parameters``; ``num_local_experts`` for ``num_experts``). Anything unsupported is a :class:`ConfigError` that names the field.
 """
 
 from __future__ import annotations
@@ -67,10 +67,30 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Mixture of experts (Qwen3-MoE; num_experts 0: a dense model). Every layer's MLP is the sparse block
+    # (ddtree_jax.moe) except those in dense_mlp_layers, which have a dense MLP of intermediate_size.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    dense_mlp_layers: tuple[int, ...] = ()
 
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is the sparse MoE block (none in a dense model)."""
+        if not self.num_experts:
+            return ()
+        return tuple(i for i in range(self.num_layers) if i not in self.dense_mlp_layers)
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        """The layers with a dense SwiGLU MLP of ``intermediate_size`` (all of a dense model's)."""
+        sparse = set(self.sparse_layers)
+        return tuple(i for i in range(self.num_layers) if i not in sparse)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +110,11 @@ class DraftConfig:
         return len(self.target_layer_ids)
 
 
-_SUPPORTED_ARCHS = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+_SUPPORTED_ARCHS = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe"}
+# Mixture-of-experts features of other families that the Qwen3-MoE block does not have: (field, what it means)
+_UNSUPPORTED_MOE = (("shared_expert_intermediate_size", "shared experts"), ("n_shared_experts", "shared experts"),
+                    ("num_shared_experts", "shared experts"), ("router_bias", "a router bias"),
+                    ("moe_router_bias", "a router bias"))
 
 
 def read_json(path: str) -> dict[str, Any]:
@@ -144,7 +168,7 @@ def _layers_config(raw: dict[str, Any], arch: str) -> ModelConfig:
         raise ConfigError("unsupported attention_bias=true")
     if raw.get("mlp_bias", False):
         raise ConfigError("unsupported mlp_bias=true")
-    if arch == "qwen3" and raw.get("use_sliding_window", False):
+    if arch in ("qwen3", "qwen3_moe") and raw.get("use_sliding_window", False):
         raise ConfigError("unsupported use_sliding_window=true for a Qwen3 target")
     hidden = int(_require(raw, "hidden_size"))
     heads = int(_require(raw, "num_attention_heads"))
@@ -165,10 +189,42 @@ def _layers_config(raw: dict[str, Any], arch: str) -> ModelConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope=_rope(raw),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
         max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
         eos_token_ids=eos,
         bos_token_id=raw.get("bos_token_id"),
+        **(_moe_fields(raw) if arch == "qwen3_moe" else {}),
+    )
+
+
+def _moe_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen3-MoE config's expert fields (transformers 4 ``num_experts``, 5 ``num_local_experts``). As transformers'
+    ``Qwen3MoeDecoderLayer``: layer i is sparse unless it is in ``mlp_only_layers`` or (i + 1) is not a multiple of
+    ``decoder_sparse_step``."""
+    for field, what in _UNSUPPORTED_MOE:
+        if raw.get(field):
+            raise ConfigError(f"unsupported {field}={raw[field]!r} ({what}; Qwen3-MoE has none)")
+    experts = raw.get("num_experts", raw.get("num_local_experts"))
+    if experts is None:
+        raise ConfigError("config.json is missing required field 'num_experts' (or 'num_local_experts')")
+    if not int(experts):  # transformers: every layer dense
+        return {}
+    experts, top_k = int(experts), int(_require(raw, "num_experts_per_tok"))
+    if not 1 <= top_k <= experts:
+        raise ConfigError(f"num_experts_per_tok={top_k} must be between 1 and num_experts={experts}")
+    layers, step = int(_require(raw, "num_hidden_layers")), int(raw.get("decoder_sparse_step", 1) or 1)
+    if step < 1:
+        raise ConfigError(f"decoder_sparse_step={step} must be at least 1")
+    only = [int(i) for i in raw.get("mlp_only_layers") or ()]
+    bad = [i for i in only if not 0 <= i < layers]
+    if bad:
+        raise ConfigError(f"mlp_only_layers {bad} out of range for {layers} layers")
+    return dict(
+        num_experts=experts,
+        experts_per_token=top_k,
+        moe_intermediate_size=int(_require(raw, "moe_intermediate_size")),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        dense_mlp_layers=tuple(i for i in range(layers) if i in only or (i + 1) % step),
     )
 
 
@@ -179,7 +235,7 @@ def model_config(raw_or_path: dict[str, Any] | str) -> ModelConfig:
     arch = next((_SUPPORTED_ARCHS[a] for a in archs if a in _SUPPORTED_ARCHS), None)
     if arch is None:
         model_type = raw.get("model_type")
-        if not archs and model_type in ("qwen3", "llama"):
+        if not archs and model_type in ("qwen3", "llama", "qwen3_moe"):
             arch = model_type
         else:
             found = ", ".join(archs) if archs else f"model_type={model_type!r}"

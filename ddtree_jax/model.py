@@ -14,9 +14,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax import cache as kvcache, sharding
+from ddtree_jax import cache as kvcache, moe, sharding
 from ddtree_jax.config import ModelConfig
-from ddtree_jax.params import LayerWeights, TargetParams, num_heads
+from ddtree_jax.params import LayerWeights, TargetParams, num_heads, unstack_layers
 from ddtree_jax.sharding import constrain, per_device_attention
 from ddtree_jax.tuning import Tuning
 from pallas_kernels import add_norm, decode_attention, qkv_write, tree_attention as tree_attention_lib
@@ -292,6 +292,8 @@ def forward(
     of the layer loop (``lax.scan``'s unroll); ``tuning`` says which layer kernels run. None changes the math.
     """
     attend = attention_fn(attention, tuning)
+    if not isinstance(params.layers, (tuple, list)) and params.layers.sparse_pattern:
+        params = unstack_layers(params)  # dense and sparse MLPs mixed: an unrolled loop (params module doc)
     b, t = tokens.shape
     # The residual stream stays in f32; matmul operands are in the weights' dtype.
     x = constrain(jnp.take(params.embed, tokens, axis=0).astype(jnp.float32), ("batch", "seq", "embed"))
@@ -328,13 +330,17 @@ def forward(
         x, h = residual_norm(x, output_projection(o, w, o_splits), w.mlp_norm, eps, attention, at("mlp_norm"),
                              tuning=tuning)
         x = constrain(x, ("batch", "seq", "embed"))
-        delta = mlp(h, w, splits)  # [B, T, D] or its partial sums [splits, B, T, D] (one device only)
+        if w.router is None:
+            delta = mlp(h, w, splits)  # [B, T, D] or its partial sums [splits, B, T, D] (one device only)
+        else:  # the sparse MoE MLP, its experts read in place from the stack
+            delta = moe.block(h, w, cfg, attention, stacked, i)
         delta = constrain(delta, ("batch", "seq", "embed")) if splits == 1 else delta
         return (x, delta, k_all, v_all, tapped), None
 
     # [taps + 1, B, T, D] in the final norm's dtype (the features' dtype: one rounding, as when cast at the end)
     tapped = jnp.zeros((n_taps + 1, b, t, cfg.hidden_size), params.final_norm.dtype) if n_taps else None
-    splits = product_splits(attention, b * t, cfg.intermediate_size, cfg.hidden_size, DOWN_SPLITS, tuning)
+    splits = 1 if cfg.num_experts else product_splits(attention, b * t, cfg.intermediate_size, cfg.hidden_size,
+                                                       DOWN_SPLITS, tuning)
     o_splits = product_splits(attention, b * t, cfg.num_heads * cfg.head_dim, cfg.hidden_size, O_SPLITS, tuning)
     delta = jnp.zeros(x.shape if splits == 1 else (splits, *x.shape), x.dtype)  # zeros_like would copy x's sharding
     carry = (x, delta, cache.k, cache.v, tapped)

@@ -8,6 +8,14 @@ tables, so a weight's layout is written in exactly one place. Logical axis names
     heads     query heads H                      kv_heads  key/value heads K
     head_dim  per-head width hd                  mlp       the SwiGLU width F
     vocab     the vocabulary V                   taps      the drafter's concatenated target features
+    experts   a layer's experts E (MoE)          expert_mlp  an expert's SwiGLU width F (``moe_intermediate_size``)
+
+Mixture-of-Experts layers (``ddtree_jax.moe``) hold a router and their experts' matrices instead of w_gate, w_up and
+w_down. A stack that mixes dense and sparse MLPs (``mlp_only_layers``, ``decoder_sparse_step``; no released Qwen3-MoE
+checkpoint has one) stacks each kind over its own layers (the dense MLPs over the dense layers, the experts over the
+sparse ones; ``LayerWeights.sparse_pattern`` says which layer is which) and runs as the unrolled per-layer tuple
+(:func:`unstack_layers`), since a ``lax.scan`` needs layers of one kind: the simplest form that keeps every real
+checkpoint, all sparse, under the scan of one homogeneous stack.
 """
 
 from __future__ import annotations
@@ -40,6 +48,13 @@ class LayerWeights:
     w_gate: Array  # [L, D, F]
     w_up: Array  # [L, D, F]
     w_down: Array  # [L, F, D]
+    # A sparse MoE MLP (ddtree_jax.moe) instead of w_gate / w_up / w_down (None in a dense layer; these in a sparse one)
+    router: Array | None = None  # [L, D, E]
+    experts_gate_up: Array | None = None  # [L, E, 2F, D]: each expert's gate and up matrices output-major, gate first
+    experts_down: Array | None = None  # [L, E, D, F]: output-major
+    # per layer, whether its MLP is sparse, in a stack mixing both kinds (each stacked over its own layers; see the
+    # module doc); () when every layer is of one kind
+    sparse_pattern: tuple[bool, ...] = dataclasses.field(default=(), metadata=dict(static=True))
     # True: the seven matrices are stored output-major, [L, *out, *in] (e.g. wq [L, H, hd, D]; see output_major)
     output_major: bool = dataclasses.field(default=False, metadata=dict(static=True))
     # True: wq holds q | k | v ([L, H + 2K, hd, D]) and w_gate holds gate | up ([L, 2F, D]), concatenated along
@@ -92,9 +107,15 @@ LAYER_SPECS: dict[str, Spec] = {
     "q_norm": (lambda c: (c.num_layers, c.head_dim), ("layers", "head_dim")),
     "k_norm": (lambda c: (c.num_layers, c.head_dim), ("layers", "head_dim")),
     "mlp_norm": (lambda c: (c.num_layers, c.hidden_size), ("layers", "embed")),
-    "w_gate": (lambda c: (c.num_layers, c.hidden_size, c.intermediate_size), ("layers", "embed", "mlp")),
-    "w_up": (lambda c: (c.num_layers, c.hidden_size, c.intermediate_size), ("layers", "embed", "mlp")),
-    "w_down": (lambda c: (c.num_layers, c.intermediate_size, c.hidden_size), ("layers", "mlp", "embed")),
+    "w_gate": (lambda c: (len(c.dense_layers), c.hidden_size, c.intermediate_size), ("layers", "embed", "mlp")),
+    "w_up": (lambda c: (len(c.dense_layers), c.hidden_size, c.intermediate_size), ("layers", "embed", "mlp")),
+    "w_down": (lambda c: (len(c.dense_layers), c.intermediate_size, c.hidden_size), ("layers", "mlp", "embed")),
+    # the router's expert axis is replicated: every device routes every token (ddtree_jax.moe)
+    "router": (lambda c: (len(c.sparse_layers), c.hidden_size, c.num_experts), ("layers", "embed", None)),
+    "experts_gate_up": (lambda c: (len(c.sparse_layers), c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size),
+                        ("layers", "experts", "expert_mlp", "embed")),
+    "experts_down": (lambda c: (len(c.sparse_layers), c.num_experts, c.hidden_size, c.moe_intermediate_size),
+                     ("layers", "experts", "embed", "expert_mlp")),
 }
 TARGET_SPECS: dict[str, Spec] = {
     "embed": (lambda c: (c.vocab_size, c.hidden_size), ("vocab", "embed")),
@@ -109,16 +130,32 @@ DRAFT_SPECS: dict[str, Spec] = {
 # The matrices of a layer and how many of their leading axes (after ``layers``) are inputs (contracted).
 MATRIX_INPUTS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
 NORMS = ("attn_norm", "q_norm", "k_norm", "mlp_norm", "final_norm", "hidden_norm")
+DENSE_MLP, SPARSE_MLP = ("w_gate", "w_up", "w_down"), ("router", "experts_gate_up", "experts_down")
 
 
 def _has(cfg: ModelConfig, name: str) -> bool:
+    if name in DENSE_MLP:
+        return bool(cfg.dense_layers)
+    if name in SPARSE_MLP:
+        return bool(cfg.sparse_layers)
     return cfg.qk_norm or name not in ("q_norm", "k_norm")
+
+
+def stacked_layers(cfg: ModelConfig, name: str) -> tuple[int, ...]:
+    """The model layers whose weights a layer field's stack holds, in order (its rows): every layer, or for a stack mixing
+    dense and sparse MLPs, the dense layers for the dense MLP's weights and the sparse ones for the experts'."""
+    if name in DENSE_MLP:
+        return cfg.dense_layers
+    return cfg.sparse_layers if name in SPARSE_MLP else tuple(range(cfg.num_layers))
 
 
 def layer_shapes(cfg: ModelConfig, dtype=jnp.bfloat16) -> LayerWeights:
     """A LayerWeights of jax.ShapeDtypeStruct (None for absent weights)."""
+    sparse = set(cfg.sparse_layers)
+    mixed = 0 < len(sparse) < cfg.num_layers
     return LayerWeights(
-        **{n: jax.ShapeDtypeStruct(f(cfg), dtype) if _has(cfg, n) else None for n, (f, _) in LAYER_SPECS.items()}
+        **{n: jax.ShapeDtypeStruct(f(cfg), dtype) if _has(cfg, n) else None for n, (f, _) in LAYER_SPECS.items()},
+        sparse_pattern=tuple(i in sparse for i in range(cfg.num_layers)) if mixed else (),
     )
 
 
@@ -177,9 +214,24 @@ def unstack_layers(params):
     weights every step: measured 3x the HBM traffic of a decode step on an H200). Same math either way."""
     if isinstance(params.layers, (tuple, list)):
         return params
-    n = jax.tree.leaves(params.layers)[0].shape[0]
-    layers = tuple(jax.tree.map(lambda a, i=i: a[i], params.layers) for i in range(n))
-    return dataclasses.replace(params, layers=layers)
+    n = params.layers.attn_norm.shape[0]
+    return dataclasses.replace(params, layers=tuple(layer(params.layers, i) for i in range(n)))
+
+
+def layer(stack: LayerWeights, i: int) -> LayerWeights:
+    """Layer i of a stack, its leaves without the L axis; of a stack mixing dense and sparse MLPs (``sparse_pattern``),
+    with its own kind's row of that kind's weights and None for the other kind's."""
+    if not stack.sparse_pattern:
+        return jax.tree.map(lambda a: a[i], stack)
+    sparse = stack.sparse_pattern[i]
+    row = sum(stack.sparse_pattern[:i]) if sparse else i - sum(stack.sparse_pattern[:i])
+    fields = {}
+    for name in LAYER_SPECS:
+        a = getattr(stack, name)
+        mine = name in (SPARSE_MLP if sparse else DENSE_MLP)
+        other = name in (DENSE_MLP if sparse else SPARSE_MLP)
+        fields[name] = None if a is None or other else a[row] if mine else a[i]
+    return dataclasses.replace(stack, sparse_pattern=(), **fields)
 
 
 def _out_major_axes(name: str, axes: tuple) -> tuple:
@@ -249,11 +301,14 @@ def fuse_projections(params: TargetParams | DraftParams) -> TargetParams | Draft
         if w.fused:
             return w
         # the heads axis of [L?, H, hd, D] / [L?, D, H, hd], the features axis of [L?, F, D] / [L?, D, F]
-        heads_axis, mlp_axis = (w.wq.ndim - 3, w.w_gate.ndim - 2) if w.output_major else (w.wq.ndim - 2, -1)
+        heads_axis = w.wq.ndim - 3 if w.output_major else w.wq.ndim - 2
+        mlp = {}
+        if w.w_gate is not None:  # (a sparse layer's experts are fused already: experts_gate_up)
+            mlp_axis = w.w_gate.ndim - 2 if w.output_major else -1
+            mlp = dict(w_up=None, w_gate=jnp.concatenate([w.w_gate, w.w_up], axis=mlp_axis))
         return dataclasses.replace(
-            w, fused=True, w_up=None, **({} if keep_kv else dict(wk=None, wv=None)),
-            wq=jnp.concatenate([w.wq, w.wk, w.wv], axis=heads_axis),
-            w_gate=jnp.concatenate([w.w_gate, w.w_up], axis=mlp_axis),
+            w, fused=True, **({} if keep_kv else dict(wk=None, wv=None)),
+            wq=jnp.concatenate([w.wq, w.wk, w.wv], axis=heads_axis), **mlp,
         )
 
     layers = tuple(map(fuse, params.layers)) if isinstance(params.layers, (tuple, list)) else fuse(params.layers)

@@ -12,6 +12,8 @@ Tensor parallelism (``model``), inside each data shard, by XLA's SPMD partitione
 
     wq, wk, wv, w_gate, w_up   column-parallel (heads / kv_heads / mlp split): no communication
     wo, w_down                 row-parallel: a partial sum per device, one all-reduce each
+    MoE experts                expert-parallel (experts split): each device runs its experts' share of the pairs,
+                               one all-reduce (ddtree_jax.moe)
     embed [V, D]               vocabulary-parallel: each device looks up its own rows, one all-reduce
     lm_head [D, V]             vocabulary-parallel: logits stay split over the vocabulary
     KV caches [L, B, S, K, hd] split on batch (data) and KV heads (model)
@@ -81,6 +83,8 @@ class Rules:
     taps: str | None = None
     cache_seq: str | None = None
     nodes: str | None = None
+    experts: str | None = "model"
+    expert_mlp: str | None = None
 
     def spec(self, axes: tuple[str | None, ...]) -> P:
         return P(*(None if a is None else getattr(self, a) for a in axes))
@@ -143,7 +147,9 @@ def check_model(cfg: ModelConfig, mesh: Mesh, what: str = "target", rules: Rules
         raise ShardingError(
             f"{where} has {k} KV heads: the model axis ({m}) must divide them or be a multiple of them"
         )
-    if cfg.intermediate_size % axis_size(mesh, rules.mlp):
+    if cfg.num_experts % axis_size(mesh, rules.experts):
+        raise ShardingError(f"{where} has {cfg.num_experts} experts, not divisible by the model axis ({m})")
+    if cfg.dense_layers and cfg.intermediate_size % axis_size(mesh, rules.mlp):
         raise ShardingError(
             f"{where} has intermediate_size {cfg.intermediate_size}, not divisible by the model axis ({m})"
         )

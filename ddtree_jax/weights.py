@@ -1,13 +1,18 @@
 """Load Hugging Face safetensors checkpoints (or converted orbax ones) into the params pytrees.
 
 Conversion is data: :data:`TARGET_RULES` / :data:`DRAFT_RULES` are rows of (Hugging Face tensor name,
-pytree field, transform); ``{layer}`` in a name is the index on the stacked layer axis. Shapes come from the
-one spec table in :mod:`ddtree_jax.params`, so nothing here restates a weight's layout.
+pytree field, transform); ``{layer}`` in a name is the model's layer (a row of the field's stack:
+``params.stacked_layers``) and ``{expert}`` a Mixture-of-Experts layer's expert. Shapes come from the one spec table
+in :mod:`ddtree_jax.params`, so nothing here restates a weight's layout. A field may have several forms on disk
+(an MoE layer's experts: one tensor per expert and matrix, as the hub's checkpoints, or transformers 5's fused
+``gate_up_proj`` / ``down_proj``): a layer needs every tensor of one of them.
 
 Streaming: the safetensors headers are read first, and every problem (missing, unexpected, mis-shaped or
-unsupported tensors, truncated files) is reported before any weight is read. Then each stacked weight is
-preallocated once ([L, ...]) and filled tensor by tensor, in file order, with plain reads (no mmap, so a
-file's pages never count against the process): peak host memory = the output + the largest stored tensor.
+unsupported tensors, truncated files) is reported before any weight is read. Then the weights are filled piece by
+piece (one stacked field's layer, or an unstacked field), tensor by tensor, with plain reads (no mmap, so a file's
+pages never count against the process). :func:`read_hf` gathers the pieces into host arrays (peak host memory = the
+output + the largest stored tensor); :func:`load_target` / :func:`load_draft` place each piece on its devices as it
+is read, so the host holds one piece at a time (an MoE layer's experts: 0.8 GB of Qwen3-Coder-30B-A3B's 61 GB).
 
 Torch ``nn.Linear`` weights are stored [out, in]; the pytree keeps [in, out] with heads split out
 (e.g. q_proj [H*hd, D] -> wq [D, H, hd]; o_proj [D, H*hd] -> wo [H, hd, D]).
@@ -16,6 +21,7 @@ Torch ``nn.Linear`` weights are stored [out, in]; the pytree keeps [in, out] wit
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -29,7 +35,7 @@ import numpy as np
 
 from ddtree_jax import checkpoint
 from ddtree_jax.config import ConfigError, DraftConfig, ModelConfig, read_json
-from ddtree_jax.params import DraftParams, TargetParams
+from ddtree_jax.params import DraftParams, TargetParams, stacked_layers
 
 SAFETENSORS_DTYPES = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16)}
 INDEX_FILE = "model.safetensors.index.json"
@@ -74,8 +80,25 @@ class Linear:
         np.reshape(out, x.shape[::-1], copy=False)[...] = x.T
 
 
+@dataclasses.dataclass(frozen=True)
+class Expert:
+    """One expert's torch ``nn.Linear`` weight [out, in] (the name's ``{expert}``), kept as is (output-major) as the
+    row block ``part`` of ``parts`` of its expert in the field's [E, parts x out, in] (gate then up: gate_up)."""
+
+    part: int = 0
+    parts: int = 1
+
+    def source_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (shape[1] // self.parts, *shape[2:])
+
+    def write(self, out: np.ndarray, x: np.ndarray) -> None:  # out: this expert's [parts x out, in]
+        n = x.shape[0]
+        out[self.part * n : (self.part + 1) * n] = x
+
+
 COPY, LINEAR = Copy(), Linear()
-Rule = tuple[str, str, Copy | Linear]  # (HF tensor name with {layer}, pytree field path, transform)
+Transform = Copy | Linear | Expert
+Rule = tuple[str, str, Transform]  # (HF tensor name with {layer} / {expert}, pytree field path, transform)
 
 LAYER_RULES: tuple[Rule, ...] = (
     ("layers.{layer}.input_layernorm.weight", "layers.attn_norm", COPY),
@@ -89,6 +112,14 @@ LAYER_RULES: tuple[Rule, ...] = (
     ("layers.{layer}.mlp.gate_proj.weight", "layers.w_gate", LINEAR),  # [F, D] -> [D, F]
     ("layers.{layer}.mlp.up_proj.weight", "layers.w_up", LINEAR),  # [F, D] -> [D, F]
     ("layers.{layer}.mlp.down_proj.weight", "layers.w_down", LINEAR),  # [D, F] -> [F, D]
+    # a Mixture-of-Experts layer (Qwen3-MoE): the router, then each expert's matrices ...
+    ("layers.{layer}.mlp.gate.weight", "layers.router", LINEAR),  # [E, D] -> [D, E]
+    ("layers.{layer}.mlp.experts.{expert}.gate_proj.weight", "layers.experts_gate_up", Expert(0, 2)),  # [F, D]
+    ("layers.{layer}.mlp.experts.{expert}.up_proj.weight", "layers.experts_gate_up", Expert(1, 2)),  # [F, D]
+    ("layers.{layer}.mlp.experts.{expert}.down_proj.weight", "layers.experts_down", Expert()),  # [D, F]
+    # ... or transformers 5's fused experts, already in the pytree's layout
+    ("layers.{layer}.mlp.experts.gate_up_proj", "layers.experts_gate_up", COPY),  # [E, 2F, D]
+    ("layers.{layer}.mlp.experts.down_proj", "layers.experts_down", COPY),  # [E, D, F]
 )
 TARGET_RULES: tuple[Rule, ...] = (
     ("model.embed_tokens.weight", "embed", COPY),
@@ -193,34 +224,46 @@ def shard_files(path: str) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Load:
-    """Read ``tensor`` into ``field`` (at ``layer`` on the stacked axis), or only check it equals the field."""
+    """Read ``tensor`` into ``field`` (at ``layer``, the row on the stacked axis, and ``expert``), or only check it
+    equals the field. ``rule``: the index of the rule it matched."""
 
     tensor: Tensor
     field: str
     layer: int | None
-    transform: Copy | Linear
+    transform: Transform
     check: bool = False
+    expert: int | None = None
+    rule: int = 0
 
 
-def _compile(rules: tuple[Rule, ...]) -> list[tuple[re.Pattern, str, Copy | Linear]]:
-    return [(re.compile(re.escape(n).replace(re.escape("{layer}"), r"(\d+)")), f, t) for n, f, t in rules]
+def _compile(rules: tuple[Rule, ...]) -> list[tuple[re.Pattern, str, Transform]]:
+    def pattern(name: str) -> re.Pattern:
+        p = re.escape(name)
+        for key in ("layer", "expert"):
+            p = p.replace(re.escape("{" + key + "}"), rf"(?P<{key}>\d+)")
+        return re.compile(p)
+
+    return [(pattern(n), f, t) for n, f, t in rules]
 
 
-def _match(t: Tensor, rules, fmt: Format, shapes: dict[str, tuple[int, ...]]) -> Load | None:
+def _match(t: Tensor, rules, fmt: Format, shapes: dict[str, tuple[int, ...]],
+           rows: dict[str, tuple[int, ...]]) -> Load | None:
     """The slot a tensor fills, or None when this model has no such slot (an unexpected tensor)."""
     name = t.name.removeprefix(fmt.optional_prefix) if fmt.optional_prefix else t.name
-    hit = next(((m, f, tr) for r, f, tr in rules if (m := r.fullmatch(name))), None)
+    hit = next(((i, m, f, tr) for i, (r, f, tr) in enumerate(rules) if (m := r.fullmatch(name))), None)
     if hit is None:
         return None
-    m, field, transform = hit
-    layer = int(m.group(1)) if m.groups() else None
+    i, m, field, transform = hit
+    layer, expert = (int(v) if v is not None else None for v in (m.groupdict().get("layer"), m.groupdict().get("expert")))
     tied = dict(fmt.tied)
     check = field not in shapes and field in tied
     if check:
         field, transform = tied[field], COPY
-    if field not in shapes or (layer is not None and layer >= shapes[field][0]):
+    if field not in shapes or (layer is not None and layer not in rows[field]):
         return None
-    return Load(t, field, layer, transform, check)
+    if expert is not None and expert >= shapes[field][1]:
+        return None
+    return Load(t, field, None if layer is None else rows[field].index(layer), transform, check, expert, i)
 
 
 def _validate(ld: Load, shapes: dict[str, tuple[int, ...]]) -> None:
@@ -236,33 +279,55 @@ def _validate(ld: Load, shapes: dict[str, tuple[int, ...]]) -> None:
         raise WeightsError(f"{t.file}: truncated or corrupt safetensors file ({t.name} has the wrong byte size)")
 
 
-def plan(tensors: list[Tensor], fmt: Format, shapes: dict[str, tuple[int, ...]]) -> list[Load]:
+def _form(transform: Transform) -> str:
+    """Which of a field's forms on disk a rule belongs to: one tensor per expert, or one for the whole slot."""
+    return "per-expert" if isinstance(transform, Expert) else "whole"
+
+
+def plan(tensors: list[Tensor], fmt: Format, shapes: dict[str, tuple[int, ...]],
+         rows: dict[str, tuple[int, ...]] | None = None) -> list[Load]:
     """Match every tensor to its slot in the pytree; raise WeightsError for any mismatch, before reading data.
 
-    shapes: field path -> full pytree shape ([L, ...] for "layers.*"), for the fields this model has.
+    shapes: field path -> full pytree shape ([rows, ...] for "layers.*"), for the fields this model has; rows: field
+    path -> the model layers its stack holds, in order (default: all of them, 0 .. rows - 1).
     """
+    rows = rows or {}
+    rows = {f: rows.get(f, tuple(range(s[0])) if f.startswith("layers.") else ()) for f, s in shapes.items()}
     rules = _compile(fmt.rules)
     loads, unexpected, seen = [], [], {}
     for t in tensors:
-        ld = _match(t, rules, fmt, shapes)
+        ld = _match(t, rules, fmt, shapes, rows)
         if ld is None:
             unexpected.append(t.name)
             continue
-        slot = (ld.field, ld.layer, ld.check)
+        slot = (ld.field, ld.layer, ld.rule, ld.expert, ld.check)
         if slot in seen:
             raise WeightsError(f"tensors {seen[slot]} and {t.name} both hold {ld.field} (layer {ld.layer})")
         seen[slot] = t.name
         loads.append(ld)
     if unexpected:
         raise WeightsError(f"unexpected tensor(s) in the checkpoint: {_names(unexpected)}")
-    loaded = {(ld.field, ld.layer) for ld in loads if not ld.check}
-    missing = [
-        name.format(layer=i)
-        for name, field, _ in fmt.rules
-        if field in shapes
-        for i in (range(shapes[field][0]) if "{layer}" in name else [None])
-        if (field, i) not in loaded
-    ]
+    filled: dict[tuple[str, int | None], dict[str, set]] = {}  # (field, row) -> form -> {(rule, expert)}
+    for ld in loads:
+        if not ld.check:
+            filled.setdefault((ld.field, ld.layer), {}).setdefault(_form(ld.transform), set()).add((ld.rule, ld.expert))
+    missing = []
+    for field in shapes:
+        forms: dict[str, list[tuple[int, str]]] = {}  # form -> [(rule, name)]
+        for i, (name, f, tr) in enumerate(fmt.rules):
+            if f == field:
+                forms.setdefault(_form(tr), []).append((i, name))
+        for row, layer in (enumerate(rows[field]) if field.startswith("layers.") else [(None, None)]):
+            have = filled.get((field, row), {})
+            if len(have) > 1:
+                raise WeightsError(f"layer {layer} holds {field} in two forms ({' and '.join(sorted(have))} tensors)")
+            if not forms:
+                continue
+            need = {form: [(i, n, e) for i, n in rules_ for e in (range(shapes[field][1]) if "{expert}" in n else [None])]
+                    for form, rules_ in forms.items()}
+            if not any(all((i, e) in have.get(form, ()) for i, _, e in want) for form, want in need.items()):
+                form = next(iter(have), next(iter(need)))  # the form begun, else the first listed
+                missing += [n.format(layer=layer, expert=e) for i, n, e in need[form] if (i, e) not in have.get(form, ())]
     if missing:
         raise WeightsError(f"missing tensor(s) in the checkpoint: {_names(missing)}")
     for ld in loads:
@@ -293,17 +358,67 @@ def parse_config(raw: dict[str, Any], kind: str) -> ModelConfig | DraftConfig:
     return checkpoint.KINDS[kind].parse(raw)
 
 
-def _fields(kind: str, cfg: ModelConfig | DraftConfig, dtype) -> tuple[dict[str, jax.ShapeDtypeStruct], Any]:
-    """({field path: ShapeDtypeStruct}, treedef) of the kind's params for this config."""
+def _fields(kind: str, cfg: ModelConfig | DraftConfig, dtype):
+    """({field path: ShapeDtypeStruct}, treedef, {field path: the model layers its stack holds}) of the kind's params
+    for this config."""
     leaves, treedef = jax.tree.flatten_with_path(checkpoint.KINDS[kind].shapes(cfg, dtype))
-    return {".".join(k.name for k in p): s for p, s in leaves}, treedef
+    fields = {".".join(k.name for k in p): s for p, s in leaves}
+    layers_cfg = cfg.layers if isinstance(cfg, DraftConfig) else cfg
+    rows = {f: stacked_layers(layers_cfg, f.split(".")[-1]) for f in fields if f.startswith("layers.")}
+    return fields, treedef, rows
 
 
 def plan_hf(path: str, kind: str, cfg: ModelConfig | DraftConfig) -> list[Load]:
     """Validate a Hugging Face directory's tensors against the config from the headers alone (no weight read)."""
-    fields, _ = _fields(kind, cfg, np.float32)
+    fields, _, rows = _fields(kind, cfg, np.float32)
     tensors = [t for file in shard_files(path) for t in read_header(file)]
-    return plan(tensors, FORMATS[kind], {f: s.shape for f, s in fields.items()})
+    return plan(tensors, FORMATS[kind], {f: s.shape for f, s in fields.items()}, rows)
+
+
+def pieces(path: str, kind: str, cfg: ModelConfig | DraftConfig, dtype=np.float32,
+           progress: Callable[[int], Any] | None = None):
+    """The params of a Hugging Face directory piece by piece: yields (field path, row, numpy array of ``dtype``), a
+    stacked field's row (one layer's [...]) or an unstacked field whole (row None), each once its tensors are read, in
+    the order of their first tensor on disk; last, ("_check", None, {field: [Load]}) for the stored copies of fields
+    that config.json ties (:func:`_check_tied`). Host memory: one piece and one stored tensor.
+
+    progress: called with the byte count of each tensor once it has been read.
+    """
+    loads = plan_hf(path, kind, cfg)
+    fields, _, _ = _fields(kind, cfg, dtype)
+    groups: dict[tuple[str, int | None], list[Load]] = {}
+    for ld in sorted(loads, key=lambda ld: (ld.tensor.file, ld.tensor.start)):
+        if not ld.check:
+            groups.setdefault((ld.field, ld.layer), []).append(ld)
+    for (field, row), group in groups.items():
+        s = fields[field]
+        out = np.empty(s.shape if row is None else s.shape[1:], s.dtype)
+        for ld in group:
+            x = read_tensor(ld.tensor)
+            ld.transform.write(out if ld.expert is None else out[ld.expert], x)
+            del x
+            if progress is not None:
+                progress(ld.tensor.end - ld.tensor.start)
+        yield field, row, out
+        del out
+    stored: dict[str, list[Load]] = {}
+    for ld in loads:
+        if ld.check:
+            stored.setdefault(ld.field, []).append(ld)
+    if stored:
+        yield "_check", None, stored
+
+
+def _check_tied(stored: dict[str, list[Load]], out: dict[str, Any], progress) -> None:
+    """Each stored copy of a field that config.json ties equals the field as loaded (out: host or device arrays)."""
+    for field, group in stored.items():
+        have = np.asarray(out[field])
+        for ld in group:
+            x = read_tensor(ld.tensor)
+            if not np.array_equal(x.astype(have.dtype), have):
+                raise WeightsError(f"tensor {ld.tensor.name} differs from {ld.field} but config.json ties them")
+            if progress is not None:
+                progress(ld.tensor.end - ld.tensor.start)
 
 
 def read_hf(
@@ -313,42 +428,52 @@ def read_hf(
     dtype=np.float32,
     progress: Callable[[int], Any] | None = None,
 ) -> TargetParams | DraftParams:
-    """The params of a Hugging Face directory as a pytree of numpy arrays of ``dtype``, read tensor by tensor.
-
-    progress: called with the byte count of each tensor once it has been read.
-    """
-    loads = plan_hf(path, kind, cfg)
-    fields, treedef = _fields(kind, cfg, dtype)
+    """The params of a Hugging Face directory as a pytree of numpy arrays of ``dtype``, read tensor by tensor
+    (:func:`pieces`). progress: called with the byte count of each tensor once it has been read."""
+    fields, treedef, _ = _fields(kind, cfg, dtype)
     out = {f: np.empty(s.shape, s.dtype) for f, s in fields.items()}
-    for ld in sorted(loads, key=lambda ld: (ld.check, ld.tensor.file, ld.tensor.start)):
-        x = read_tensor(ld.tensor)
-        dest = out[ld.field] if ld.layer is None else out[ld.field][ld.layer]
-        if ld.check:
-            if not np.array_equal(x.astype(dest.dtype), dest):
-                raise WeightsError(f"tensor {ld.tensor.name} differs from {ld.field} but config.json ties them")
+    for field, row, piece in pieces(path, kind, cfg, dtype, progress):
+        if field == "_check":
+            _check_tied(piece, out, progress)
+        elif row is None:
+            out[field] = piece
         else:
-            ld.transform.write(dest, x)
-        del x
-        if progress is not None:
-            progress(ld.tensor.end - ld.tensor.start)
+            out[field][row] = piece
+        del piece
     return jax.tree.unflatten(treedef, [out.pop(f) for f in list(fields)])
 
 
-def _to_device(tree, shardings):
-    """numpy pytree -> jax pytree, leaf by leaf, dropping each host copy once it is on device."""
-    leaves, treedef = jax.tree.flatten(tree)
-    del tree
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_row(stack: jax.Array, row: jax.Array, i) -> jax.Array:
+    """stack [L, ...] with row [...] written at i, in place (the stack is donated)."""
+    return jax.lax.dynamic_update_index_in_dim(stack, row.astype(stack.dtype), i, 0)
+
+
+def load_hf(path: str, kind: str, cfg: ModelConfig | DraftConfig, dtype, shardings=None):
+    """The params of a Hugging Face directory on the devices, each piece (:func:`pieces`) placed as soon as it is read:
+    a stacked field's buffer is made on its devices, then filled layer by layer in place. shardings: None (the default
+    device), one Sharding, or a pytree of them shaped like the params."""
+    fields, treedef, _ = _fields(kind, cfg, dtype)
     if shardings is None or isinstance(shardings, jax.sharding.Sharding):
-        shards = [shardings] * len(leaves)
+        where = dict.fromkeys(fields, shardings)
     else:
         shards = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
-        if len(shards) != len(leaves):
-            raise WeightsError(f"shardings has {len(shards)} leaves, the params {len(leaves)}")
-    out = []
-    for i, s in enumerate(shards):
-        out.append(jax.device_put(leaves[i], s))
-        leaves[i] = None
-    return jax.tree.unflatten(treedef, out)
+        if len(shards) != len(fields):
+            raise WeightsError(f"shardings has {len(shards)} leaves, the params {len(fields)}")
+        where = dict(zip(fields, shards))
+    out: dict[str, Any] = {}
+    for field, row, piece in pieces(path, kind, cfg, dtype):
+        if field == "_check":
+            _check_tied(piece, out, None)
+        elif row is None:
+            out[field] = jax.device_put(piece, where[field])
+        else:
+            if field not in out:
+                s = fields[field]
+                out[field] = jax.jit(lambda s=s: jnp.zeros(s.shape, s.dtype), out_shardings=where[field])()
+            out[field] = _set_row(out[field], piece, row)
+        del piece
+    return jax.tree.unflatten(treedef, [out.pop(f) for f in list(fields)])
 
 
 def _load(path: str, kind: str, dtype, shardings):
@@ -362,7 +487,7 @@ def _load(path: str, kind: str, dtype, shardings):
         cfg = parse_config(raw, kind)
     except ConfigError as e:
         raise WeightsError(f"{path}: {e}") from None
-    return cfg, _to_device(read_hf(path, kind, cfg, dtype), shardings)
+    return cfg, load_hf(path, kind, cfg, dtype, shardings)
 
 
 def load_target(path: str, dtype=jnp.float32, shardings=None) -> tuple[ModelConfig, TargetParams]:
