@@ -4,9 +4,9 @@ Subcommands
   fixtures  the tiny reference pair of tests/fixtures/ddtree_reference (any backend; float32): ar, dflash and
             ddtree at a few budgets on the fixture prompts: per-round time, acceptance length, and whether
             the output equals the reference's. Quick; a smoke test of the whole pipeline.
-  models    random-weight models of real shapes (Qwen3-8B, Qwen3-4B, each with its DFlash drafter shape),
-            built directly on the device under jit (no weights travel), bf16. For each prompt length and
-            batch: AR ms per token with its HBM roofline; dflash and ddtree ms per round at tree budgets,
+  models    random-weight models of real shapes (Qwen3-8B, Qwen3-4B, the MoE Qwen3-Coder-30B-A3B, each with its
+            DFlash drafter shape), built directly on the device under jit (no weights travel), bf16. For each prompt
+            length and batch: AR ms per token with its HBM roofline; dflash and ddtree ms per round at tree budgets,
             each with a breakdown (draft, tree, verify, accept+commit: every stage its own compiled function
             on the same state), the ratio to an AR step and the two-number floor. Extras on the first
             configuration: HLO checks (host transfers, big copies), N rounds in one call vs N calls, a
@@ -17,7 +17,10 @@ Subcommands
             and ddtree and output-major for ar, the drafter's output-major); the round loop and the stages compile
             with decode.XLA_OPTIONS, and the verify rows are padded as decode.default_verify_align says.
             ``--tuning KEY=VALUE,...`` (ddtree_jax.tuning) changes how the rounds run, e.g. a layer kernel
-            against XLA's ops (qkv_write=0), the verify's padding or the layer loop's unroll.
+            against XLA's ops (qkv_write=0), the verify's padding or the layer loop's unroll. An MoE target's
+            records also hold the distinct experts one more round touches per layer (measured from the router's
+            choices, ``ddtree_jax.moe_cost``; random weights route about uniformly), and its rooflines and floors
+            count the bytes of those experts only.
   pair      a trained pair (default: the default pair) on train_draft's held-out prompts, one at a time or as
             one batch: mean acceptance length and decode tokens/s of ar, dflash and ddtree at budgets.
   project   the projected speedup over AR of dflash and ddtree: the DDTree paper's mean acceptance lengths
@@ -631,6 +634,14 @@ class Bench:
         self.records.append(rec)  # recorded now (and completed below): a timeout later keeps this number
         self.flush()
         _log(f"  rounds: {ms:.3f} ms/round (compile {cs:.1f}s)")
+        routed = None  # an MoE target's experts touched per layer by one more round (moe_cost; one device)
+        if tcfg.num_experts and self.mesh is None:
+            from ddtree_jax import moe_cost
+
+            routed = info["experts"] = moe_cost.routed(spec, tp, dpp, state)
+            rec["distinct_experts"] = routed["mean"]
+            _log(f"  experts touched per layer: {routed['mean']:.1f} ({routed['min']}-{routed['max']}; uniform "
+                 f"routing of {routed['tokens']} rows: {routed['uniform']:.1f})")
         if extras and args.hlo:
             text = compiled.as_text()
             info["hlo"] = hlo_summary(text, c["wshapes"])
@@ -660,7 +671,7 @@ class Bench:
             rec["breakdown_ms"] = bd
         # ---- ratios, rooflines
         kv_bytes = self.kv_bytes(tcfg, batch, prompt_len)
-        w_bytes = self.step_weight_bytes(batch)
+        w_bytes = self.step_weight_bytes(batch, routed)
         ceil = self.details.get("ceilings", {})
         bw = ceil.get("copy_gbps")
         if method == "ar":
@@ -675,7 +686,7 @@ class Bench:
         else:
             ar = self.ar_ms.get((prompt_len, batch))
             rec["ratio_to_ar"] = ms / ar if ar else None
-            floor = self.round_floor(spec, batch, prompt_len)
+            floor = self.round_floor(spec, batch, prompt_len, routed)
             rec["floor_ms"], info["floor"] = floor["floor_ms"], floor
             if method == "ddtree" and shape.name == "qwen3-8b" and prompt_len == 512 and batch == 1:
                 rec["peer_ms_range"] = PEER["ddtree_ms_range"]
@@ -813,15 +824,21 @@ class Bench:
         item = jnp.dtype(self.dtype).itemsize
         return 2 * cfg.num_layers * batch * prefix * cfg.num_kv_heads * cfg.head_dim * item
 
-    def step_weight_bytes(self, batch):
-        """Weights one target step must read: every layer, the final norm, lm_head; B embedding rows."""
+    def step_weight_bytes(self, batch, routed: dict | None = None):
+        """Weights one target step must read: every layer (of an MoE target's experts, those ``routed`` reports
+        touched: moe_cost), the final norm, lm_head; B embedding rows."""
+        from ddtree_jax import moe_cost
+
         c = self.ctx
         tp = c["tp"]
-        return (_nbytes(tp.layers) + _nbytes(tp.final_norm) + _nbytes(tp.lm_head)
-                + batch * tp.embed.shape[1] * tp.embed.dtype.itemsize)
+        return (moe_cost.layer_bytes(tp.layers, routed and routed["distinct"]) + _nbytes(tp.final_norm)
+                + _nbytes(tp.lm_head) + batch * tp.embed.shape[1] * tp.embed.dtype.itemsize)
 
-    def round_floor(self, spec, batch, prefix) -> dict:
-        """max(bytes / copy bandwidth, flops / matmul rate) of one speculative round (both models)."""
+    def round_floor(self, spec, batch, prefix, routed: dict | None = None) -> dict:
+        """max(bytes / copy bandwidth, flops / matmul rate) of one speculative round (both models; an MoE target's
+        bytes with the experts ``routed`` reports touched, its FLOPs with each token's k experts)."""
+        from ddtree_jax import moe_cost
+
         c = self.ctx
         tcfg, dcfg, tp, dp = c["tcfg"], c["dcfg"], c["tp"], c["dp"]
         ceil = self.details.get("ceilings", {})
@@ -831,8 +848,9 @@ class Bench:
         kv_t = self.kv_bytes(tcfg, batch, prefix)
         kv_d = self.kv_bytes(dl, batch, prefix)
         lm = _nbytes(tp.lm_head)
-        bytes_ = self.step_weight_bytes(batch) + _nbytes(dp) + lm + kv_t + kv_d
-        p_t = (_nbytes(tp.layers) + lm) / 2  # parameters touched per token (bf16)
+        bytes_ = self.step_weight_bytes(batch, routed) + _nbytes(dp) + lm + kv_t + kv_d
+        active = [tcfg.experts_per_token] * len(tcfg.sparse_layers) if tcfg.num_experts else None
+        p_t = (moe_cost.layer_bytes(tp.layers, active) + lm) / 2  # parameters touched per token (bf16)
         p_d = _nbytes(dp.layers) / 2
         att_t = 4 * tcfg.num_layers * batch * t * (prefix + t) * tcfg.num_heads * tcfg.head_dim
         att_d = 4 * dl.num_layers * batch * bs * (prefix + bs) * dl.num_heads * dl.head_dim
@@ -909,7 +927,7 @@ def _models(args) -> int:
     import jax
 
     if args.quick:
-        args.models = ["tiny"]
+        args.models = args.models or ["tiny"]
         args.prompts = args.prompts_set or [64]
         args.batches = args.batches_set or [1, 2]
         args.budgets = args.budgets_set or [4, 16]
@@ -921,6 +939,7 @@ def _models(args) -> int:
         args.tree_budgets = [16]
         args.profile_rounds = 2
     else:
+        args.models = args.models or ["qwen3-8b", "qwen3-4b"]
         args.prompts = args.prompts_set or [512, 2048]
         args.batches = args.batches_set or [1, 8]
         args.budgets = args.budgets_set or [16, 32, 64, 128, 256, 512]
@@ -939,8 +958,9 @@ def _models(args) -> int:
         bench.item(f"model {m}", bench.run_model, SHAPES[m])
     bench.details["meta"]["total_s"] = time.time() - bench.t_start
     bench.flush()
+    moe = ["distinct_experts"] if any("distinct_experts" in r for r in bench.records) else []
     _print_table(bench.records, ["model", "method", "budget", "batch", "prompt_len", "ms_per_round", "roofline_ms",
-                                 "ratio_to_roofline", "ratio_to_ar", "floor_ms"], breakdown=True)
+                                 "ratio_to_roofline", "ratio_to_ar", "floor_ms", *moe], breakdown=True)
     return 0
 
 
@@ -1081,8 +1101,8 @@ def build_parser() -> cli.ArgumentParser:
                                    "taps 1,9,17,25,33), random bf16 weights made on the device. Times AR, "
                                    "dflash and ddtree rounds with per-stage breakdowns; see the module doc.",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    m.add_argument("--models", type=_names, default=["qwen3-8b", "qwen3-4b"],
-                   help=f"comma-separated among {', '.join(SHAPES)} (default: qwen3-8b,qwen3-4b)")
+    m.add_argument("--models", type=_names, default=None,
+                   help=f"comma-separated among {', '.join(SHAPES)} (default: qwen3-8b,qwen3-4b; tiny with --quick)")
     m.add_argument("--prompts", dest="prompts_set", type=_ints, default=None,
                    help="prompt lengths = cache prefix (default: 512,2048; --quick: 64)")
     m.add_argument("--batches", dest="batches_set", type=_ints, default=None,

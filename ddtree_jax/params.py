@@ -21,6 +21,7 @@ checkpoint, all sparse, under the scan of one homogeneous stack.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -196,14 +197,14 @@ def init_random(shapes, key: Array, scale: float = 0.02):
     """Random parameters for a shape tree: norms near 1, matrices N(0, scale^2). For tests and benchmarks."""
     leaves, treedef = jax.tree.flatten_with_path(shapes)
     keys = jax.random.split(key, len(leaves))
-    out = []
-    for (path, s), k in zip(leaves, keys):
-        name = getattr(path[-1], "name", "")
-        if name in NORMS:
-            out.append((1.0 + 0.1 * jax.random.normal(k, s.shape)).astype(s.dtype))
-        else:
-            out.append((scale * jax.random.normal(k, s.shape)).astype(s.dtype))
-    return jax.tree.unflatten(treedef, out)
+    return jax.tree.unflatten(treedef, [random_leaf(p, s, k, scale) for (p, s), k in zip(leaves, keys)])
+
+
+def random_leaf(path, s, key: Array, scale: float = 0.02) -> Array:
+    """One leaf of :func:`init_random` (its path, its ShapeDtypeStruct): near 1 for a norm, else N(0, scale^2)."""
+    if getattr(path[-1], "name", "") in NORMS:
+        return (1.0 + 0.1 * jax.random.normal(key, s.shape)).astype(s.dtype)
+    return (scale * jax.random.normal(key, s.shape)).astype(s.dtype)
 
 
 def unstack_layers(params):
@@ -318,6 +319,13 @@ def fuse_projections(params: TargetParams | DraftParams) -> TargetParams | Draft
 def num_heads(w: LayerWeights) -> int:
     """The query heads of a layer's weights, read off ``wo`` ([L?, H, hd, D], or [L?, D, H, hd] output-major)."""
     return w.wo.shape[-2] if w.output_major else w.wo.shape[-3]
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def write_layer(stack: Array, row: Array, i) -> Array:
+    """stack [L, ...] with layer i set to row [...] (cast to the stack's dtype), in place: the stack is donated (for
+    filling a large stack layer by layer: the loader, random weights)."""
+    return jax.lax.dynamic_update_index_in_dim(stack, row.astype(stack.dtype), i, 0)
 
 
 def cast(params, dtype):

@@ -21,7 +21,6 @@ Torch ``nn.Linear`` weights are stored [out, in]; the pytree keeps [in, out] wit
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -35,7 +34,7 @@ import numpy as np
 
 from ddtree_jax import checkpoint
 from ddtree_jax.config import ConfigError, DraftConfig, ModelConfig, read_json
-from ddtree_jax.params import DraftParams, TargetParams, stacked_layers
+from ddtree_jax.params import DraftParams, TargetParams, stacked_layers, write_layer
 
 SAFETENSORS_DTYPES = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16)}
 INDEX_FILE = "model.safetensors.index.json"
@@ -443,12 +442,6 @@ def read_hf(
     return jax.tree.unflatten(treedef, [out.pop(f) for f in list(fields)])
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _set_row(stack: jax.Array, row: jax.Array, i) -> jax.Array:
-    """stack [L, ...] with row [...] written at i, in place (the stack is donated)."""
-    return jax.lax.dynamic_update_index_in_dim(stack, row.astype(stack.dtype), i, 0)
-
-
 def load_hf(path: str, kind: str, cfg: ModelConfig | DraftConfig, dtype, shardings=None):
     """The params of a Hugging Face directory on the devices, each piece (:func:`pieces`) placed as soon as it is read:
     a stacked field's buffer is made on its devices, then filled layer by layer in place. shardings: None (the default
@@ -471,7 +464,7 @@ def load_hf(path: str, kind: str, cfg: ModelConfig | DraftConfig, dtype, shardin
             if field not in out:
                 s = fields[field]
                 out[field] = jax.jit(lambda s=s: jnp.zeros(s.shape, s.dtype), out_shardings=where[field])()
-            out[field] = _set_row(out[field], piece, row)
+            out[field] = write_layer(out[field], piece, row)
         del piece
     return jax.tree.unflatten(treedef, [out.pop(f) for f in list(fields)])
 
