@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import bench, moe, moe_cost, shapes
+from ddtree_jax import bench, moe, shapes
 from pallas_kernels import grouped_matmul as gmm
 
 SHAPE = shapes.SHAPES["qwen3-coder-30b-a3b"]
@@ -202,6 +202,9 @@ def main(argv=None) -> int:
                    help="seconds for the whole script; the grid gets what parts 1-2 leave (default: 450)")
     p.add_argument("--budgets", default="8,16,32,64,128,256", help="ddtree budgets of the grid (default: %(default)s)")
     p.add_argument("--skip-grid", action="store_true", help="parts 1 and 2 only")
+    p.add_argument("--tuning", default="", metavar="KEY=VALUE,...",
+                   help="the grid's tuning (bench models --tuning), e.g. grouped_matmul=0 (XLA's ragged dot) or "
+                        "moe_gather_pairs=1 (no gather form)")
     p.add_argument("--quick", action="store_true",
                    help="a CPU rehearsal: the tiny-moe shape, the kernel interpreted, small rows, bench models --quick")
     args = p.parse_args(argv)
@@ -256,6 +259,8 @@ def main(argv=None) -> int:
                 "--budgets", args.budgets, "--key-budgets", "64", "--no-hlo", "--no-profile", "--no-tree-micro",
                 "--repeats", "3", "--stage-iters", "5", "--time-budget-s", str(max(60.0, left - 20)),
                 "--out", os.path.join(args.out, "bench"), "--results-name", "moe_grid.json"]
+        if args.tuning:
+            grid += ["--tuning", args.tuning]
         if args.quick:
             grid += ["--quick", "--budgets", "4,16", "--key-budgets", "16"]
         log(f"grid: python -m ddtree_jax.bench {' '.join(grid)}")

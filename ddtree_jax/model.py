@@ -333,7 +333,7 @@ def forward(
         if w.router is None:
             delta = mlp(h, w, splits)  # [B, T, D] or its partial sums [splits, B, T, D] (one device only)
         else:  # the sparse MoE MLP, its experts read in place from the stack
-            delta = moe.block(h, w, cfg, attention, stacked, i)
+            delta = moe.block(h, w, cfg, attention, stacked, i, tuning)
         delta = constrain(delta, ("batch", "seq", "embed")) if splits == 1 else delta
         return (x, delta, k_all, v_all, tapped), None
 

@@ -9,15 +9,15 @@ The expert matrices are output-major (``params.LayerWeights``: ``experts_gate_up
 ``experts_down`` [E, D, F]; transformers 5's in-memory layout), stacked over layers or not. No form multiplies a row by
 an expert it is not routed to. Two forms, chosen by the (token, slot) pairs at trace time, the same math:
 
-- gather (up to ``GATHER_MAX_PAIRS`` pairs: AR steps at small batches): each pair's expert matrices taken inside a row
+- gather (up to ``GATHER_MAX_PAIRS`` pairs, or ``Tuning.moe_gather_pairs``: AR steps at small batches): each pair's expert matrices taken inside a row
   reduction (f32 products summed over the contiguous input axis), which XLA fuses into one pass that reads only the
   routed experts (``model.linear``'s one-row form, per pair).
 - grouped (more pairs: trees, chains, prefill, batches): the pairs sorted by expert (a stable argsort of the flattened
   ids), group sizes by counting, the sorted rows through a grouped matmul for gate|up and one for down, each pair's
   result scaled by its weight and gathered back to its token (a gather, not a scatter-add: deterministic). The grouped
   matmul is ``pallas_kernels.grouped_matmul`` (each touched expert read once, the others never) with the layer kernels
-  (a 'pallas*' attention: on GPU once :func:`grouped_kernel_works` passed, else interpreted), otherwise XLA's
-  ``jax.lax.ragged_dot_general`` (exact, but it reads every expert: the fallback).
+  (a 'pallas*' attention and ``Tuning.grouped_matmul``: on GPU once :func:`grouped_kernel_works` passed, else
+  interpreted), otherwise XLA's ``jax.lax.ragged_dot_general`` (exact, but it reads every expert: the fallback).
 
 Stacked weights are read in place: the kernel and the gather index the [L x E, ...] view of the whole stack at
 layer x E + expert, so no layer's experts are sliced out (XLA copies a slice that a custom call reads).
@@ -42,11 +42,13 @@ import jax.numpy as jnp
 from ddtree_jax import sharding
 from ddtree_jax.config import ModelConfig
 from ddtree_jax.params import LayerWeights
+from ddtree_jax.tuning import Tuning
 from pallas_kernels import grouped_matmul as gmm
 
 Array = jax.Array
 
-GATHER_MAX_PAIRS = 16  # (token, slot) pairs up to which the gather form runs (2 tokens of Qwen3-MoE's 8 experts)
+GATHER_MAX_PAIRS = 16  # (token, slot) pairs up to which the gather form runs by default (Tuning.moe_gather_pairs): 2
+# tokens of Qwen3-Coder-30B-A3B's 8 experts, 8 of the fixture's 2
 
 
 def route(x: Array, router: Array, k: int, norm: bool) -> tuple[Array, Array]:
@@ -97,12 +99,13 @@ def _ragged(rows: Array, w: Array, sizes: Array, offset, out_dtype) -> Array:
     return jax.lax.ragged_dot_general(rows, w, sizes, dims, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-def grouped_matmul_fn(impl: str, x: Array, w: Array):
+def grouped_matmul_fn(impl: str, x: Array, w: Array, tuning: Tuning = Tuning()):
     """The grouped matmul ``(rows, w, sizes, offset, out_dtype)`` for the attention implementation ``impl``: the Pallas
-    kernel with the layer kernels ('pallas*', 16-bit weights the kernel takes; on GPU once
-    :func:`grouped_kernel_works`, '-interpret' in the Pallas interpreter), else XLA's ragged dot."""
+    kernel with the layer kernels ('pallas*' and ``tuning.grouped_matmul``, 16-bit weights the kernel takes; on GPU
+    once :func:`grouped_kernel_works`, '-interpret' in the Pallas interpreter), else XLA's ragged dot."""
     interpret = impl.endswith("-interpret")
-    if impl.startswith("pallas") and gmm.supports(x, w) and (interpret or grouped_kernel_works()):
+    if (impl.startswith("pallas") and tuning.grouped_matmul and gmm.supports(x, w)
+            and (interpret or grouped_kernel_works())):
         def kernel(rows, mat, sizes, offset, out_dtype):
             return gmm.grouped_matmul(rows, mat, sizes, offset, out_dtype=out_dtype, interpret=interpret)
 
@@ -151,7 +154,7 @@ def recording(sink: list):
 
 
 def _experts(x: Array, router: Array, gate_up: Array, down: Array, offset, first, experts: int, cfg: ModelConfig,
-             impl: str) -> Array:
+             impl: str, tuning: Tuning) -> Array:
     """The block's output from the experts first .. first + experts - 1 alone (every expert without a mesh), whose
     matrices are gate_up [W, 2F, D] and down [W, D, F] at offset .. offset + experts - 1: x [N, D] -> f32 [N, D]."""
     weights, ids = route(x, router, cfg.experts_per_token, cfg.norm_topk_prob)
@@ -160,10 +163,10 @@ def _experts(x: Array, router: Array, gate_up: Array, down: Array, offset, first
         jax.debug.callback(sink.append, ids, ordered=True)
     local = ids - first
     mine = (local >= 0) & (local < experts)
-    if ids.size <= GATHER_MAX_PAIRS:
+    if ids.size <= (tuning.moe_gather_pairs or GATHER_MAX_PAIRS):
         y = _gather_form(x, offset + jnp.clip(local, 0, experts - 1), gate_up, down)
     else:
-        matmul = grouped_matmul_fn(impl, x, gate_up)
+        matmul = grouped_matmul_fn(impl, x, gate_up, tuning)
         y = _grouped_form(x, jnp.where(mine, local, experts), experts, gate_up, down,
                           lambda rows, w, sizes, dtype: matmul(rows, w, sizes, offset, dtype))
     return jnp.sum(jnp.where(mine, weights, 0.0)[..., None] * y, axis=1)
@@ -175,11 +178,11 @@ def _flat(w: Array) -> Array:
 
 
 def block(x: Array, w: LayerWeights, cfg: ModelConfig, impl: str = "xla", stacked: LayerWeights | None = None,
-          layer=None) -> Array:
+          layer=None, tuning: Tuning = Tuning()) -> Array:
     """The sparse MoE MLP of one layer: x [B, T, D] (the normed residual, in the weights' dtype) -> f32 [B, T, D].
     w: the layer's weights (``router`` [D, E], ``experts_gate_up`` [E, 2F, D], ``experts_down`` [E, D, F]);
     ``stacked`` / ``layer``: every layer's weights ([L, E, ...]) and this layer's index (may be traced), whose experts
-    are then read in place. ``impl``: the attention implementation, which picks the grouped matmul
+    are then read in place. ``impl`` (the attention implementation) and ``tuning`` pick the form and the grouped matmul
     (:func:`grouped_matmul_fn`). Expert parallel under a mesh whose model axis splits the experts (module doc)."""
     b, t, d = x.shape
     e = w.router.shape[-1]
@@ -190,8 +193,8 @@ def block(x: Array, w: LayerWeights, cfg: ModelConfig, impl: str = "xla", stacke
 
     def run(x, router, gate_up, down, layer, first, experts):
         if stacked is None:
-            return _experts(x, router, gate_up, down, 0, first, experts, cfg, impl)
-        return _experts(x, router, _flat(gate_up), _flat(down), layer * experts, first, experts, cfg, impl)
+            return _experts(x, router, gate_up, down, 0, first, experts, cfg, impl, tuning)
+        return _experts(x, router, _flat(gate_up), _flat(down), layer * experts, first, experts, cfg, impl, tuning)
 
     layer = jnp.int32(0) if layer is None else layer
     if shards == 1:

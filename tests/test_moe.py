@@ -9,8 +9,6 @@ layouts of the experts and a stack mixing dense and sparse MLPs, and decoding: A
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
 import re
 from pathlib import Path
@@ -23,7 +21,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from ddtree_jax import checkpoint, config, decode, moe, params as P, weights
-from ddtree_jax import cache as kvcache
+from ddtree_jax.tuning import Tuning
 from pallas_kernels import grouped_matmul as gmm
 from tests.test_decode import accepted_tokens, rows_with_their_own_limits, tree_paths
 from tests.test_model import run_chunked
@@ -131,9 +129,10 @@ def loop_reference(x, router, gate_up, down, k, norm):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_every_form_of_the_block_is_the_per_token_loop(target, dtype, monkeypatch):
+def test_every_form_of_the_block_is_the_per_token_loop(target, dtype):
     """The gather form, the grouped form by XLA's ragged dot and by the Pallas kernel (interpreted), on the stack's
-    layer 2 read in place and on that layer alone: all the per-token loop (f32: to 1e-5 of its largest value; bf16: 5 %)."""
+    layer 2 read in place and on that layer alone: all the per-token loop (f32: to 1e-5 of its largest value; bf16:
+    5 %). The form and the grouped matmul are the tuning's (ddtree_jax.tuning.Tuning)."""
     cfg, params = target
     stack = P.cast(params.layers, dtype)
     one = P.layer(stack, 2)
@@ -142,18 +141,21 @@ def test_every_form_of_the_block_is_the_per_token_loop(target, dtype, monkeypatc
                           one.experts_gate_up.astype(jnp.float32), one.experts_down.astype(jnp.float32),
                           cfg.experts_per_token, cfg.norm_topk_prob).reshape(x.shape)
     tol = (1e-5 if dtype == jnp.float32 else 0.05) * np.abs(want).max()
+    forms = {  # (attention, tuning): every pair gathered; grouped by XLA's ragged dot; grouped by the kernel
+        "gather": ("xla", Tuning(moe_gather_pairs=10**6)),
+        "ragged dot": ("pallas-interpret", Tuning(moe_gather_pairs=1, grouped_matmul=False)),
+        "kernel": ("pallas-interpret", Tuning(moe_gather_pairs=1)),
+    }
     got = {}
-    for form, pairs in (("gather", 10**6), ("grouped", 0)):
-        monkeypatch.setattr(moe, "GATHER_MAX_PAIRS", pairs)  # read when traced: a new function each time
-        for impl in (("xla", "pallas-interpret") if form == "grouped" else ("xla",)):
-            for where in ("in place", "alone"):
-                kw = dict(stacked=stack, layer=jnp.int32(2)) if where == "in place" else {}
-                fn = jax.jit(lambda x, w, kw=kw, impl=impl: moe.block(x, w, cfg, impl, **kw))
-                got[form, impl, where] = y = np.asarray(fn(x, one))
-                assert y.dtype == np.float32 and np.abs(y - want).max() < tol, (form, impl, where)
+    for form, (impl, tuning) in forms.items():
+        for where in ("in place", "alone"):
+            kw = dict(stacked=stack, layer=jnp.int32(2)) if where == "in place" else {}
+            fn = jax.jit(lambda x, w, kw=kw, impl=impl, tuning=tuning: moe.block(x, w, cfg, impl, tuning=tuning, **kw))
+            got[form, where] = y = np.asarray(fn(x, one))
+            assert y.dtype == np.float32 and np.abs(y - want).max() < tol, (form, where)
     if dtype == jnp.bfloat16:  # the kernel took the bf16 products (and its probe would pass on a GPU)
         assert gmm.supports(x.reshape(40, -1), one.experts_gate_up)
-        first = got["grouped", "xla", "alone"]
+        first = got["ragged dot", "alone"]
         assert all(np.abs(y - first).max() < 0.02 * np.abs(first).max() for y in got.values())
 
 
