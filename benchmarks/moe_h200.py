@@ -16,7 +16,9 @@
 3. grid    ``bench models --models qwen3-coder-30b-a3b --prompts 512 --batches 1`` with AR, DFlash and DDTree at
            budgets 8, 16, 32, 64, 128 and 256 (stage breakdowns for AR, DFlash and DDTree 64), random bf16 weights built
            on the device: ms per round, AR against its routed-bytes roofline, each round against its floor, and the
-           experts each round touches per layer (measured from the router's choices) with the uniform-routing figure.
+           experts each round touches per layer (measured from the router's choices) with the uniform-routing figure;
+           then ``bench project`` on those records: the DDTree paper's acceptance lengths for this model x the
+           measured round costs, per budget (a projection: random weights accept about one token a round).
 
 Writes ``OUT/moe_h200.json`` (checks, forms, layer timings, the grid's records) and the bench's own files under
 ``OUT/bench``; prints a short table of each part. Each part is guarded: a failure is recorded and the next part runs.
@@ -265,13 +267,25 @@ def main(argv=None) -> int:
             grid += ["--quick", "--budgets", "4,16", "--key-budgets", "16"]
         log(f"grid: python -m ddtree_jax.bench {' '.join(grid)}")
         result["grid_command"] = grid
+        records = os.path.join(args.out, "bench", "moe_grid.json")
         try:
             bench.main(grid)
-            with open(os.path.join(args.out, "bench", "moe_grid.json")) as f:
+            with open(records) as f:
                 result["grid"] = json.load(f)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             result["grid"] = {"error": repr(e)[:1000]}
+        if not args.quick:  # the paper's acceptance lengths x these round costs: a projection, labelled so
+            projected = os.path.join(args.out, "projection.json")
+            try:
+                print("\n== projected speedup over AR (a projection, not a measurement)")
+                bench.main(["project", "--results", records, "--models", SHAPE.name, "--budgets", args.budgets,
+                            "--json", projected])
+                with open(projected) as f:
+                    result["projection"] = json.load(f)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                result["projection"] = {"error": repr(e)[:1000]}
     result["seconds"]["total"] = time.time() - t_start
     save()
     log(f"wrote {path} ({result['seconds']['total']:.0f}s)")
