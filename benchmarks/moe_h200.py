@@ -65,8 +65,8 @@ def log(msg: str) -> None:
 
 
 def device_ms(fn, inputs, weights) -> float:
-    """Median over 5 timings of one jitted loop calling ``fn(input, weights)`` on each of the [R, ...] ``inputs`` in turn
-    (3 passes), per call. The loop carries a sum of one output element so that no call is dropped; the weights are
+    """Median over 5 timings of one jitted loop calling ``fn(input, weights)`` on each of the [R, ...] ``inputs`` in
+    turn (3 passes), per call. The loop carries a sum of one output element so that no call is dropped; the weights are
     arguments (a closed-over array would be compiled in as a constant)."""
     n = jax.tree.leaves(inputs)[0].shape[0]
     calls = 3 * n
@@ -89,8 +89,8 @@ def device_ms(fn, inputs, weights) -> float:
 
 
 def routings(key, tokens: int, rows: int):
-    """ROUTINGS random routings of ``tokens`` tokens (k distinct experts each, uniform), the first ``rows`` (token, slot)
-    pairs of each: (ids [R, rows], tokens' rows x [R, tokens, D] bf16)."""
+    """ROUTINGS random routings of ``tokens`` tokens (k distinct experts each, uniform), the first ``rows`` (token,
+    slot) pairs of each: (ids [R, rows], tokens' rows x [R, tokens, D] bf16)."""
     kx, ke = jax.random.split(key)
     ids = jnp.argsort(jax.random.uniform(ke, (ROUTINGS, tokens, E)), axis=-1)[..., :K].reshape(ROUTINGS, -1)[:, :rows]
     x = jax.random.normal(kx, (ROUTINGS, tokens, D), jnp.float32).astype(jnp.bfloat16)
@@ -120,7 +120,8 @@ def check(weights, key) -> dict:
     ys = {impl: np.asarray(jax.jit(lambda x, w, impl=impl: moe.block(x, w, cfg, impl))(xs, layer))
           for impl in (KERNEL, "xla")}
     out["layer"] = {"max_err": float(np.abs(ys[KERNEL] - ys["xla"]).max()), "scale": float(np.abs(ys["xla"]).max())}
-    out["ok"] = out["probe_passed"] and all(out[k]["max_err"] <= 0.02 * out[k]["scale"] for k in ("gate_up", "down", "layer"))
+    out["ok"] = out["probe_passed"] and all(out[k]["max_err"] <= 0.02 * out[k]["scale"]
+                                            for k in ("gate_up", "down", "layer"))
     return out
 
 

@@ -1,9 +1,10 @@
 """Model configurations parsed from Hugging Face ``config.json`` files.
 
-Three families of target (``Qwen3ForCausalLM``, ``LlamaForCausalLM``, and the Mixture-of-Experts
-``Qwen3MoeForCausalLM``) and the z-lab DFlash drafter (``DFlashDraftModel``). Both spellings found in the wild are accepted: transformers 4 (``rope_theta`` and
-``rope_scaling`` at top level, as in the real Qwen3 and Llama-3.1 checkpoints) and transformers 5
-(``rope_parameters``; ``num_local_experts`` for ``num_experts``). Anything unsupported is a :class:`ConfigError` that names the field.
+Three families of target (``Qwen3ForCausalLM``, ``LlamaForCausalLM`` and the Mixture-of-Experts
+``Qwen3MoeForCausalLM``) and the z-lab DFlash drafter (``DFlashDraftModel``). Both spellings found in the wild are
+accepted: transformers 4 (``rope_theta`` and ``rope_scaling`` at top level, as in the real Qwen3 and Llama-3.1
+checkpoints; ``num_experts``) and transformers 5 (``rope_parameters``; ``num_local_experts``). Anything unsupported
+is a :class:`ConfigError` that names the field.
 """
 
 from __future__ import annotations

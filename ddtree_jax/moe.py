@@ -9,9 +9,9 @@ The expert matrices are output-major (``params.LayerWeights``: ``experts_gate_up
 ``experts_down`` [E, D, F]; transformers 5's in-memory layout), stacked over layers or not. No form multiplies a row by
 an expert it is not routed to. Two forms, chosen by the (token, slot) pairs at trace time, the same math:
 
-- gather (up to ``GATHER_MAX_PAIRS`` pairs, or ``Tuning.moe_gather_pairs``: AR steps at small batches): each pair's expert matrices taken inside a row
-  reduction (f32 products summed over the contiguous input axis), which XLA fuses into one pass that reads only the
-  routed experts (``model.linear``'s one-row form, per pair).
+- gather (up to ``GATHER_MAX_PAIRS`` pairs, or ``Tuning.moe_gather_pairs``: AR steps at small batches): each pair's
+  expert matrices taken inside a row reduction (f32 products summed over the contiguous input axis), which XLA fuses
+  into one pass that reads only the routed experts (``model.linear``'s one-row form, per pair).
 - grouped (more pairs: trees, chains, prefill, batches): the pairs sorted by expert (a stable argsort of the flattened
   ids), group sizes by counting, the sorted rows through a grouped matmul for gate|up and one for down, each pair's
   result scaled by its weight and gathered back to its token (a gather, not a scatter-add: deterministic). The grouped

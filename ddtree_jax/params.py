@@ -143,8 +143,8 @@ def _has(cfg: ModelConfig, name: str) -> bool:
 
 
 def stacked_layers(cfg: ModelConfig, name: str) -> tuple[int, ...]:
-    """The model layers whose weights a layer field's stack holds, in order (its rows): every layer, or for a stack mixing
-    dense and sparse MLPs, the dense layers for the dense MLP's weights and the sparse ones for the experts'."""
+    """The model layers whose weights a layer field's stack holds, in order (its rows): every layer, or for a stack
+    mixing dense and sparse MLPs, the dense layers for the dense MLP's weights and the sparse ones for the experts'."""
     if name in DENSE_MLP:
         return cfg.dense_layers
     return cfg.sparse_layers if name in SPARSE_MLP else tuple(range(cfg.num_layers))

@@ -253,7 +253,8 @@ def _match(t: Tensor, rules, fmt: Format, shapes: dict[str, tuple[int, ...]],
     if hit is None:
         return None
     i, m, field, transform = hit
-    layer, expert = (int(v) if v is not None else None for v in (m.groupdict().get("layer"), m.groupdict().get("expert")))
+    found = m.groupdict()
+    layer, expert = (None if found.get(key) is None else int(found[key]) for key in ("layer", "expert"))
     tied = dict(fmt.tied)
     check = field not in shapes and field in tied
     if check:
@@ -322,11 +323,13 @@ def plan(tensors: list[Tensor], fmt: Format, shapes: dict[str, tuple[int, ...]],
                 raise WeightsError(f"layer {layer} holds {field} in two forms ({' and '.join(sorted(have))} tensors)")
             if not forms:
                 continue
-            need = {form: [(i, n, e) for i, n in rules_ for e in (range(shapes[field][1]) if "{expert}" in n else [None])]
+            need = {form: [(i, n, e) for i, n in rules_
+                           for e in (range(shapes[field][1]) if "{expert}" in n else [None])]
                     for form, rules_ in forms.items()}
             if not any(all((i, e) in have.get(form, ()) for i, _, e in want) for form, want in need.items()):
                 form = next(iter(have), next(iter(need)))  # the form begun, else the first listed
-                missing += [n.format(layer=layer, expert=e) for i, n, e in need[form] if (i, e) not in have.get(form, ())]
+                missing += [n.format(layer=layer, expert=e) for i, n, e in need[form]
+                            if (i, e) not in have.get(form, ())]
     if missing:
         raise WeightsError(f"missing tensor(s) in the checkpoint: {_names(missing)}")
     for ld in loads:

@@ -6,13 +6,14 @@
                                                    y [R, N] (rows of no group are 0), f32 accumulation
 
 A Mixture-of-Experts layer's expert products (``ddtree_jax.moe``): the (token, slot) pairs sorted by expert, w the
-experts' gate|up or down matrices (W = layers x experts for a stack, read in place: o = layer x experts). At decode sizes the rows per expert are few (a 64-node tree of Qwen3-Coder-30B-A3B:
-520 pairs over ~125 of 128 experts, about 4 each), so the product is a read of the touched experts' weights: XLA's
-``jax.lax.ragged_dot`` reads every expert whatever the routing (issue 52: 16.5x the routed bytes for one token on an
-H200). Here the grid is (tile, output block): a tile is up to ``block_rows`` consecutive rows of one group (a group of
-more rows has several), listed by :func:`schedule` for the non-empty groups only, so an expert no row routes to is never
-read, and a group of at most ``block_rows`` rows streams its matrix exactly once (each output block of it by one
-program). Tiles past the schedule's count (the static grid is a bound) return at once.
+experts' gate|up or down matrices (W = layers x experts for a stack, read in place: o = layer x experts). At decode
+sizes the rows per expert are few (a 64-node tree of Qwen3-Coder-30B-A3B: 520 pairs over ~125 of 128 experts, about 4
+each), so the product is a read of the touched experts' weights; XLA's ``jax.lax.ragged_dot`` reads every expert
+whatever the routing (on an H200, one token's 8 experts took as long as all 128: issue 52). Here the grid is (tile,
+output block): a tile is up to ``block_rows`` consecutive rows of one group (a group of more rows has several), listed
+by :func:`schedule` for the non-empty groups only, so an expert no row routes to is never read, and a group of at most
+``block_rows`` rows streams its matrix exactly once (each output block of it by one program). Tiles past the schedule's
+count (the static grid is a bound) return at once.
 
 Triton lowering (``pl.pallas_call``'s default on GPU; under jax 0.11 it still runs on the H200, with a deprecation
 warning): masked loads and stores of the ragged rows, ``tl.dot`` on [block_rows, bk] x [bk, bn] tiles (16 rows at

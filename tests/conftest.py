@@ -85,6 +85,39 @@ def pytest_unconfigure(config):
             del os.environ[CACHE_ENV]
 
 
+def fake_device_report(script: str, out: str, devices: int) -> dict:
+    """Run ``script`` (a test file whose ``__main__`` writes a JSON report to its argument) in a subprocess on
+    ``devices`` fake CPU devices (a process's device count is fixed when jax starts) and return the report. No LLVM
+    optimisation: compiling dominates, and the comparisons are within the one process."""
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
+    proc = subprocess.run([sys.executable, os.path.abspath(script), out], env=env, cwd=repo, capture_output=True,
+                          text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    with open(out) as f:
+        return json.load(f)
+
+
+def decode_to_the_end(spec, tp, dp, state, tokens, rows: int):
+    """decode.prefill, then decode.run_rounds until every row is done, each compiled ahead of time: (the first ``rows``
+    rows' outputs, their acceptance lengths, the final state, the compiled prefill, the compiled round loop)."""
+    import jax.numpy as jnp
+
+    from ddtree_jax import decode
+
+    rounds = jnp.int32(spec.max_rounds + 1)
+    prefill = decode.prefill.lower(spec, tp, dp, state, tokens).compile()
+    step = decode.run_rounds.lower(spec, tp, dp, state, rounds).compile()
+    state = step(tp, dp, prefill(tp, dp, state, tokens), rounds)
+    ends, out = decode.final_length(state), np.asarray(state.out)
+    hist, n = np.asarray(state.accept_hist), np.asarray(state.n_rounds)
+    return ([out[i, : ends[i]].tolist() for i in range(rows)], [hist[i, : n[i]].tolist() for i in range(rows)], state,
+            prefill, step)
+
+
 def fixture_path(*parts: str) -> str:
     return os.path.join(FIXTURES, *parts)
 

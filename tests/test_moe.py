@@ -201,7 +201,8 @@ def test_experts_load_from_both_layouts_and_through_orbax(target, tmp_path):
     v5 = write_model(tmp_path / "v5", fused)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(weights.load_target(v5)[1]), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    np.testing.assert_array_equal(params.layers.experts_gate_up[1, 5, 32:], hub["model.layers.1.mlp.experts.5.up_proj.weight"])
+    np.testing.assert_array_equal(params.layers.experts_gate_up[1, 5, 32:],
+                                  hub["model.layers.1.mlp.experts.5.up_proj.weight"])
     np.testing.assert_array_equal(params.layers.router[3], hub["model.layers.3.mlp.gate.weight"].T)
 
     raw = weights.read_config(str(FIX / "target"))
@@ -223,8 +224,8 @@ def test_experts_load_from_both_layouts_and_through_orbax(target, tmp_path):
 
 
 def test_a_stack_mixing_dense_and_sparse_layers(target, npz, tmp_path):
-    """Layer 1 dense (mlp_only_layers): a dense MLP with one expert's matrices computes what a sparse layer whose experts
-    are all that expert computes (the routing weights sum to 1), so the two checkpoints give the same logits."""
+    """Layer 1 dense (mlp_only_layers): a dense MLP with one expert's matrices computes what a sparse layer whose
+    experts are all that expert computes (the routing weights sum to 1), so the two checkpoints give the same logits."""
     cfg, _ = target
     hub = stored(FIX / "target")
     pre = "model.layers.1.mlp."

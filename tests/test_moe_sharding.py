@@ -17,10 +17,11 @@ import dataclasses
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
+
+from tests.conftest import decode_to_the_end, fake_device_report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIX = os.path.join(REPO, "tests", "fixtures", "ddtree_reference_moe")
@@ -61,14 +62,8 @@ def _script(out_path: str) -> None:
         opts = [dataclasses.replace(base, max_new_tokens=n) for n in limits + [1] * (len(rows) - 3)]
         state, tokens = decode.start(spec, rows, opts, max(limits), jnp.float32, mesh)
         tp, dp = tgt[1], drf[1] if method != "ar" else None
-        rounds = jnp.int32(max(limits) + 1)
-        prefill = decode.prefill.lower(spec, tp, dp, state, tokens).compile()
-        step = decode.run_rounds.lower(spec, tp, dp, state, rounds).compile()
-        state = step(tp, dp, prefill(tp, dp, state, tokens), rounds)
-        ends, out = decode.final_length(state), np.asarray(state.out)
-        hist, n = np.asarray(state.accept_hist), np.asarray(state.n_rounds)
-        got = {"outputs": [out[i, : ends[i]].tolist() for i in range(3)],
-               "acceptance": [hist[i, : n[i]].tolist() for i in range(3)],
+        outputs, acceptance, _, _, step = decode_to_the_end(spec, tp, dp, state, tokens, 3)
+        got = {"outputs": outputs, "acceptance": acceptance,
                "experts_spec": str(tp.layers.experts_gate_up.sharding.spec)}
         return got, sharding.collectives(step.as_text())
 
@@ -122,14 +117,7 @@ def _script(out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("moe_sharding") / "report.json")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), out], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    with open(out) as f:
-        return json.load(f)
+    return fake_device_report(__file__, str(tmp_path_factory.mktemp("moe_sharding") / "report.json"), 4)
 
 
 @pytest.mark.parametrize("shape,case", [(s, f"{m}{b or ''}") for s, cases in GRID.items() for m, b in cases])
@@ -173,8 +161,8 @@ def test_meshes_that_do_not_divide_the_experts_are_one_line_errors():
     cfg = config.model_config(os.path.join(FIX, "target"))
     mesh = AbstractMesh((1, 4), sharding.AXES)
     sharding.check_model(cfg, mesh)  # 8 experts, 4 heads, 2 KV heads (replicated): fine
-    for change, words in (({"num_experts": 6}, "mesh 1x4: the target has 6 experts, not divisible by the model axis (4)"),
-                          ({"num_heads": 6}, "6 query heads")):
+    six = "mesh 1x4: the target has 6 experts, not divisible by the model axis (4)"
+    for change, words in (({"num_experts": 6}, six), ({"num_heads": 6}, "6 query heads")):
         with pytest.raises(sharding.ShardingError, match=re.escape(words)) as e:
             sharding.check_model(dataclasses.replace(cfg, **change), mesh)
         assert "\n" not in str(e.value)

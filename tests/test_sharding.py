@@ -21,12 +21,13 @@ import dataclasses
 import functools
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
 import pytest
+
+from tests.conftest import decode_to_the_end, fake_device_report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "ddtree_reference")
@@ -106,15 +107,10 @@ def _script(out_path: str) -> None:
                 for (_, t, k, p, s), n in zip(ROWS, new)]
         state, tokens = decode.start(spec, rows, opts, max(new), jnp.float32, mesh)
         tp, dp = tgt[1], drf[1] if method != "ar" else None
-        rounds = jnp.int32(max(new) + 1)
-        prefill = decode.prefill.lower(spec, tp, dp, state, tokens).compile()
-        step = decode.run_rounds.lower(spec, tp, dp, state, rounds).compile()
-        state = step(tp, dp, prefill(tp, dp, state, tokens), rounds)
-        ends, out = decode.final_length(state), np.asarray(state.out)
-        hist, n = np.asarray(state.accept_hist), np.asarray(state.n_rounds)
+        outputs, acceptance, state, prefill, step = decode_to_the_end(spec, tp, dp, state, tokens, len(rows))
         result = {
-            "outputs": [out[i, : ends[i]].tolist() for i in range(len(rows))],
-            "acceptance": [hist[i, : n[i]].tolist() for i in range(len(rows))],
+            "outputs": outputs,
+            "acceptance": acceptance,
             "cache_spec": str(state.cache.k.sharding.spec) if mesh is not None else None,
         }
         return result, prefill.as_text(), step.as_text()
@@ -307,15 +303,7 @@ def _script(out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("sharding") / "report.json")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    # 8 fake devices; no LLVM optimisation (compile time dominates, the comparisons are within one process)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), out], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    with open(out) as f:
-        return json.load(f)
+    return fake_device_report(__file__, str(tmp_path_factory.mktemp("sharding") / "report.json"), 8)
 
 
 # ================================================================================ multi-device (subprocess)
