@@ -54,9 +54,11 @@ def pytest_configure(config):
 # starting last on one worker while the other idles. Modules not listed run after these, in file order.
 LONGEST_FIRST = (
     "test_sharding.py",  # 200: one 8-device subprocess, besides the worker
+    "test_moe_sharding.py",  # 110 (CPU seconds, a busy 2-core machine): one 4-device subprocess
     "test_kernels.py",  # 180: the Pallas interpreter
     "test_decode.py",  # 180
     "test_bench.py",  # 150
+    "test_moe.py",  # 75 (CPU seconds, a busy 2-core machine)
     "test_sampling.py",  # 120: one test
     "test_train_draft.py",  # 110
     "test_serve.py",  # 105: four servers, besides the worker
