@@ -293,3 +293,19 @@ def test_ddtree_matches_the_reference_round_by_round(target, drafter, runs, budg
                     theirs["tree"]["node_token_ids"], theirs["tree"]["parents"])
     assert compared >= sum(len(a) for a in acceptance) - 3 * drafter[0].block_size
     assert same / compared == 1.0 if budget <= 16 else same / compared >= 0.9, (same, compared)
+
+
+@pytest.mark.parametrize("layout", ["stacked-out-major-fused", "unstacked-out-major-fused", "stacked-fused"])
+def test_gpu_layouts_give_the_same_rounds(target, drafter, runs, layout):
+    """The GPU's weight layouts (decode.device_layout: attention matrices output-major or not, q/k/v fused, per-layer
+    buffers) leave the experts as they are and decode as the stacked layout does."""
+    run = runs[0]
+    (cfg, tp), (dcfg, dp) = target, drafter
+    laid = decode.device_layout(tp, backend="gpu", layout=layout)
+    layers = laid.layers if isinstance(laid.layers, P.LayerWeights) else laid.layers[0]
+    assert layers.fused and layers.w_gate is None and layers.experts_gate_up.shape[-2:] == (64, 64)
+    opts = decode.GenerateOptions(method="ddtree", tree_budget=16, max_new_tokens=run["max_new_tokens"])
+    res = decode.generate((cfg, laid), [run["prompt"]], opts, draft=(dcfg, dp))
+    ref = run["ddtree"]["16"]
+    assert as_reference(run, res.output_ids[0]) == ref["output"]
+    assert res.acceptance_lengths[0] == ref["acceptance_lengths"]
