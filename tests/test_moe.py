@@ -9,6 +9,7 @@ layouts of the experts and a stack mixing dense and sparse MLPs, and decoding: A
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -157,6 +158,20 @@ def test_every_form_of_the_block_is_the_per_token_loop(target, dtype):
         assert gmm.supports(x.reshape(40, -1), one.experts_gate_up)
         first = got["ragged dot", "alone"]
         assert all(np.abs(y - first).max() < 0.02 * np.abs(first).max() for y in got.values())
+
+
+def test_the_kernel_probe_runs_while_a_layer_is_traced(monkeypatch):
+    """moe.grouped_kernel_works runs kernel_mismatch the first time a layer is traced: on a thread of its own, so that
+    its problem is computed then and there (here interpreted, as on a CPU), not staged into the layer's program."""
+    monkeypatch.setattr(moe, "kernel_mismatch", functools.partial(REAL_MISMATCH, interpret=True))
+    moe.grouped_kernel_works.cache_clear()
+    try:
+        assert jax.jit(lambda x: x + moe.grouped_kernel_works())(jnp.int32(1)) == 2
+    finally:
+        moe.grouped_kernel_works.cache_clear()
+
+
+REAL_MISMATCH = moe.kernel_mismatch
 
 
 @pytest.mark.parametrize("sizes,block_rows,offset", [
