@@ -1,0 +1,217 @@
+"""What each round does, chosen on the host between groups of rounds (``--tree-budget auto``): pure numpy.
+
+A *form* is what one round verifies: "ar" (the root alone: an autoregressive step), "chain" (DFlash's argmax chain of
+block_size - 1 nodes) or a best-first tree of b nodes (the form "b", e.g. "64"). Each form at each slot batch is its own
+compiled program; every program of a run shares one decode State, so the host may switch between groups of rounds.
+
+The rounds record, per sequence, what the drafter expected and what the target accepted (``decode.State.stats``, sums
+over rounds in the columns below). The expected acceptance of a tree of c nodes, if the target behaved like the drafter,
+is 1 + the sum of the path probabilities of its c best nodes (the best-first tree built once at the largest budget gives
+every smaller one as its prefix); the chain's is 1 + sum_d prod_{j<=d} p_top1(j). The drafter is over- or
+under-confident, so :class:`Policy` keeps per sequence an exponential moving ratio
+
+    r_i = (accepted - 1) / (predicted for the form used - 1)        (clipped to [0, RATIO_MAX])
+
+and expects E_i(c) = 1 + r_i (pred_i(c) - 1) tokens a round from form c (an AR step: exactly 1). It picks the (form,
+slot batch) with the most expected tokens per second, sum_i E_i(c) / cost(c, n), among the ready programs whose cost
+is known (``costs.CostTable``: seconds a round, measured on the device). When AR wins no prediction arrives any more,
+so after N AR groups one group probes the cheapest speculative form; N doubles after each probe that changes nothing
+(up to ``MAX_PROBE_EVERY``) and restarts when speculation wins: a useless drafter costs well under 2% of AR's speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+AR, CHAIN = "ar", "chain"
+GPU_TREES = (16, 32, 64, 128, 256)  # tree budgets auto chooses among on a GPU (besides ar and the chain)
+CPU_TREES = (8, 16, 32)  # ... on CPU, where a verify costs in proportion to its rows: small trees only
+# Verify rows (slot batch x (1 + nodes)) above which a tree is no candidate. On an H200 a bf16 GEMM turns
+# compute-bound at about 200 rows (989 TFLOP/s over 4.8 TB/s), so a verify of 1024 rows costs about five AR steps of
+# the same batch: only an acceptance above five could pay for it. The cap bounds the programs to compile (32 greedy
+# ones at --max-batch 32 with the GPU forms) and the logits' memory (rows x vocabulary x 4 bytes: 0.6 GB for Qwen3).
+ROW_CAP = 1024
+
+# Columns of decode.State.stats [B, STATS + len(trees)] float32: per sequence, sums over its rounds. Only rounds that
+# drafted (not AR steps) add to them.
+ROUNDS, ACCEPTED, USED, CHAIN_PRED = 0, 1, 2, 3  # rounds; their acceptance lengths; the prediction of the form used;
+# the chain's prediction. Column STATS + i: the prediction of a tree of trees[i] nodes (0 where the round's tree was
+# built smaller: not predicted).
+STATS = 4
+
+SMOOTHING = 0.1  # weight of one round in the moving averages: a group of 8 rounds weighs 1 - 0.9^8 = 0.57
+RATIO_MAX = 2.0
+FIRST_PROBE_EVERY = 2  # AR groups before the first probe of a speculative form
+MAX_PROBE_EVERY = 64
+
+
+def tree_budget(form: str) -> int | None:
+    """The node count of a tree form ("64" -> 64); None for "ar" and "chain"."""
+    return int(form) if form not in (AR, CHAIN) else None
+
+
+def nodes(form: str, block_size: int) -> int:
+    """Tree nodes besides the root that a round of ``form`` verifies."""
+    return 0 if form == AR else block_size - 1 if form == CHAIN else int(form)
+
+
+def code(form: str) -> int:
+    """The form as decode.State.forms stores it: 0 for ar, -1 for the chain, b for a tree of b nodes."""
+    return 0 if form == AR else -1 if form == CHAIN else int(form)
+
+
+def name(form_code: int) -> str:
+    """The inverse of :func:`code`."""
+    return AR if form_code == 0 else CHAIN if form_code == -1 else str(int(form_code))
+
+
+def parse_forms(items: Iterable[str | int]) -> tuple[str, ...]:
+    """Forms given by a user ("ar", "chain", tree budgets), checked and without repeats; ValueError otherwise."""
+    out = []
+    for item in items:
+        text = str(item).strip().lower()
+        if text not in (AR, CHAIN) and not (text.isdigit() and int(text) >= 1):
+            raise ValueError(f"unknown form {item!r}: ar, chain or a tree budget (a positive integer)")
+        form = text if text in (AR, CHAIN) else str(int(text))
+        if form not in out:
+            out.append(form)
+    if not out:
+        raise ValueError("no forms given")
+    return tuple(out)
+
+
+def candidates(method: str, backend: str) -> tuple[str, ...]:
+    """The forms ``auto`` chooses among by default: ar alone for method ar; ar and the chain for dflash; for ddtree
+    also trees of ``GPU_TREES`` nodes on a GPU (``CPU_TREES`` elsewhere)."""
+    if method == "ar":
+        return (AR,)
+    if method == "dflash":
+        return (AR, CHAIN)
+    return (AR, CHAIN) + tuple(str(b) for b in (GPU_TREES if backend == "gpu" else CPU_TREES))
+
+
+def allowed(forms: Sequence[str], batch: int, block_size: int, row_cap: int = ROW_CAP) -> tuple[str, ...]:
+    """The forms whose verify (batch x (1 + nodes) rows) fits ``row_cap``; "ar" always."""
+    return tuple(f for f in forms if f == AR or batch * (1 + nodes(f, block_size)) <= row_cap)
+
+
+def trees(forms: Sequence[str]) -> tuple[int, ...]:
+    """The tree budgets among ``forms``, ascending."""
+    return tuple(sorted(b for f in forms if (b := tree_budget(f)) is not None))
+
+
+@dataclasses.dataclass
+class Estimate:
+    """What is known of one sequence (or, as the prior of new ones, of all)."""
+
+    ratio: float = 1.0
+    preds: dict[str, float] = dataclasses.field(default_factory=dict)  # form -> predicted acceptance length
+    observed: bool = False
+
+
+class Policy:
+    """Chooses the (form, slot batch) of the next group of rounds; host-side, one per engine or generate call.
+
+    forms: the candidate forms; columns: the tree budgets of decode.State.stats' tree columns (in order).
+    Sequences are keyed by any hashable (the engine's slots, generate's rows)."""
+
+    def __init__(self, forms: Sequence[str], columns: Sequence[int]):
+        self.forms = tuple(forms)
+        self.columns = tuple(columns)
+        self.prior = Estimate()
+        self.seqs: dict = {}
+        self.probe_every = FIRST_PROBE_EVERY
+        self._ar_groups = 0
+        self._probed = False  # a probe's statistics arrived since the last choice
+
+    # ---------------------------------------------------------------- sequences
+    def start(self, seq) -> None:
+        """A new sequence: it starts from the prior (what the sequences before it showed)."""
+        self.seqs[seq] = Estimate(self.prior.ratio, dict(self.prior.preds), False)
+
+    def end(self, seq) -> None:
+        self.seqs.pop(seq, None)
+
+    def observe(self, seq, form: str, sums: np.ndarray) -> None:
+        """One group's statistics of sequence ``seq`` (a row of decode.State.stats' growth over the group), whose
+        rounds ran ``form``."""
+        rounds = float(sums[ROUNDS])
+        if rounds <= 0:
+            return  # AR steps: nothing drafted
+        if seq not in self.seqs:
+            self.start(seq)
+        preds = {CHAIN: float(sums[CHAIN_PRED]) / rounds}
+        preds.update({str(b): float(s) / rounds for b, s in zip(self.columns, sums[STATS:]) if s > 0})
+        excess = float(sums[USED]) - rounds  # predicted tokens beyond the root
+        ratio = None
+        if excess > 1e-3 * rounds:
+            ratio = min(max((float(sums[ACCEPTED]) - rounds) / excess, 0.0), RATIO_MAX)
+        weight = 1.0 - (1.0 - SMOOTHING) ** rounds
+        for est in (self.seqs[seq], self.prior):
+            first = not est.observed
+            if ratio is not None:
+                est.ratio = ratio if first else est.ratio + weight * (ratio - est.ratio)
+            for f, p in preds.items():
+                old = est.preds.get(f)
+                est.preds[f] = p if old is None or first else old + weight * (p - old)
+            est.observed = True
+        if form != AR:
+            self._probed = True
+
+    # ---------------------------------------------------------------- expectations
+    def pred(self, est: Estimate, form: str) -> float | None:
+        """The predicted acceptance length of ``form`` for a sequence; a tree budget never predicted takes the largest
+        smaller one's (a lower bound); None when nothing is known."""
+        if form == AR:
+            return 1.0
+        if form in est.preds:
+            return est.preds[form]
+        b = tree_budget(form)
+        known = [(int(f), p) for f, p in est.preds.items() if f != CHAIN and int(f) < (b or 0)]
+        return max(known)[1] if known else None
+
+    def expected(self, seq, form: str) -> float | None:
+        """E_i(form): tokens a round of ``form`` is expected to commit for sequence ``seq``; None when unknown."""
+        est = self.seqs.get(seq, self.prior)
+        p = self.pred(est, form)
+        return None if p is None else 1.0 + est.ratio * (p - 1.0)
+
+    def total(self, seqs: Iterable, form: str) -> float | None:
+        values = [self.expected(s, form) for s in seqs]
+        return None if any(v is None for v in values) else float(sum(values))
+
+    # ---------------------------------------------------------------- choice
+    def choose(self, seqs: Sequence, options: Mapping[tuple[str, int], float]) -> tuple[str, int]:
+        """The (form, slot batch) among ``options`` ((form, batch) -> seconds a round, the ready programs that can
+        hold ``seqs``) with the most expected tokens per second. Forms whose expectation is unknown (nothing observed
+        yet) are explored first, cheapest first; after AR has won ``probe_every`` groups in a row, one group probes the
+        cheapest speculative form."""
+        if not options:
+            raise ValueError("no program to choose from")
+        speculative = sorted(((c, k) for k, c in options.items() if k[0] != AR), key=lambda x: x[0])
+        unknown = [k for c, k in speculative if self.total(seqs, k[0]) is None]
+        if unknown:
+            return unknown[0]
+        best = max(options, key=lambda k: (self.total(seqs, k[0]) / options[k], -options[k]))
+        if best[0] != AR or not speculative:
+            self.probe_every, self._ar_groups, self._probed = FIRST_PROBE_EVERY, 0, False
+            return best
+        if self._probed:  # the last probe changed nothing
+            self.probe_every, self._probed = min(2 * self.probe_every, MAX_PROBE_EVERY), False
+        self._ar_groups += 1
+        if self._ar_groups >= self.probe_every:
+            self._ar_groups = 0
+            return speculative[0][1]
+        return best
+
+    def summary(self, seqs: Sequence, form: str) -> tuple[float, float]:
+        """(mean E_i at ``form``, mean ratio) over ``seqs``, for /metrics; NaN without sequences."""
+        if not seqs:
+            return math.nan, math.nan
+        e = [self.expected(s, form) for s in seqs]
+        r = [self.seqs.get(s, self.prior).ratio for s in seqs]
+        return float(np.mean([x for x in e if x is not None] or [math.nan])), float(np.mean(r))

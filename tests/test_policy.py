@@ -1,0 +1,160 @@
+"""The host-side choice of each group's form (ddtree_jax/policy.py) and the cost table (ddtree_jax/costs.py): pure
+numpy, no device."""
+
+import json
+
+import numpy as np
+import pytest
+
+from ddtree_jax import costs, policy
+
+TREES = (16, 32, 64, 128, 256)
+FORMS = ("ar", "chain") + tuple(map(str, TREES))
+
+
+def stats(rounds, accepted, used, chain, trees):
+    """One group's statistics row (policy's columns) for ``rounds`` rounds with the per-round values given."""
+    return np.asarray([rounds, rounds * accepted, rounds * used, rounds * chain] + [rounds * t for t in trees],
+                      np.float32)
+
+
+def curve(top, scale=64.0, budgets=TREES):
+    """A drafter's predicted acceptance length at each budget: rising to 1 + top, half-way near ``scale`` nodes."""
+    return [1 + top * (1 - np.exp(-b / scale)) for b in budgets]
+
+
+# An H200-like cost table at one slot batch: seconds per round
+COSTS = {"ar": 5.6e-3, "chain": 6.0e-3, "16": 6.2e-3, "32": 6.4e-3, "64": 7.2e-3, "128": 9.0e-3, "256": 13.0e-3}
+
+
+def options(batch=1, table=COSTS):
+    return {(f, batch): c for f, c in table.items()}
+
+
+def test_forms_and_their_codes():
+    assert policy.candidates("ar", "gpu") == ("ar",)
+    assert policy.candidates("dflash", "cpu") == ("ar", "chain")
+    assert policy.candidates("ddtree", "gpu") == FORMS
+    assert policy.candidates("ddtree", "cpu") == ("ar", "chain", "8", "16", "32")
+    assert [policy.name(policy.code(f)) for f in FORMS] == list(FORMS)
+    assert policy.parse_forms(["AR", "chain", "064", 16, "16"]) == ("ar", "chain", "64", "16")
+    for bad in (["tree"], ["0"], ["-4"], []):
+        with pytest.raises(ValueError):
+            policy.parse_forms(bad)
+    # rows = batch x (1 + nodes) within the cap; ar always
+    assert policy.allowed(FORMS, 1, 16) == FORMS
+    assert policy.allowed(FORMS, 8, 16) == ("ar", "chain", "16", "32", "64")
+    assert policy.allowed(FORMS, 32, 16) == ("ar", "chain", "16")
+    assert policy.allowed(FORMS, 128, 16) == ("ar",)
+
+
+def test_picks_the_form_with_the_most_tokens_per_second():
+    """With predictions that the target confirms (ratio 1): the most expected tokens per second over the cost table,
+    a small tree for a hesitant drafter, a large one for a confident one."""
+    winners = set()
+    for top, scale in ((0.6, 8), (2.0, 24), (4.0, 64), (8.0, 128), (12.0, 256)):
+        pred = curve(top, scale)
+        p = policy.Policy(FORMS, TREES)
+        p.start(0)
+        used = pred[TREES.index(64)]
+        p.observe(0, "64", stats(8, used, used, 1.2, pred))  # accepted as predicted: ratio 1
+        rate = {f: (1.0 if f == "ar" else 1.2 if f == "chain" else pred[TREES.index(int(f))]) / c
+                for f, c in COSTS.items()}
+        want = max(rate, key=rate.get)
+        assert p.choose([0], options()) == (want, 1)
+        assert p.expected(0, want) == pytest.approx(rate[want] * COSTS[want], rel=1e-5)
+        winners.add(want)
+    assert {"32", "256"} <= winners and len(winners) >= 3, winners
+
+
+def test_the_ratio_corrects_an_overconfident_drafter_and_the_slot_batch_counts():
+    pred = curve(12.0, 256)
+    p = policy.Policy(FORMS, TREES)
+    p.start(0)
+    used = pred[TREES.index(256)]
+    p.observe(0, "256", stats(8, 1 + 0.25 * (used - 1), used, 1.5, pred))  # a quarter of what it predicted
+    assert p.seqs[0].ratio == pytest.approx(0.25, rel=1e-5)
+    e = {f: p.expected(0, f) for f in FORMS}
+    assert e["ar"] == 1 and e["256"] == pytest.approx(1 + 0.25 * (used - 1), rel=1e-5)
+    choice = p.choose([0], options())
+    rate = {f: e[f] / c for f, c in COSTS.items()}
+    assert choice == (max(rate, key=rate.get), 1)
+    # the same form is cheaper per round at a smaller slot batch holding the sequence: that one is chosen
+    both = {**options(1), **{(f, 2): 1.5 * c for f, c in COSTS.items()}}
+    assert p.choose([0], both)[1] == 1
+
+
+def test_falls_back_to_ar_when_the_drafter_is_useless_and_probes_less_and_less():
+    """Predictions near 1 (random drafter) or a ratio near 0: AR wins. Every so many AR groups one group probes the
+    cheapest speculative form; each probe that changes nothing doubles the wait, up to MAX_PROBE_EVERY."""
+    for pred, accepted in ((curve(0.02), 1.0), (curve(6.0), 1.0)):  # flat curve; confident but never right
+        p = policy.Policy(FORMS, TREES)
+        p.start(0)
+        p.observe(0, "16", stats(8, accepted, pred[0], 1.01, pred))
+        choices, probes = [], []
+        for group in range(400):
+            form, _ = p.choose([0], options())
+            choices.append(form)
+            if form != "ar":
+                probes.append(group)
+                p.observe(0, form, stats(4, accepted, pred[0] if form == "16" else 1.01, 1.01, pred))
+        assert choices[0] == "ar"
+        assert set(choices) <= {"ar", "chain"}  # probes take the cheapest speculative form
+        gaps = np.diff(probes)
+        assert (np.diff(gaps) >= 0).all() and gaps[0] < gaps[2] and gaps[-1] == policy.MAX_PROBE_EVERY, gaps
+        # what the probes cost AR: under 2 % of a run of AR rounds at these costs
+        spent = sum(COSTS[f] for f in choices)
+        assert spent / (len(choices) * COSTS["ar"]) < 1.02
+
+
+def test_returns_to_speculation_when_a_probe_shows_acceptance():
+    pred = curve(6.0)
+    p = policy.Policy(FORMS, TREES)
+    p.start(0)
+    p.observe(0, "16", stats(8, 1.0, pred[0], 1.3, pred))  # off-domain: nothing accepted
+    seen = []
+    for _ in range(50):
+        form, _ = p.choose([0], options())
+        seen.append(form)
+        if form != "ar":  # the text turned predictable: the probe accepts what the drafter predicts
+            p.observe(0, form, stats(8, 1.3, 1.3, 1.3, pred))
+            p.observe(0, form, stats(8, pred[2], pred[2], 1.3, pred))
+    assert seen[0] == "ar" and seen[-1] not in ("ar", "chain")
+    assert p.probe_every == policy.FIRST_PROBE_EVERY
+
+
+def test_new_sequences_start_from_what_the_others_showed_and_unknown_forms_are_explored():
+    p = policy.Policy(FORMS, TREES)
+    p.start("a")
+    assert p.choose(["a"], options()) == ("chain", 1)  # nothing known: the cheapest speculative form, to learn
+    pred = curve(4.0)
+    p.observe("a", "chain", stats(8, 1.0, 1.4, 1.4, pred))  # ratio 0
+    p.start("b")
+    assert p.seqs["b"].ratio == pytest.approx(0.0) and p.expected("b", "256") == pytest.approx(1.0)
+    # a budget never predicted (above the tree the rounds built) takes the largest predicted one's value
+    q = policy.Policy(FORMS, TREES)
+    q.start(0)
+    q.observe(0, "16", stats(4, 2.0, 2.0, 1.5, pred[:2] + [0, 0, 0]))
+    assert q.pred(q.seqs[0], "256") == pytest.approx(pred[1])
+    assert q.summary([0], "32")[0] == pytest.approx(q.expected(0, "32"))
+
+
+def test_the_cost_table_persists_per_signature(tmp_path):
+    path = str(tmp_path / "costs.json")
+    sig = costs.signature("model", "bfloat16", "NVIDIA H200")
+    table = costs.CostTable(sig, path)
+    key = costs.program_key("64", 8, "greedy")
+    assert key == "64@8/greedy" and table.get(key) is None
+    table.measured(key, 0.010, 512)
+    table.observe(key, 0.020, 600)
+    assert table.get(key) == pytest.approx(0.010 + costs.REFINE * 0.010)
+    table.observe(key, 10.0, 600)  # a host hiccup: clipped to OUTLIER x the estimate
+    assert table.get(key) < 0.012 * costs.OUTLIER
+    table.save()
+    other = costs.CostTable(costs.signature("other"), path)
+    other.measured("ar@1/greedy", 0.005, 64)
+    other.save()
+    again = costs.CostTable(sig, path)
+    assert again.get(key) == pytest.approx(table.get(key)) and again.get("ar@1/greedy") is None
+    assert set(json.load(open(path))) == {sig, costs.signature("other")}
+    assert costs.CostTable(sig).get(key) is None  # in memory only
