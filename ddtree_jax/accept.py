@@ -16,17 +16,20 @@ from pallas_kernels import tree_accept as tree_accept_lib
 Array = jax.Array
 
 
-def node_keys(seq_keys: Array, position: Array, nodes: int) -> Array:
-    """Independent keys [B, nodes] from per-sequence keys [B] and the round's first position [B].
+def node_keys(seq_keys: Array, positions: Array) -> Array:
+    """Keys [B, N] from per-sequence keys [B] and each node's position [B, N] (the root's is the sequence's length).
 
-    A sequence's keys depend only on its own seed and position, never on its batch neighbours.
+    A node's key depends only on its sequence's own seed and its position, never on its batch neighbours nor on
+    the tree: the token after position p is always chosen with the noise of (seed, p), so every form of round (an
+    AR step, the chain, any tree) emits exactly the tokens AR sampling emits with that seed (a node agrees with the
+    choice at its parent only if it is the token AR would have drawn there). Siblings share their key; that is
+    lossless, since only one node per depth lies on the accepted path.
     """
 
     def one(key, pos):
-        k = jax.random.fold_in(key, pos)
-        return jax.vmap(lambda n: jax.random.fold_in(k, n))(jnp.arange(nodes))
+        return jax.vmap(lambda p: jax.random.fold_in(jax.random.fold_in(key, p), 0))(pos)
 
-    return jax.vmap(one)(seq_keys, position)
+    return jax.vmap(one)(seq_keys, positions)
 
 
 def filter_logits(logits: Array, temperature: Array, top_p: Array, top_k: Array, filtering: bool = True) -> Array:

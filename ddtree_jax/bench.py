@@ -38,6 +38,7 @@ token; the timings do not depend on that (every shape is static), the acceptance
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import functools
@@ -180,17 +181,17 @@ def _jitted():
 
     @functools.partial(jax.jit, static_argnums=(0,))
     def stage_tree(spec, logits):
-        return decode.build_tree(spec, logits)
+        return decode.build_tree(spec, logits)[0]
 
     @functools.partial(decode.donating_jit, static_argnums=(0,), donate_argnums=(2,))
     def stage_verify(spec, tp, state, tree):
-        logits, cache, taps, tokens = decode.verify(spec, tp, state, tree)
-        return (logits, taps, tokens), dataclasses.replace(state, cache=cache)
+        logits, cache, taps, tokens, depths = decode.verify(spec, tp, state, tree)
+        return (logits, taps, tokens, depths), dataclasses.replace(state, cache=cache)
 
     @functools.partial(decode.donating_jit, static_argnums=(0,), donate_argnums=(1,))
     def stage_accept(spec, state, tree, outs):
-        logits, taps, tokens = outs
-        return decode.accept_commit(spec, state, tree, state.dcache, logits, state.cache, taps, tokens)
+        logits, taps, tokens, depths = outs
+        return decode.accept_commit(spec, state, tree, state.dcache, logits, state.cache, taps, tokens, depths)
 
     return dict(randomize=randomize, stage_draft=stage_draft, stage_tree=stage_tree, stage_verify=stage_verify,
                 stage_accept=stage_accept)
@@ -1034,6 +1035,13 @@ def _ints(text: str) -> list[int]:
     return vals
 
 
+def _budgets(text: str) -> list:
+    """'16,64,auto' -> [16, 64, 'auto'] (argparse type)."""
+    parts = [x.strip().lower() for x in text.split(",") if x.strip()]
+    nums = [x for x in parts if x != "auto"]
+    return (_ints(",".join(nums)) if nums else []) + (["auto"] if "auto" in parts else [])
+
+
 def xla_options(text: str) -> dict | None:
     """``KEY=VALUE,...`` -> {KEY: VALUE} (None if malformed); true/false become bools, integers ints. A piece
     without "=" continues the previous value, for list-valued options (``xla_gpu_enable_command_buffer=FUSION,WHILE``)."""
@@ -1166,8 +1174,11 @@ def build_parser() -> cli.ArgumentParser:
     q.add_argument("--target", default="default", metavar="PATH",
                    help="target directory (default: the default pair's SmolLM2-135M-Instruct)")
     q.add_argument("--draft", default=None, metavar="PATH", help="drafter directory (default: the shipped one)")
-    q.add_argument("--budgets", type=_ints, default=[16, 32, 64, 128, 256],
-                   help="ddtree tree budgets (default: 16,32,64,128,256)")
+    q.add_argument("--budgets", type=_budgets, default=[16, 32, 64, 128, 256, "auto"],
+                   help="ddtree tree budgets, auto among them for --tree-budget auto (each prompt's rounds take the "
+                        "form with the most expected tokens per second; the record lists the forms that ran) "
+                        "(default: 16,32,64,128,256,auto)")
+    q.add_argument("--forms", type=cli.form_list, default=None, metavar="LIST", help=cli.FORMS_HELP)
     q.add_argument("--prompts", type=cli.positive_int, default=4,
                    help="held-out prompts (train_draft's held-out documentation topics) (default: 4)")
     q.add_argument("--max-new-tokens", type=cli.positive_int, default=64, help="tokens per prompt (default: 64)")
@@ -1239,9 +1250,13 @@ def _pair(args) -> int:
     prompts = held_out[: args.prompts]
     stop = tuple(dict.fromkeys(tok.eos_token_ids + target[0].eos_token_ids))
     groups = [prompts] if args.batched else [[p] for p in prompts]
-    runs = [train_draft.benchmark(target, draft, g, budgets=args.budgets, max_new_tokens=args.max_new_tokens,
+    fixed = [b for b in args.budgets if b != decode.AUTO]
+    runs = [train_draft.benchmark(target, draft, g, budgets=fixed, max_new_tokens=args.max_new_tokens,
                                   stop_ids=stop, attention=args.attention, check=args.check, log=lambda m: None)
             for g in groups]
+    if decode.AUTO in args.budgets:
+        for run, g in zip(runs, groups):
+            run["ddtree-auto"] = _auto_run(target, draft, g, args, stop, run["ar"]["tokens_per_s"])
     table = {}
     for name in runs[0]:
         acc = [r[name]["mean_acceptance_length"] for r in runs if r[name]["mean_acceptance_length"] is not None]
@@ -1251,6 +1266,9 @@ def _pair(args) -> int:
                        "min_acceptance_length": min(mins) if mins else None,  # >= 1: generate checks it
                        "tokens_per_s": statistics.fmean(tps) if tps else None,
                        "attention": sorted({r[name]["attention"] for r in runs})}
+        if name == "ddtree-auto":  # the forms its rounds took, over every prompt
+            table[name]["forms"] = dict(sum((collections.Counter(r[name]["forms"]) for r in runs),
+                                            collections.Counter()).most_common())
         if args.check and name != "ar":
             firsts = [r[name]["first_divergence"] for r in runs if r[name]["first_divergence"] is not None]
             table[name].update({k: sum(r[name][k] for r in runs) for k in ("same_as_ar", "walk_mismatches",
@@ -1274,9 +1292,43 @@ def _pair(args) -> int:
             line += (f" {row['min_acceptance_length']:>4} {row['same_as_ar']:>4}/{len(prompts):<5} {div:>11} "
                      f"{row['walk_mismatches']:>6}/{row['traced_rounds']:<8}")
         print(line)
+    if "ddtree-auto" in table:
+        print("ddtree-auto's rounds: " + ", ".join(f"{f} x{n}" for f, n in table["ddtree-auto"]["forms"].items()))
     if args.json:
         _write_json(args.json, out)
     return 0
+
+
+def _auto_run(target, draft, prompts, args, stop, ar_tokens_per_s) -> dict:
+    """``bench pair``'s ddtree under --tree-budget auto (the cost table of the cache directory, kept there): what
+    train_draft.benchmark records of a fixed budget, and the forms the rounds took ({form: rounds})."""
+    from ddtree_jax import accept, decode
+
+    opts = decode.GenerateOptions(method="ddtree", tree_budget=decode.AUTO, max_new_tokens=args.max_new_tokens,
+                                  stop_token_ids=stop, attention=args.attention, forms=args.forms or ())
+    res = decode.generate(target, prompts, opts, draft=draft, persist_costs=True)
+    acc = [a for seq in res.acceptance_lengths for a in seq]
+    tps = sum(res.num_generated) / res.decode_s if res.decode_s > 0 else None
+    row = {"mean_acceptance_length": statistics.fmean(acc) if acc else None,
+           "min_acceptance_length": min(acc) if acc else None, "rounds": len(acc), "tokens_per_s": tps,
+           "attention": res.attention,
+           "forms": dict(collections.Counter(f for seq in res.round_forms for f in seq).most_common())}
+    if tps and ar_tokens_per_s:
+        row["speedup"] = tps / ar_tokens_per_s
+    if args.check:  # as train_draft.benchmark's check: AR's tokens, and every traced round's walk replayed
+        ar_ids = decode.generate(target, prompts, dataclasses.replace(opts, method="ar")).output_ids
+        firsts = [next((i - len(p) for i, (x, y) in enumerate(zip(mine, theirs)) if i >= len(p) and x != y),
+                       None if len(mine) == len(theirs) else min(len(mine), len(theirs)) - len(p))
+                  for p, mine, theirs in zip(prompts, res.output_ids, ar_ids)]
+        traced = decode.generate(target, prompts, dataclasses.replace(opts, trace=True), draft=draft,
+                                 persist_costs=True)
+        rounds = [r for seq in traced.rounds for r in seq]
+        row.update(same_as_ar=sum(f is None for f in firsts), traced_rounds=len(rounds),
+                   first_divergence=min((f for f in firsts if f is not None), default=None),
+                   walk_mismatches=sum(accept.walk_host(r["tree"]["node_token_ids"], r["tree"]["parents"],
+                                                        r["target_choices"]) != r["accepted_indices"] for r in rounds),
+                   traced_same_as_untraced=traced.output_ids == res.output_ids)
+    return row
 
 
 def _load_records(path: str) -> list[dict]:

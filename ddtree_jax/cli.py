@@ -153,6 +153,36 @@ nonneg_float = _typed("nonneg_float", float, lambda v: v >= 0 and v == v and v !
 probability = _typed("probability", float, lambda v: 0 < v <= 1, "a number in (0, 1]")
 
 
+def tree_budget(text: str) -> int | str:
+    """``auto`` or a positive integer (argparse type of --tree-budget)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    return positive_int(text)
+
+
+def form_list(text: str) -> tuple[str, ...]:
+    """``"ar,chain,16,64"`` -> the forms (argparse type of --forms; ddtree_jax.policy.parse_forms)."""
+    from ddtree_jax import policy
+
+    try:
+        return policy.parse_forms(text.split(","))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+
+
+TREE_BUDGET_HELP = (
+    "an integer N: every round the same, a tree of N nodes (ddtree; dflash: the chain); or auto (the default of "
+    "dflash and ddtree): every group "
+    "of rounds takes the form with the most expected tokens per second among an AR step, the DFlash chain and trees "
+    "of 16-256 nodes (8-32 on CPU; --forms), expecting from each what the drafter's own path probabilities predict, "
+    "corrected by what the target has accepted, over its cost measured on the device at the live slot batch (kept "
+    "in $DDTREE_JAX_CACHE/costs.json, default ~/.cache/ddtree_jax); speculation stops where it would lose to AR. "
+    "Greedy output is AR's token for token, sampled output AR's for the same seed, whatever the forms")
+FORMS_HELP = ("the forms --tree-budget auto chooses among, comma-separated: ar (an AR step), chain (DFlash's chain) "
+              "and tree budgets, e.g. ar,chain,32,128 (default: ar,chain,16,32,64,128,256 on a GPU, ar,chain,8,16,32 "
+              "elsewhere; dflash: ar,chain). Each is compiled at each slot batch")
+
+
 def int_list(text: str) -> list[int]:
     """``"1,2, 3"`` -> [1, 2, 3] (argparse type). Empty entries and non-integers are errors."""
     parts = [p.strip() for p in text.split(",")]

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import accept, cli, draft as dflash, model, tree as trees
+from ddtree_jax import accept, cli, costs, draft as dflash, model, policy, tree as trees
 from ddtree_jax import cache as kvcache, sharding
 from ddtree_jax.config import DraftConfig, ModelConfig, check_pair
 from ddtree_jax.params import (DraftParams, TargetParams, fuse_projections, input_major, output_major,
@@ -34,7 +34,8 @@ from pallas_kernels.bitmask import causal_bits, pad_rows
 
 Array = jax.Array
 
-DEFAULT_TREE_BUDGET = 64
+AUTO = "auto"  # tree_budget: the form of every group of rounds chosen on the host (policy.py)
+DEFAULT_TREE_BUDGET = AUTO
 METHODS = ("ar", "dflash", "ddtree")
 MAX_STOP_IDS = 8
 NEVER = np.iinfo(np.int32).max
@@ -44,7 +45,7 @@ NEVER = np.iinfo(np.int32).max
 class GenerateOptions:
     method: str = "ar"  # "ar" | "dflash" | "ddtree"
     max_new_tokens: int = 128
-    tree_budget: int = DEFAULT_TREE_BUDGET
+    tree_budget: int | str = DEFAULT_TREE_BUDGET  # nodes of a ddtree round, or "auto" (dflash: ar or the chain)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
@@ -52,6 +53,7 @@ class GenerateOptions:
     attention: str = "auto"  # "auto" | "pallas" | "pallas-inplace" | "xla"
     trace: bool = False
     seed: int = 0
+    forms: tuple[str, ...] = ()  # with tree_budget "auto", the forms to choose among (default: policy.candidates)
 
 
 @dataclasses.dataclass
@@ -65,16 +67,27 @@ class GenerateResult:
     compile_s: float = 0.0  # ahead-of-time compilation of prefill and the round loop (not in the two above;
     # about 0 when an earlier call of this process compiled the same shapes: see ``compiled``)
     attention: str = ""  # the attention implementation that produced the outputs (Spec.attention; 'auto' resolved)
+    round_forms: list[list[str]] | None = None  # with tree_budget "auto": per prompt, per round, the form it ran
+
+
+TREES = ("root", "chain", "best_first")  # Spec.tree: what one round verifies
+METHOD_TREE = {"ar": "root", "dflash": "chain", "ddtree": "best_first"}  # a fixed budget's form
 
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    """Everything static about a decoding run: what the jitted functions specialise on."""
+    """Everything static about one compiled program of a decoding run: what the jitted functions specialise on.
+
+    ``method`` says whether there is a drafter (ar: none); ``tree`` what one round verifies: "root" (an AR step;
+    with a drafter it still extends the drafter's context, so drafting may resume in any later round), "chain"
+    (DFlash's argmax chain) or "best_first" (DDTree's tree of ``budget`` nodes). Under ``--tree-budget auto``
+    (``auto``) every program of a run shares one State layout (``room``: scratch slots and trace rows for the largest
+    form) and records, per round, its form and the drafter's predictions (``State.forms``, ``State.stats``)."""
 
     target: ModelConfig
     draft: DraftConfig | None
     method: str
-    budget: int  # tree nodes besides the root (0 for ar)
+    budget: int  # tree nodes besides the root (0 for an AR step)
     max_rounds: int  # per-sequence statistics buffer length
     attention: str = "xla"
     trace: bool = False
@@ -84,6 +97,12 @@ class Spec:
     sampling: bool = True  # some sequence may sample (temperature > 0); False compiles the greedy choice alone
     filtering: bool = True  # some sampled sequence may use top-k / top-p; False compiles no filter pass
     # (accept.choose: both static, so no data-dependent branch, whose predicate the GPU runtime would read on the host)
+    tree: str = "best_first"  # TREES
+    auto: bool = False  # rounds record their form and the drafter's predictions (State.forms, State.stats)
+    room: int = 0  # nodes of the largest form sharing this State (auto): sizes the scratch slots and the trace
+    predict: tuple[int, ...] = ()  # tree budgets whose expected acceptance a round records (State.stats' columns)
+    build_budget: int = 0  # (auto, with a drafter) the best-first tree is built at this budget for the predictions;
+    # a best_first round verifies its top ``budget`` nodes (a prefix: parents first), a chain round the chain
 
     @property
     def verify_len(self) -> int:
@@ -91,20 +110,27 @@ class Spec:
         return round_up(1 + self.budget, self.tuning.verify_align or 1)
 
     @property
+    def nodes_room(self) -> int:
+        """Tree nodes the State's trace and scratch slots are sized for: this program's, or the run's largest."""
+        return max(self.budget, self.room)
+
+    @property
     def round_positions(self) -> int:
         """Positions past a sequence's length that a round may reach, as the engine and the server check them
         against max_position_embeddings: the root, the tree or chain, and the drafter's block (padding rows of
         the verify block sit at the root's position)."""
-        return 1 + self.budget + (self.draft.block_size if self.draft else 0)
+        return 1 + self.nodes_room + (self.draft.block_size if self.draft else 0)
 
     @property
     def scratch_slots(self) -> int:
-        """Cache slots past the committed length that a round writes: the verify block and the drafter's."""
-        return self.verify_len + (self.draft.block_size if self.draft else 0)
+        """Cache slots past the committed length that a round writes: the verify block and the drafter's (under
+        auto, those of the largest form, padded as a GPU verify is, so that every program of a run fits)."""
+        rows = round_up(1 + self.room, max(GPU_VERIFY_ALIGN, self.tuning.verify_align or 1)) if self.auto else 0
+        return max(self.verify_len, rows) + (self.draft.block_size if self.draft else 0)
 
     @property
     def max_depth(self) -> int:
-        return 0 if self.method == "ar" else self.draft.block_size - 1
+        return 0 if self.draft is None else self.draft.block_size - 1
 
     @property
     def path_len(self) -> int:
@@ -112,48 +138,96 @@ class Spec:
 
     @property
     def taps(self) -> tuple[int, ...]:
-        return () if self.draft is None or self.method == "ar" else self.draft.target_layer_ids
+        return () if self.draft is None else self.draft.target_layer_ids
+
+    @property
+    def form(self) -> str:
+        """This program's form, as policy.py names it: "ar", "chain" or the tree budget."""
+        return {"root": policy.AR, "chain": policy.CHAIN}.get(self.tree, str(self.budget))
+
+    def with_form(self, form: str, batch: int = 1) -> "Spec":
+        """The program of ``form`` in this run (auto) at slot batch ``batch``: the same State layout; trees built at
+        the largest tree budget allowed at that batch (policy.allowed) when there are predictions to record."""
+        tree = {policy.AR: "root", policy.CHAIN: "chain"}.get(form, "best_first")
+        budget = policy.nodes(form, self.draft.block_size) if self.draft else 0
+        build = max((b for b in self.predict if policy.allowed((str(b),), batch, self.draft.block_size)),
+                    default=0) if self.draft and tree != "root" else 0
+        if tree == "best_first" and build < budget:
+            raise ValueError(f"a tree of {budget} nodes is not allowed at slot batch {batch}")
+        tuning = self.tuning
+        if tuning.verify_align == default_verify_align(self.tree):  # the default: the form's own
+            tuning = dataclasses.replace(tuning, verify_align=default_verify_align(tree))
+        return dataclasses.replace(self, tree=tree, budget=budget, build_budget=build, tuning=tuning)
+
+
+def run_forms(options: GenerateOptions) -> tuple[str, ...]:
+    """The forms a run may take: one for a fixed budget (the method's), the candidates of ``auto`` otherwise
+    (``options.forms`` or policy.candidates), checked against the method."""
+    if options.tree_budget != AUTO or options.method == "ar":
+        return (policy.AR if options.method == "ar" else policy.CHAIN if options.method == "dflash"
+                else str(options.tree_budget),)
+    forms = policy.parse_forms(options.forms) if options.forms else policy.candidates(options.method,
+                                                                                     jax.default_backend())
+    if options.method == "dflash" and policy.trees(forms):
+        raise ValueError(f"method dflash takes the forms ar and chain, not trees ({', '.join(forms)})")
+    return forms
+
+
+def layout_method(options: GenerateOptions) -> str:
+    """The method whose weight layout a run takes (:func:`device_layout`): AR's when AR steps are among its forms (a
+    one-row step reads output-major matrices 4x faster; the rounds lose about 1%), else the method's."""
+    return "ar" if policy.AR in run_forms(options) else options.method
 
 
 def make_spec(target_cfg: ModelConfig, draft_cfg: DraftConfig | None, options: GenerateOptions,
-              tuning: Tuning = Tuning(), **kw) -> Spec:
-    """The Spec of a decode with ``options``; ``kw``: further Spec fields. ``tuning.verify_align`` unset becomes
-    :func:`default_verify_align`'s for the method."""
+              tuning: Tuning = Tuning(), *, batch: int = 1, **kw) -> Spec:
+    """The Spec of a run's first program. A fixed tree budget: the method's form. ``tree_budget="auto"`` (methods
+    dflash and ddtree): the State layout of every form allowed at slot batch ``batch`` (the smallest a run uses:
+    policy.allowed), as the program of the largest; :meth:`Spec.with_form` gives the others. ``kw``: further Spec
+    fields; ``tuning.verify_align`` unset becomes :func:`default_verify_align`'s for the form."""
     if options.method not in METHODS:
         raise ValueError(f"unknown method {options.method!r} (choose from {', '.join(METHODS)})")
     if options.method != "ar":
         if draft_cfg is None:
             raise ValueError(f"method {options.method} needs a drafter (--draft PATH)")
         check_pair(target_cfg, draft_cfg)
-    if options.method == "ddtree" and options.tree_budget < 1:
-        raise ValueError(f"tree budget must be at least 1, got {options.tree_budget}")
-    budget = {"ar": 0, "dflash": (draft_cfg.block_size - 1) if draft_cfg else 0, "ddtree": options.tree_budget}
+    budget = options.tree_budget
+    if budget != AUTO and not (isinstance(budget, int) and not isinstance(budget, bool)):
+        raise ValueError(f"tree budget must be a positive integer or 'auto', got {budget!r}")
+    if options.method == "ddtree" and budget != AUTO and budget < 1:
+        raise ValueError(f"tree budget must be at least 1, got {budget}")
     kw.setdefault("sampling", options.temperature > 0)
     kw.setdefault("filtering", kw["sampling"] and accept.filters(options.top_p, options.top_k))
+    draft = draft_cfg if options.method != "ar" else None
+    fixed = budget != AUTO or options.method == "ar"
+    base = dict(target=target_cfg, draft=draft, method=options.method, max_rounds=options.max_new_tokens,
+                attention=resolve_attention(options.attention), trace=options.trace)
     if tuning.verify_align is None:
-        tuning = dataclasses.replace(tuning, verify_align=default_verify_align(options.method))
-    return Spec(
-        target=target_cfg,
-        draft=draft_cfg if options.method != "ar" else None,
-        method=options.method,
-        budget=budget[options.method],
-        max_rounds=options.max_new_tokens,
-        attention=resolve_attention(options.attention),
-        trace=options.trace,
-        tuning=tuning,
-        **kw,
-    )
+        tuning = dataclasses.replace(tuning, verify_align=default_verify_align(
+            METHOD_TREE[options.method] if fixed else "best_first"))
+    forms = run_forms(options)
+    if fixed:
+        return Spec(**base, budget=policy.nodes(forms[0], draft.block_size) if draft else 0,
+                    tree=METHOD_TREE[options.method], tuning=tuning, **kw)
+    fits = policy.allowed(forms, batch, draft.block_size)
+    if not fits:
+        raise ValueError(f"no form of {', '.join(forms)} fits a verify of {policy.ROW_CAP} rows at slot batch {batch}")
+    room = max(policy.nodes(f, draft.block_size) for f in fits)
+    largest = max(fits, key=lambda f: policy.nodes(f, draft.block_size))
+    spec = Spec(**base, budget=room, tree="best_first", auto=True, room=room, tuning=tuning,
+                predict=policy.trees(fits) if options.method == "ddtree" else (), **kw)
+    return spec.with_form(largest, batch)
 
 
 GPU_VERIFY_ALIGN = 8
 
 
-def default_verify_align(method: str) -> int:
+def default_verify_align(tree: str) -> int:
     """Rows of a verify block are padded to a multiple of this: ``GPU_VERIFY_ALIGN`` on GPU for trees and chains,
     the multiple XLA pads a bf16 cuBLAS GEMM's rows to anyway (otherwise with a copy of every GEMM input of every
-    layer). Nothing elsewhere, nor for an AR step (one row: row reductions, no GEMMs), where padding would only add
-    work."""
-    return GPU_VERIFY_ALIGN if jax.default_backend() == "gpu" and method != "ar" else 1
+    layer). Nothing elsewhere, nor for an AR step (tree "root": one row, row reductions, no GEMMs), where padding
+    would only add work."""
+    return GPU_VERIFY_ALIGN if jax.default_backend() == "gpu" and tree != "root" else 1
 
 
 GPU_AR_LAYER_UNROLL = 4
@@ -266,6 +340,8 @@ class State:
     n_rounds: Array  # [B] rounds taken
     accept_hist: Array  # [B, R] acceptance length of each round (accepted nodes incl. the root)
     trace: dict | None  # with Spec.trace: per round trees and paths, [B, R, ...]
+    forms: Array | None = None  # (Spec.auto) [B, R] int32 the form of each round (policy.code)
+    stats: Array | None = None  # (Spec.auto) [B, policy.STATS + len(Spec.predict)] f32 sums over rounds (policy.py)
 
 
 # ----------------------------------------------------------------------------------------- round
@@ -282,18 +358,47 @@ def draft_logits(spec: Spec, target: TargetParams, drafter: DraftParams, state: 
                           tuning=spec.tuning, return_cache=True)
 
 
-def build_tree(spec: Spec, logits: Array) -> trees.Tree:
-    """The tree stage: the DFlash chain or DDTree's best-first tree from draft logits [B, bs-1, V]."""
-    return trees.chain(logits) if spec.method == "dflash" else trees.best_first(logits, spec.budget)
+def build_tree(spec: Spec, logits: Array) -> tuple[trees.Tree, Array | None]:
+    """The tree stage: the DFlash chain or DDTree's best-first tree from draft logits [B, bs-1, V], and under auto
+    the round's predictions [B, policy.STATS - 1 + len(spec.predict)] (:func:`predictions`; None otherwise)."""
+    if not spec.auto:
+        return (trees.chain(logits) if spec.tree == "chain" else trees.best_first(logits, spec.budget)), None
+    if not spec.build_budget:  # dflash: the chain's prediction alone
+        top1 = jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+        return trees.chain(logits), predictions(spec, top1, None)
+    big, scores, top1 = trees.scored_best_first(logits, spec.build_budget)
+    tree = trees.chain(logits) if spec.tree == "chain" else trees.prefix(big, spec.budget)
+    return tree, predictions(spec, top1, scores)
+
+
+def predictions(spec: Spec, top1: Array, scores: Array | None) -> Array:
+    """[B, 2 + len(spec.predict)]: the expected acceptance length (if the target behaved like the drafter) of the
+    form this round runs, of the chain (1 + sum_d prod_{j<=d} p_top1(j), top1 [B, Dp] the per-depth best
+    log-probabilities) and of a tree of each ``spec.predict`` budget c (1 + the summed path probabilities of the c best
+    nodes, from ``scores`` [B, P] sorted descending; 0 for c > P: not predicted)."""
+    chain = 1 + jnp.sum(jnp.exp(jnp.cumsum(top1.astype(jnp.float32), axis=1)), axis=1)  # [B]
+    if scores is None:
+        return jnp.stack([chain, chain], axis=1)
+    mass = jnp.cumsum(jnp.exp(scores), axis=1)  # [B, P]: 1 + mass[c - 1] for c nodes
+    p = scores.shape[1]
+    trees_ = [1 + mass[:, c - 1] if c <= p else jnp.zeros_like(chain) for c in spec.predict]
+    used = chain if spec.tree == "chain" else 1 + mass[:, spec.budget - 1]
+    return jnp.stack([used, chain, *trees_], axis=1)
 
 
 def draft_step(spec: Spec, target: TargetParams, drafter: DraftParams | None, state: State):
-    """draft + tree: (tree, drafter cache with the last accepted context appended)."""
+    """draft + tree: (tree, drafter cache with the last accepted context appended, predictions or None). An AR step
+    (tree "root") with a drafter appends the context without drafting, so that the drafter's context stays
+    complete: a later round drafts as if every round had been speculative."""
     b = state.bonus.shape[0]
-    if spec.method == "ar":
-        return trees.root_only(b), None
+    if spec.tree == "root":
+        dcache = state.dcache
+        if spec.draft is not None:
+            dcache = dflash.extend(drafter, spec.draft, state.dcache, state.context, state.context_count)
+        return trees.root_only(b), dcache, None
     logits, dcache = draft_logits(spec, target, drafter, state)
-    return build_tree(spec, logits), dcache
+    tree, pred = build_tree(spec, logits)
+    return tree, dcache, pred
 
 
 def verify(spec: Spec, target: TargetParams, state: State, tree: trees.Tree):
@@ -311,22 +416,24 @@ def verify(spec: Spec, target: TargetParams, state: State, tree: trees.Tree):
         pad_rows(tree.bits, spec.verify_len), taps=spec.taps, attention=spec.attention,
         unroll=spec.tuning.layer_unroll or default_layer_unroll(tokens.shape[0] * spec.verify_len), tuning=spec.tuning,
     )
-    return model.logits(target, hidden[:, :n]), cache, taps, tokens
+    return model.logits(target, hidden[:, :n]), cache, taps, tokens, depths
 
 
 def round_step(spec: Spec, target: TargetParams, drafter: DraftParams | None, state: State) -> State:
-    tree, dcache = draft_step(spec, target, drafter, state)
-    logits, cache, taps, tokens = verify(spec, target, state, tree)
-    return accept_commit(spec, state, tree, dcache, logits, cache, taps, tokens)
+    tree, dcache, pred = draft_step(spec, target, drafter, state)
+    logits, cache, taps, tokens, depths = verify(spec, target, state, tree)
+    return accept_commit(spec, state, tree, dcache, logits, cache, taps, tokens, depths, pred)
 
 
-def accept_commit(spec: Spec, state: State, tree: trees.Tree, dcache, logits, cache, taps, tokens) -> State:
+def accept_commit(spec: Spec, state: State, tree: trees.Tree, dcache, logits, cache, taps, tokens, depths,
+                  pred: Array | None = None) -> State:
     """The accept + commit stage: the target's choice at every node, the walk, the KV compaction and
-    the bookkeeping (outputs, stop tokens, statistics, the drafter's next context)."""
+    the bookkeeping (outputs, stop tokens, statistics, the drafter's next context). ``depths`` [B, 1+N] (the
+    root's 0) place each node's sampling key (accept.node_keys); ``pred`` the round's predictions (auto)."""
     active = ~state.done
     b = state.bonus.shape[0]
 
-    keys = accept.node_keys(state.keys, state.cache.length, 1 + spec.budget)
+    keys = accept.node_keys(state.keys, state.cache.length[:, None] + depths)
     choice = accept.choose(logits, keys, state.temperature, state.top_p, state.top_k, spec.sampling, spec.filtering)
     path, length, bonus = accept.walk(tree, choice, spec.max_depth, impl=spec.attention)
 
@@ -344,18 +451,23 @@ def accept_commit(spec: Spec, state: State, tree: trees.Tree, dcache, logits, ca
     stop_at = first_stop(out, state, n_out)
     done = state.done | (cache.length >= state.limit) | (stop_at < NEVER)
 
-    hist = state.accept_hist.at[jnp.arange(b), jnp.where(active, state.n_rounds, spec.max_rounds)].set(
-        length, mode="drop"
-    )
+    at = jnp.where(active, state.n_rounds, spec.max_rounds)  # this round's index; out of range (dropped) if done
+    hist = state.accept_hist.at[jnp.arange(b), at].set(length, mode="drop")
     trace = state.trace
     if spec.trace:
-        at = jnp.where(active, state.n_rounds, spec.max_rounds)
         new = {"tokens": tree.tokens, "depths": tree.depths, "parents": tree.parents, "path": path, "length": length,
                "choice": choice}
-        trace = {k: v.at[jnp.arange(b), at].set(new[k], mode="drop") for k, v in state.trace.items()}
+        trace = {k: v.at[jnp.arange(b), at].set(_pad_nodes(new[k], v.shape[2]) if v.ndim == 3 and k != "path"
+                                                else new[k], mode="drop") for k, v in state.trace.items()}
+    forms, stats = state.forms, state.stats
+    if spec.auto:
+        forms = forms.at[jnp.arange(b), at].set(policy.code(spec.form), mode="drop")
+        if pred is not None:  # ROUNDS, ACCEPTED, then the predictions (USED, CHAIN_PRED, the trees)
+            row = jnp.concatenate([jnp.ones((b, 1)), length[:, None].astype(jnp.float32), pred], axis=1)
+            stats = stats + jnp.where(active[:, None], row, 0.0)
 
     context = None
-    if spec.method != "ar":
+    if spec.draft is not None:
         context = jnp.take_along_axis(taps, path[:, :, None], axis=1)
     return dataclasses.replace(
         state,
@@ -371,7 +483,14 @@ def accept_commit(spec: Spec, state: State, tree: trees.Tree, dcache, logits, ca
         n_rounds=state.n_rounds + active.astype(jnp.int32),
         accept_hist=hist,
         trace=trace,
+        forms=forms,
+        stats=stats,
     )
+
+
+def _pad_nodes(x: Array, width: int) -> Array:
+    """x [B, n] padded with zeros to [B, width] (a smaller form's tree in a trace sized for the run's largest)."""
+    return jnp.pad(x, [(0, 0), (0, width - x.shape[1])])
 
 
 def first_stop(out: Array, state: State, n_out: Array) -> Array:
@@ -425,6 +544,58 @@ def run_rounds(spec: Spec, target: TargetParams, drafter: DraftParams | None, st
     return state
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Snapshot:
+    """What the host reads after a group of rounds, per sequence [B]: one small device->host copy."""
+
+    end: Array  # [B] final output length (cut at the limit and the first stop token)
+    window: Array  # [B, W] out[start : start + W]
+    done: Array  # [B] bool
+    stopped: Array  # [B] bool: a stop token ended the sequence
+    new_tokens: Array  # [B] tokens committed by the group's rounds
+    new_rounds: Array  # [B] rounds the group ran for the sequence
+    new_stats: Array | None  # (Spec.auto) [B, S] the growth of State.stats over the group
+
+
+def device_final_length(state: State) -> Array:
+    """:func:`final_length` on device: [B] int32."""
+    cut = jnp.minimum(state.n_out, state.limit)
+    return jnp.minimum(cut, jnp.where(state.stop_at < NEVER, state.stop_at + 1, state.n_out))
+
+
+def _group(spec: Spec, target, drafter, state: State, starts: Array, rounds: Array, most: int):
+    """Up to ``rounds`` (int32, at most ``most``, static) rounds for the batch: the new state and a :class:`Snapshot`
+    whose window holds each sequence's output from ``starts`` [B] (the first undelivered index) on."""
+    n_out0, rounds0, stats0 = state.n_out, state.n_rounds, state.stats
+    state = run_rounds(spec, target, drafter, state, jnp.minimum(rounds, most))
+    width = most * spec.path_len + 1
+    idx = jnp.minimum(starts[:, None] + jnp.arange(width)[None], state.out.shape[1] - 1)
+    snap = Snapshot(
+        end=device_final_length(state),
+        window=jnp.take_along_axis(state.out, idx, axis=1),
+        done=state.done,
+        stopped=state.stop_at < NEVER,
+        new_tokens=state.n_out - n_out0,
+        new_rounds=state.n_rounds - rounds0,
+        new_stats=None if stats0 is None else state.stats - stats0,
+    )
+    return state, snap
+
+
+# A group of rounds and its Snapshot: the unit the engine and generate's auto loop dispatch (compiled with
+# XLA_OPTIONS through ``compiled`` or ``.lower(...).compile(XLA_OPTIONS)``).
+run_group = donating_jit(_group, static_argnums=(0, 6), donate_argnums=(3,))
+
+
+@functools.partial(donating_jit, static_argnums=(0, 7), donate_argnums=(3,))
+def run_group_rows(spec: Spec, target, drafter, state: State, rows: Array, starts: Array, rounds: Array, most: int):
+    """:func:`run_group` on the sequences ``rows`` [n] (distinct) alone, gathered out of the batch and scattered back
+    (a slot batch smaller than the engine's): the Snapshot is theirs, in ``rows``' order."""
+    sub, snap = _group(spec, target, drafter, take_rows(state, rows), starts, rounds, most)
+    return put_rows(state, rows, sub), snap
+
+
 # ----------------------------------------------------------------------------------------- prefill
 
 
@@ -463,7 +634,7 @@ def prefill(spec: Spec, target: TargetParams, drafter: DraftParams | None, state
         dcache = dataclasses.replace(dcache, length=lengths)
 
     logits = model.logits(target, last)[:, None]
-    keys = accept.node_keys(state.keys, lengths - 1, 1)
+    keys = accept.node_keys(state.keys, (lengths - 1)[:, None])
     first = accept.choose(logits, keys, state.temperature, state.top_p, state.top_k, spec.sampling,
                           spec.filtering)[:, 0]
     out = state.out.at[:, :p_pad].set(tokens).at[jnp.arange(b), lengths].set(first)
@@ -494,7 +665,7 @@ def init_state(spec: Spec, prompt_lens, options_per_seq, capacity: int, out_len:
     prompt_len = jnp.asarray(prompt_lens, jnp.int32)
     trace = None
     if spec.trace:
-        r, n = spec.max_rounds, spec.budget
+        r, n = spec.max_rounds, spec.nodes_room
         trace = {
             "tokens": jnp.zeros((b, r, n), jnp.int32),
             "depths": jnp.zeros((b, r, n), jnp.int32),
@@ -523,6 +694,8 @@ def init_state(spec: Spec, prompt_lens, options_per_seq, capacity: int, out_len:
         n_rounds=jnp.zeros((b,), jnp.int32),
         accept_hist=jnp.zeros((b, spec.max_rounds), jnp.int32),
         trace=trace,
+        forms=jnp.zeros((b, spec.max_rounds), jnp.int32) if spec.auto else None,
+        stats=jnp.zeros((b, policy.STATS + len(spec.predict)), jnp.float32) if spec.auto else None,
     )
 
 
@@ -629,21 +802,32 @@ def final_length(state: State) -> np.ndarray:
 
 
 def trace_rounds(spec: Spec, state: State, b: int) -> list[dict]:
+    """Sequence ``b``'s traced rounds (Spec.trace); under auto each cut to the nodes of the form it ran."""
     t = {k: np.asarray(v[b]) for k, v in state.trace.items()}
+    forms = round_forms(spec, state, b)
     rounds = []
     for r in range(int(state.n_rounds[b])):
+        n = policy.nodes(forms[r], spec.draft.block_size) if forms else t["tokens"].shape[1]
         rounds.append(
             {
                 "tree": {
-                    "node_token_ids": t["tokens"][r].tolist(),
-                    "node_depths": t["depths"][r].tolist(),
-                    "parents": t["parents"][r].tolist(),
+                    "node_token_ids": t["tokens"][r][:n].tolist(),
+                    "node_depths": t["depths"][r][:n].tolist(),
+                    "parents": t["parents"][r][: n + 1].tolist(),
                 },
                 "accepted_indices": t["path"][r][: t["length"][r]].tolist(),
-                "target_choices": t["choice"][r].tolist(),
+                "target_choices": t["choice"][r][: n + 1].tolist(),
+                **({"form": forms[r]} if forms else {}),
             }
         )
     return rounds
+
+
+def round_forms(spec: Spec, state: State, b: int) -> list[str] | None:
+    """The form each of sequence ``b``'s rounds ran (policy names), or None for a fixed budget."""
+    if not spec.auto:
+        return None
+    return [policy.name(c) for c in np.asarray(state.forms[b, : int(state.n_rounds[b])]).tolist()]
 
 
 _COMPILED: collections.OrderedDict = collections.OrderedDict()  # (fn, spec, abstract args) -> executable
@@ -656,7 +840,8 @@ def compiled(fn, spec: Spec, *args):
     itself, and a caller that decodes many times at one shape (evaluations while training, a benchmark's prompts one at a
     time) would otherwise compile every call. Least recently used beyond ``_COMPILED_MAX`` are dropped."""
     leaves, treedef = jax.tree.flatten(args)
-    key = (fn, spec, treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
+    key = (fn, spec, treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) if hasattr(x, "shape") else x
+                                    for x in leaves))  # static arguments (ints) by value
     if key in _COMPILED:
         _COMPILED.move_to_end(key)
         return _COMPILED[key]
@@ -683,6 +868,11 @@ def start(spec: Spec, prompts: list[list[int]], per_row: list[GenerateOptions], 
     return state, tokens
 
 
+GROUP_ROUNDS = 8  # rounds per device call of an auto run (generate's; the engine's are --rounds-per-step)
+FIRST_GROUPS = (2, 4)  # ... except its first groups: the first informed choice comes after 2 rounds, not 8
+MEASURE_CALLS = 3  # timed calls of a new program (the median counts)
+
+
 def generate(
     target,
     prompts: list[list[int]],
@@ -694,6 +884,8 @@ def generate(
     proposer: Callable | None = None,
     mesh: jax.sharding.Mesh | None = None,
     tuning: Tuning = Tuning(),
+    persist_costs: bool = False,
+    chooser: policy.Policy | None = None,
 ) -> GenerateResult:
     """Generate for a batch of prompts. target: (ModelConfig, TargetParams); draft: (DraftConfig, DraftParams).
 
@@ -703,6 +895,12 @@ def generate(
     heads repeated when the model axis exceeds them) and the batch is padded to a multiple of its data axis.
     tuning: how the decode runs on the device (its layout applied to the weights here; ``ddtree_jax.tuning``).
 
+    ``options.tree_budget="auto"`` (dflash, ddtree): groups of rounds (``GROUP_ROUNDS``, or ``stream_every`` when
+    streaming; the first ones ``FIRST_GROUPS``), each of the form a :class:`policy.Policy` (``chooser``, default a new one) picks from the statistics
+    of the groups read so far, weighed against each program's seconds per round (timed here unless known; with
+    ``persist_costs`` read from and kept in the cache directory's cost table, ``cost_table_for``). Group g + 1 is
+    dispatched before group g's statistics are read, so the device never waits for the host's choice.
+
     A decode fault (round statistics no correct program gives: ``round_statistics_problem``) raises RuntimeError.
     """
     if mesh is not None:
@@ -710,7 +908,8 @@ def generate(
         draft = sharding.shard_model(draft, mesh) if draft is not None and options.method != "ar" else draft
     tcfg, tparams = target
     dcfg, dparams = draft if draft is not None else (None, None)
-    tparams = device_layout(tparams, layout=tuning.layout, method=options.method)
+    auto = options.tree_budget == AUTO and options.method != "ar"
+    tparams = device_layout(tparams, layout=tuning.layout, method=layout_method(options))
     dparams = device_layout(dparams, layout=tuning.layout)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
@@ -720,20 +919,28 @@ def generate(
         bad = [t for t in p if not 0 <= t < tcfg.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} outside the vocabulary (size {tcfg.vocab_size})")
-    spec = make_spec(tcfg, dcfg, options, tuning, proposer=proposer, mesh=mesh)
+    rows = prompts + [prompts[0][:1]] * (sharding.padded_batch(len(prompts), mesh) - len(prompts))  # + dummies
+    spec = make_spec(tcfg, dcfg, options, tuning, proposer=proposer, mesh=mesh, batch=len(rows))
     if spec.method == "ar":
         dparams = None
-    rows = prompts + [prompts[0][:1]] * (sharding.padded_batch(len(prompts), mesh) - len(prompts))  # + dummies
     lens = [len(p) for p in rows]
     per_row = [dataclasses.replace(options, seed=options.seed + i) for i in range(len(prompts))]  # row i: seed + i
     per_row += [dataclasses.replace(options, max_new_tokens=1)] * (len(rows) - len(prompts))
     state, tokens = start(spec, rows, per_row, options.max_new_tokens, tparams.embed.dtype, mesh)
-    per_call = stream_every if on_tokens else options.max_new_tokens + 1  # rounds per run_rounds call
-    budget_rounds = jnp.int32(per_call)
 
     t0 = time.perf_counter()  # compile ahead of time so that the timings below are execution only
     prefill_fn = compiled(prefill, spec, tparams, dparams, state, tokens)
-    rounds_fn = compiled(run_rounds, spec, tparams, dparams, state, budget_rounds)
+    if auto:
+        def fresh():
+            return start(spec, rows, per_row, options.max_new_tokens, tparams.embed.dtype, mesh)[0]
+
+        table = cost_table_for(spec, tparams.embed.dtype, persist=persist_costs)
+        run = _AutoRun(spec, options, tparams, dparams, fresh, len(prompts), stream_every if on_tokens else
+                       GROUP_ROUNDS, table, chooser)
+    else:
+        per_call = stream_every if on_tokens else options.max_new_tokens + 1  # rounds per run_rounds call
+        budget_rounds = jnp.int32(per_call)
+        rounds_fn = compiled(run_rounds, spec, tparams, dparams, state, budget_rounds)
     compile_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -742,18 +949,21 @@ def generate(
     prefill_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    emitted = np.asarray(lens)
-    for _ in range(-(-spec.max_rounds // per_call)):  # every round commits a token: enough calls
-        state = rounds_fn(tparams, dparams, state, budget_rounds)
-        if on_tokens is not None:
-            ends = final_length(state)
-            out = np.asarray(state.out)
-            on_tokens([out[i, emitted[i] : ends[i]].tolist() for i in range(len(prompts))])
-            emitted = np.maximum(emitted, ends)
-        if bool(jnp.all(state.done)):
-            break
+    if auto:
+        state = run.decode(state, lens, on_tokens)
     else:
-        raise RuntimeError(fault_message(spec, f"unfinished after {spec.max_rounds} rounds"))
+        emitted = np.asarray(lens)
+        for _ in range(-(-spec.max_rounds // per_call)):  # every round commits a token: enough calls
+            state = rounds_fn(tparams, dparams, state, budget_rounds)
+            if on_tokens is not None:
+                ends = final_length(state)
+                out = np.asarray(state.out)
+                on_tokens([out[i, emitted[i] : ends[i]].tolist() for i in range(len(prompts))])
+                emitted = np.maximum(emitted, ends)
+            if bool(jnp.all(state.done)):
+                break
+        else:
+            raise RuntimeError(fault_message(spec, f"unfinished after {spec.max_rounds} rounds"))
     jax.block_until_ready(state.out)
     decode_s = time.perf_counter() - t0
 
@@ -771,9 +981,139 @@ def generate(
         rounds=[trace_rounds(spec, state, i) for i in range(len(prompts))] if spec.trace else None,
         prefill_s=prefill_s,
         decode_s=decode_s,
-        compile_s=compile_s,
+        compile_s=compile_s + (run.measure_s if auto else 0.0),
         attention=spec.attention,
+        round_forms=[round_forms(spec, state, i) for i in range(len(prompts))] if auto else None,
     )
+
+
+def cost_table_for(spec: Spec, dtype, persist: bool = True) -> costs.CostTable:
+    """The cost table of this run's model shapes, dtype, device kind, attention and mesh; with ``persist``, the
+    cache directory's (costs.default_path), else in memory."""
+    mesh = None if spec.mesh is None else tuple(spec.mesh.shape.values())
+    sig = costs.signature(spec.target, spec.draft, jnp.dtype(dtype).name, jax.devices()[0].device_kind,
+                          spec.attention, mesh)
+    return costs.CostTable(sig, costs.default_path() if persist else None)
+
+
+def variant(spec: Spec) -> str:
+    """The sampling variant of a program, as cost keys name it: "greedy", "sampling" or "filtering"."""
+    return "filtering" if spec.filtering else "sampling" if spec.sampling else "greedy"
+
+
+def measure(fn: Callable, state: State, rewind: Callable[[State], State], calls: int = MEASURE_CALLS):
+    """Seconds per round of a compiled group ``fn`` (state -> (state, Snapshot)): the median of ``calls`` timed calls
+    after an untimed one, each from ``rewind(state)`` and waited for; (seconds, or None when no round ran; the state
+    it left)."""
+    per_round = []
+    for i in range(calls + 1):
+        state = jax.block_until_ready(rewind(state))
+        t0 = time.perf_counter()
+        state, snap = fn(state)
+        ran = int(np.max(jax.device_get(snap.new_rounds)))
+        if i and ran:
+            per_round.append((time.perf_counter() - t0) / ran)
+    return (float(np.median(per_round)) if per_round else None), state
+
+
+@functools.partial(donating_jit, donate_argnums=(0,))
+def rewind(state: State, mask: Array, length: Array, limit: Array) -> State:
+    """The sequences where ``mask`` [B] is set turned into runnable dummies for timing a program: not done, both
+    caches at ``length`` [B] tokens, no stop token, the output cut at ``limit`` [B]. Their contents are dead."""
+
+    def at(x, v):
+        return jnp.where(mask, v, x)
+
+    cache = dataclasses.replace(state.cache, length=at(state.cache.length, length))
+    dcache = state.dcache if state.dcache is None else dataclasses.replace(
+        state.dcache, length=at(state.dcache.length, length))
+    return dataclasses.replace(state, cache=cache, dcache=dcache, n_out=at(state.n_out, length + 1),
+                               limit=at(state.limit, limit), stop_at=at(state.stop_at, NEVER),
+                               stop_ids=jnp.where(mask[:, None], -1, state.stop_ids), done=state.done & ~mask)
+
+
+class _AutoRun:
+    """generate's loop of groups of ``rounds`` rounds under ``tree_budget="auto"``: one compiled group per form allowed
+    at the batch (policy.allowed), each timed on a fresh state of the batch's shape (``fresh()``, its caches at the
+    prompt lengths) unless ``cost_table`` knows it already."""
+
+    def __init__(self, spec: Spec, options: GenerateOptions, tparams, dparams, fresh: Callable[[], State],
+                 n_prompts: int, rounds: int, cost_table, chooser):
+        template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), fresh())
+        self.batch = template.bonus.shape[0]
+        forms = policy.allowed(run_forms(options), self.batch, spec.draft.block_size)
+        self.spec, self.tparams, self.dparams, self.fresh = spec, tparams, dparams, fresh
+        self.n, self.rounds = n_prompts, rounds
+        self.costs = cost_table
+        self.policy = chooser or policy.Policy(forms, spec.predict)
+        starts = jax.ShapeDtypeStruct((self.batch,), jnp.int32)
+        count = jax.ShapeDtypeStruct((), jnp.int32)
+        self.fns, self.keys = {}, {}
+        for f in forms:
+            sp = spec.with_form(f, self.batch)
+            self.fns[f] = compiled(run_group, sp, tparams, dparams, template, starts, count, rounds)
+            self.keys[f] = costs.program_key(f, self.batch, variant(sp))
+        self.measure_s = 0.0
+
+    def _measure_new(self, lens: list[int]) -> None:
+        """Time the forms the table does not know, on a fresh state whose caches hold the prompts' lengths."""
+        todo = [f for f in self.fns if self.costs.get(self.keys[f]) is None]
+        if not todo:
+            return
+        t0 = time.perf_counter()
+        dummy = self.fresh()
+        everyone, length = jnp.ones((self.batch,), bool), jnp.asarray(lens, jnp.int32)
+        limit, rounds = length + self.spec.max_rounds, jnp.int32(self.rounds)
+        for f in todo:
+            fn = self.fns[f]
+            sec, dummy = measure(lambda s: fn(self.tparams, self.dparams, s, length, rounds), dummy,
+                                 lambda s: rewind(s, everyone, length, limit))
+            if sec is not None:
+                self.costs.measured(self.keys[f], sec, int(np.mean(lens)))
+        del dummy
+        self.measure_s += time.perf_counter() - t0
+
+    def decode(self, state: State, lens: list[int], on_tokens) -> State:
+        """Groups until every sequence is done: group g + 1 is dispatched before group g's Snapshot is read (its
+        window starts at group g's ends, on device), so the choice uses statistics one group old."""
+        self._measure_new(lens)
+        live = list(range(self.n))
+        for i in live:
+            self.policy.start(i)
+        emitted = np.asarray(lens)
+        starts = jnp.asarray(lens, jnp.int32)
+        inflight: collections.deque = collections.deque()
+        last = time.perf_counter()
+        sizes = [r for r in FIRST_GROUPS if r < self.rounds]
+        sizes += [self.rounds] * (-(-self.spec.max_rounds // self.rounds) + 1)  # every round commits: enough groups
+        for rounds in sizes:
+            options = {(f, self.batch): c for f, k in self.keys.items() if (c := self.costs.get(k)) is not None}
+            form, _ = self.policy.choose(live, options)
+            state, snap = self.fns[form](self.tparams, self.dparams, state, starts, jnp.int32(rounds))
+            starts = snap.end
+            inflight.append((form, snap))
+            if len(inflight) < 2:
+                continue
+            form, snap = inflight.popleft()
+            host = jax.device_get(snap)
+            now = time.perf_counter()
+            ran = int(np.max(host.new_rounds))
+            if ran:  # the device ran this group while the host waited: its time since the last read
+                self.costs.observe(self.keys[form], (now - last) / ran, int(np.mean(emitted)))
+            last = now
+            for i in live:
+                self.policy.observe(i, form, host.new_stats[i])
+            if on_tokens is not None:
+                on_tokens([host.window[i, : max(int(host.end[i]) - int(emitted[i]), 0)].tolist()
+                           for i in range(self.n)])
+            emitted = np.maximum(emitted, host.end)
+            live = [i for i in live if not host.done[i]]
+            if not live:
+                break
+        else:
+            raise RuntimeError(fault_message(self.spec, f"unfinished after {self.spec.max_rounds} rounds"))
+        self.costs.save()
+        return state
 
 
 # ----------------------------------------------------------------------------------------- slots

@@ -1,27 +1,28 @@
 """Continuous batching over the on-device round loop: a fixed set of slots, a queue, one host thread.
 
 The engine owns one batch :class:`decode.State` of ``max_batch`` slots, each sized for ``max_len``
-tokens (prompt + generated), and one compiled :func:`step` that runs a few rounds for the whole batch
-and returns what the host needs. Its thread loops::
+tokens (prompt + generated), and compiled groups of ``rounds_per_step`` rounds (:class:`Program`: one per form,
+slot batch and sampling variant) that return what the host needs. Its thread loops::
 
     cancel   requests whose client went away end; their slots are marked done on device
     admit    waiting requests enter free slots: prefill a batch of one (decode.prefill), decode.insert it
-    step     ``rounds_per_step`` rounds for every slot at once (done slots are skipped on device), then
-             one small device->host copy (:class:`Snapshot`: each slot's new tokens, lengths, done flags)
+    time     a newly compiled program whose cost is unknown runs a few rounds on free slots (decode.rewind)
+    step     the chosen program (policy.Policy: the most expected tokens per second among the compiled ones) runs
+             ``rounds_per_step`` rounds for the live slots (done slots are skipped on device), then one small
+             device->host copy (:class:`decode.Snapshot`: each slot's new tokens, lengths, done flags, statistics)
     deliver  each slot's new tokens -> text (stop strings cut here) -> its request's sink; a request that
              ended frees its slot before its last event is sent
 
-so new requests join between device calls, while the others keep decoding. Everything per request
-(temperature, top_p, top_k, seed, max_tokens, stop token ids) lives in the slot's own arrays, set by
-``decode.init_state`` at admission; sampling keys depend only on a request's own seed and positions
-(``accept.node_keys``), so a seeded request gives the same tokens whatever else is in the batch.
-Stop strings are matched on the host, on the decoded text: the text is cut before the stop string and
-the slot is cancelled.
+so new requests join between device calls, while the others keep decoding; background threads compile the programs
+meanwhile. Everything per request (temperature, top_p, top_k, seed, max_tokens, stop token ids) lives in
+the slot's own arrays, set by ``decode.init_state`` at admission; sampling keys depend only on a request's own seed
+and positions (``accept.node_keys``), so a seeded request gives the same tokens whatever else is in the batch and
+whatever forms its rounds take (AR's tokens for that seed). Stop strings are matched on the host, on the decoded
+text: the text is cut before the stop string and the slot is cancelled.
 
 Shapes are static: every prompt is padded to a bucket (64, 128, 256, ... up to the longest allowed
-prompt), so the engine compiles one step, one insert and one prefill per bucket. On a mesh
-(``sharding.make_mesh``) the slots split over the data axis and the model over the model axis; decode's
-jitted functions take the mesh from the Spec.
+prompt), so the engine compiles one prefill per bucket and one insert. On a mesh (``sharding.make_mesh``) the slots
+split over the data axis and the model over the model axis; decode's jitted functions take the mesh from the Spec.
 
 Requests talk to the engine through a *sink*: a callable that receives :class:`Event` objects, from the
 engine thread. ``serve.py`` turns them into asyncio queue items; :meth:`Engine.generate` collects them
@@ -45,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import accept, decode, sharding
+from ddtree_jax import accept, costs, decode, policy, sharding
 from ddtree_jax.tuning import Tuning
 
 Array = jax.Array
@@ -77,16 +78,17 @@ class EngineClosed(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     method: str = "ddtree"  # ar | dflash | ddtree
-    tree_budget: int = decode.DEFAULT_TREE_BUDGET
+    tree_budget: int | str = decode.DEFAULT_TREE_BUDGET  # "auto": each step's form chosen by policy.Policy
     max_batch: int = 8  # slots decoded together
     max_len: int = 2048  # prompt + generated tokens per sequence
     rounds_per_step: int = 4  # rounds per device call: streaming granularity vs. host round trips
     max_queue: int = 256  # requests that may wait while every slot is busy; more get QueueFull
     attention: str = "auto"
-    # smaller slot batches, each compiled besides max_batch: a step runs the smallest one that holds the live
-    # requests (gathered from and scattered back into the slot batch), so a ddtree verify with few live
-    # requests does not pay for max_batch x (budget + 1) tokens
-    batch_buckets: tuple[int, ...] = ()
+    # smaller slot batches besides max_batch: a step runs on one that holds the live requests (gathered from and
+    # scattered back into the slot batch), so few live requests do not pay for max_batch x (nodes + 1) verify rows.
+    # None: powers of two below max_batch (default_buckets); () none
+    batch_buckets: tuple[int, ...] | None = None
+    forms: tuple[str, ...] = ()  # under auto, the forms to choose among (default: policy.candidates)
     tuning: Tuning = Tuning()  # how the rounds run on the device (ddtree_jax.tuning)
 
 
@@ -147,51 +149,16 @@ class Job:
 # ----------------------------------------------------------------------------------------- device
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Snapshot:
-    """What the host reads after a step, per slot [B]."""
-
-    end: Array  # [B] final output length (cut at the limit and the first stop token)
-    window: Array  # [B, W] out[start : start + W]
-    done: Array  # [B] bool
-    stopped: Array  # [B] bool: a stop token ended the sequence
-    new_tokens: Array  # [B] tokens committed by this step's rounds
-    new_rounds: Array  # [B] rounds this step ran for the slot
-
-
-def device_final_length(state: decode.State) -> Array:
-    """decode.final_length on device: [B] int32."""
-    cut = jnp.minimum(state.n_out, state.limit)
-    return jnp.minimum(cut, jnp.where(state.stop_at < decode.NEVER, state.stop_at + 1, state.n_out))
-
-
-def _step(spec: decode.Spec, target, drafter, state: decode.State, starts: Array, rounds: int):
-    """Run up to ``rounds`` rounds for the batch; return the new state and a :class:`Snapshot` whose
-    window holds each slot's output from ``starts`` [B] (the first undelivered index) on."""
-    n_out0, rounds0 = state.n_out, state.n_rounds
-    state = decode.run_rounds(spec, target, drafter, state, jnp.int32(rounds))
-    width = rounds * spec.path_len + 1
-    idx = jnp.minimum(starts[:, None] + jnp.arange(width)[None], state.out.shape[1] - 1)
-    snap = Snapshot(
-        end=device_final_length(state),
-        window=jnp.take_along_axis(state.out, idx, axis=1),
-        done=state.done,
-        stopped=state.stop_at < decode.NEVER,
-        new_tokens=state.n_out - n_out0,
-        new_rounds=state.n_rounds - rounds0,
-    )
-    return state, snap
-
-
-# jax takes compiler options on top-level jits only: step_rows calls _step, and prefill wraps decode.prefill
-step = decode.donating_jit(_step, static_argnums=(0, 5), donate_argnums=(3,), compiler_options=decode.XLA_OPTIONS)
-
-
 @functools.partial(decode.donating_jit, static_argnums=(0,), donate_argnums=(3,), compiler_options=decode.XLA_OPTIONS)
 def prefill(spec: decode.Spec, target, drafter, state: decode.State, tokens: Array) -> decode.State:
     """decode.prefill compiled with decode.XLA_OPTIONS."""
     return decode.prefill(spec, target, drafter, state, tokens)
+
+
+def default_buckets(max_batch: int, data_parallel: int = 1) -> tuple[int, ...]:
+    """The slot batches besides max_batch unless told: the powers of two below it (none on a data-parallel mesh,
+    whose slots are split over devices)."""
+    return () if data_parallel != 1 else tuple(2**k for k in range(max_batch.bit_length()) if 2**k < max_batch)
 
 
 def check_batch_buckets(buckets, max_batch: int, data_parallel: int) -> None:
@@ -202,13 +169,6 @@ def check_batch_buckets(buckets, max_batch: int, data_parallel: int) -> None:
                          f"got {','.join(map(str, buckets))}")
     if buckets and data_parallel != 1:
         raise ValueError("batch buckets need a mesh without a data axis (DxM with D = 1)")
-
-
-@functools.partial(decode.donating_jit, static_argnums=(0, 6), donate_argnums=(3,), compiler_options=decode.XLA_OPTIONS)
-def step_rows(spec: decode.Spec, target, drafter, state: decode.State, rows: Array, starts: Array, rounds: int):
-    """:func:`step` on the slots ``rows`` [n] (distinct) alone: the Snapshot is theirs, in ``rows``' order."""
-    sub, snap = _step(spec, target, drafter, decode.take_rows(state, rows), starts, rounds)
-    return decode.put_rows(state, rows, sub), snap
 
 
 @functools.partial(decode.donating_jit, donate_argnums=(0,))
@@ -284,6 +244,16 @@ class Metrics:
             lambda: engine.queue_length)
         Gauge("ddtree_active_slots", "Slots decoding a request", registry=r).set_function(lambda: engine.active_slots)
         Gauge("ddtree_slots", "Slots in the batch (--max-batch)", registry=r).set(engine.config.max_batch)
+        self.rounds_by_form = Counter("ddtree_form_sequence_rounds", "Rounds run, summed over sequences, by the form "
+                                      "they took (ar, chain, or the tree budget)", ["form"], registry=r)
+        self.expected = Gauge("ddtree_expected_acceptance_length", "The policy's expected tokens a round over the live "
+                              "sequences at the form of the last step (1 for ar)", registry=r)
+        self.ratio = Gauge("ddtree_acceptance_ratio", "Mean over the live sequences of accepted / predicted tokens "
+                           "beyond the root (the policy's correction of the drafter)", registry=r)
+        Gauge("ddtree_programs_compiled", "Programs compiled (form x slot batch x sampling variant)",
+              registry=r).set_function(lambda: engine.programs_ready)
+        Gauge("ddtree_programs", "Programs the background compiler works towards", registry=r).set_function(
+            lambda: engine.programs_wanted)
         lat = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
         self.round_latency = Histogram("ddtree_round_latency_seconds", "Wall time of one round of the batch "
                                        "(device step / rounds it ran)", buckets=lat, registry=r)
@@ -301,6 +271,16 @@ class Metrics:
     def _ratio(num, den) -> float:
         d = den._value.get()
         return num._value.get() / d if d else 0.0
+
+    def stepped(self, engine: "Engine", program: "Program", live: list[int], snap: decode.Snapshot) -> None:
+        """Count a step of ``program`` (engine thread)."""
+        rounds = int(snap.new_rounds.sum())
+        self.rounds.inc(rounds)
+        self.rounds_by_form.labels(program.form).inc(rounds)
+        self.committed.inc(int(snap.new_tokens.sum()))
+        expected, ratio = engine.policy.summary(live, program.form)
+        self.expected.set(expected)
+        self.ratio.set(ratio)
 
     def delivered(self, n: int) -> None:
         if not n:
@@ -324,6 +304,37 @@ class Metrics:
 # ----------------------------------------------------------------------------------------- engine
 
 
+VARIANTS = ("greedy", "sampling", "filtering")  # a program's sampling support, least general first (decode.Spec)
+
+
+@dataclasses.dataclass(eq=False)
+class Program:
+    """One compiled (form, slot batch, variant) of the engine: a group of ``rounds_per_step`` rounds."""
+
+    form: str
+    size: int  # slot batch: the whole batch, or the rows gathered for a smaller one
+    variant: str  # VARIANTS
+    spec: decode.Spec
+    fn: Callable | None = None  # the executable, once compiled
+    tried: bool = False  # timed (or run unmeasured) once
+
+    @property
+    def cost_key(self) -> str:
+        return costs.program_key(self.form, self.size, self.variant)
+
+
+def _rank(program: Program) -> tuple:
+    """The background compiler's order: greedy first; AR steps at every slot batch (the fallback that never loses),
+    then the speculative forms, small slot batches first, the chain and small trees first."""
+    form = -1 if program.form == policy.CHAIN else policy.tree_budget(program.form) or 0
+    return VARIANTS.index(program.variant) > 0, program.form != policy.AR, program.size, form
+
+
+# Background compilation threads: XLA compiles mostly outside Python's lock, so a few in parallel shorten the time
+# until every program is ready; one on small machines, whose cores the engine thread needs.
+COMPILE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
 class Engine:
     """Continuous batching of requests into ``config.max_batch`` slots. Thread-safe ``submit``/``cancel``.
 
@@ -333,10 +344,20 @@ class Engine:
     mesh: a ``sharding.make_mesh`` mesh (data x model), or None for one device. With a mesh the weights
     are placed on it (``sharding.shard_model``, a no-op when they already are), the slot batch is split
     over the data axis (max_batch must be a multiple of it) and the heads/MLP/vocabulary over the model axis.
+    persist_costs: keep the programs' seconds per round in the cache directory's cost table (costs.py), so that the
+    next start knows them; otherwise they are timed here and kept in memory.
+
+    Programs: one per (form, slot batch, sampling variant): the forms of ``config.tree_budget`` ("auto": those of
+    policy.allowed at each slot batch; a fixed budget: its one form), the slot batches ``config.batch_buckets`` and
+    max_batch, the variants greedy-only, sampling and sampling with top-k / top-p. :meth:`warmup` compiles the first
+    (the full batch's AR step, or the fixed form, in the most general variant: it serves any request); a background
+    thread compiles the others (greedy ones first, a sampling variant once a request needs it), never stalling the
+    engine thread, which runs the best ready program: the (form, slot batch) :class:`policy.Policy` picks from the
+    rounds' statistics and the programs' costs, timed once each on free slots (or, under load, by one real step).
     """
 
     def __init__(self, target, draft, config: EngineConfig, *, tokenizer=None,
-                 eos_token_ids: Sequence[int] = (), mesh=None):
+                 eos_token_ids: Sequence[int] = (), mesh=None, persist_costs: bool = False):
         self.config = config
         if mesh is not None:
             target = sharding.shard_model(target, mesh)
@@ -351,19 +372,34 @@ class Engine:
             raise ValueError("max_batch and rounds_per_step must be at least 1, max_queue at least 0")
         if config.max_len < 2:
             raise ValueError(f"max_len must be at least 2, got {config.max_len}")
-        check_batch_buckets(config.batch_buckets, config.max_batch, sharding.padded_batch(1, mesh))
-        self.sizes = sorted(set(config.batch_buckets) | {config.max_batch})  # slot batches a step may run
+        data = sharding.padded_batch(1, mesh)
+        buckets = default_buckets(config.max_batch, data) if config.batch_buckets is None else config.batch_buckets
+        check_batch_buckets(buckets, config.max_batch, data)
+        self.sizes = sorted(set(buckets) | {config.max_batch})  # slot batches a step may run
         options = decode.GenerateOptions(method=config.method, max_new_tokens=config.max_len,
-                                         tree_budget=config.tree_budget, attention=config.attention)
-        # requests choose: the prefill and the slots take any request
+                                         tree_budget=config.tree_budget, attention=config.attention,
+                                         forms=config.forms)
+        # requests choose: the prefill and the slots take any request; the State's layout fits every program
         self.spec = decode.make_spec(self.tcfg, dcfg, options, config.tuning, mesh=mesh, sampling=True,
-                                     filtering=True)
-        # a step runs the least general program its live requests allow (no per-round branch: decode.Spec)
-        self.programs = {"greedy": dataclasses.replace(self.spec, sampling=False, filtering=False),
-                         "sampling": dataclasses.replace(self.spec, filtering=False), "filtering": self.spec}
+                                     filtering=True, batch=self.sizes[0])
+        self.forms = decode.run_forms(options)
+        self.programs: dict[tuple[str, int, str], Program] = {}
+        for size in self.sizes:
+            fits = policy.allowed(self.forms, size, dcfg.block_size) if self.spec.auto else self.forms
+            if not fits:
+                raise ValueError(f"none of the forms {','.join(self.forms)} fits a verify of {policy.ROW_CAP} rows at "
+                                 f"slot batch {size}; add ar or smaller trees")
+            for form in fits:
+                base = self.spec.with_form(form, size) if self.spec.auto else self.spec
+                for v in VARIANTS:
+                    spec = dataclasses.replace(base, sampling=v != "greedy", filtering=v == "filtering")
+                    self.programs[form, size, v] = Program(form, size, v, spec)
+        # compiled before start, it serves any request: AR (or the first form that fits) at the full batch
+        first = next(f for f in (policy.AR, *self.forms) if (f, config.max_batch, "filtering") in self.programs)
+        self.first = self.programs[first, config.max_batch, "filtering"]
         layout = config.tuning.layout
         self.dparams = decode.device_layout(dparams, layout=layout) if config.method != "ar" else None
-        self.tparams = decode.device_layout(self.tparams, layout=layout, method=config.method)
+        self.tparams = decode.device_layout(self.tparams, layout=layout, method=decode.layout_method(options))
         block = self.spec.round_positions
         allowed = self.tcfg.max_position_embeddings
         if config.max_len + block > allowed:
@@ -374,6 +410,8 @@ class Engine:
         self.eos_token_ids = tuple(dict.fromkeys(int(t) for t in eos_token_ids))
         self.mesh = mesh
         self.dtype = self.tparams.embed.dtype
+        self.costs = decode.cost_table_for(self.spec, self.dtype, persist=persist_costs)
+        self.policy = policy.Policy(self.forms, self.spec.predict)
         self.metrics = Metrics(self)
 
         b = config.max_batch
@@ -382,16 +420,21 @@ class Engine:
                                   self.dtype)
         # copies: init_state shares one buffer between n_out and prompt_len, and step donates both
         self.state = jax.tree.map(jnp.copy, sharding.create(empty, mesh))
+        self._shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
         self.slots: list[Job | None] = [None] * b
         self.step_sizes: collections.Counter[int] = collections.Counter()  # steps run per slot-batch size
-        self.step_programs: collections.Counter[str] = collections.Counter()  # steps run per program (self.programs)
+        self.step_programs: collections.Counter[tuple] = collections.Counter()  # steps per (form, size, variant)
         self._ended: list[int] = []  # slots of jobs that ended since the last device update
         self.waiting: collections.deque[Job] = collections.deque()
         self._cancels: set[str] = set()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
+        self._compile_wake = threading.Condition(self._lock)
+        self._wanted = {"greedy"}  # variants the background compiler works on (a request needed the others)
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
+        self._compilers: list[threading.Thread] = []
+        self._compiling: set[Program] = set()  # taken by a compile thread
         self._stopping = False
         self.failure: str | None = None  # set when the loop died
         self.ready = False
@@ -404,6 +447,15 @@ class Engine:
     @property
     def active_slots(self) -> int:
         return sum(j is not None for j in self.slots)
+
+    @property
+    def programs_ready(self) -> int:
+        return sum(p.fn is not None for p in self.programs.values())
+
+    @property
+    def programs_wanted(self) -> int:
+        """Programs compiled or to be compiled: the first and the variants requests have needed so far."""
+        return sum(p.variant in self._wanted or p is self.first for p in self.programs.values())
 
     @property
     def alive(self) -> bool:
@@ -501,11 +553,16 @@ class Engine:
                           last.finish_reason, last.error)
 
     def start(self, warmup: bool = True) -> "Engine":
-        """Start the engine thread (after compiling the step and the shortest prefill, unless warmup=False)."""
+        """Start the engine thread and the background compiler (after :meth:`warmup`, unless warmup=False: then the
+        first request compiles the first program and the prefill)."""
         if warmup:
             self.warmup()
         self._thread = threading.Thread(target=self._run, name="ddtree-engine", daemon=True)
         self._thread.start()
+        self._compilers = [threading.Thread(target=self._compile_loop, name=f"ddtree-compile-{i}", daemon=True)
+                           for i in range(COMPILE_THREADS)]
+        for t in self._compilers:
+            t.start()
         self.ready = True
         return self
 
@@ -514,32 +571,140 @@ class Engine:
         with self._lock:
             self._stopping = True
             self._wake.notify()
+            self._compile_wake.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        for t in self._compilers:  # a compilation in progress cannot be interrupted: let it end
+            t.join(timeout)
         self.ready = False
+        self.costs.save()
 
     def warmup(self, buckets: Sequence[int] | None = None) -> None:
-        """Compile the step (its three programs: greedy-only, sampling, sampling with top-k / top-p), the slot insertion
-        and the prefill of the given buckets (default: the shortest) by running a one-token request through slot 0.
-        Call before :meth:`start`."""
+        """Compile the prefill of the given buckets (default: the shortest) and the slot insertion by admitting a
+        one-token request into slot 0, then the first program (:attr:`first`), and time it. Call before
+        :meth:`start`."""
         t0 = time.perf_counter()
         for bucket in buckets or [self.layout.bucket(1)]:
             n = min(bucket, self.layout.max_prompt)
             job = Job(id="warmup", prompt_ids=[0] * n, params=SamplingParams(max_tokens=1), sink=lambda ev: None,
                       stop_ids=(), seed=0)
             self._prefill_into(job, 0)
-            for size in self.sizes:
-                for program in self.programs:
-                    self._step(record=False, size=size, program=program)
             self.slots[0] = None
+            self._ended.append(0)
+            self._mark_ended()
+        self._compile(self.first)
+        self._measure_ready()
         log.info("engine warm in %.1fs", time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------ programs
+    def _compile(self, program: Program) -> None:
+        """Compile ``program`` ahead of time (any thread: only shapes are read)."""
+        spec, b = program.spec, self.config.max_batch
+        args = (self.tparams, self.dparams, self._shapes)
+        starts, count = jax.ShapeDtypeStruct((program.size,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32)
+        if program.size == b:
+            lowered = decode.run_group.lower(spec, *args, starts, count, self.config.rounds_per_step)
+        else:
+            rows = jax.ShapeDtypeStruct((program.size,), jnp.int32)
+            lowered = decode.run_group_rows.lower(spec, *args, rows, starts, count, self.config.rounds_per_step)
+        t0 = time.perf_counter()
+        program.fn = lowered.compile(decode.XLA_OPTIONS)
+        log.info("compiled %s in %.1fs", program.cost_key, time.perf_counter() - t0)
+
+    def _compile_loop(self) -> None:
+        """A background compiler: the pending program first in :func:`_rank` of the wanted variants, until none. A
+        program that fails to compile is left out (logged); the engine goes on with the others."""
+        while True:
+            with self._lock:
+                while not self._stopping and not (todo := self._pending()):
+                    self._compile_wake.wait()
+                if self._stopping:
+                    return
+                program = min(todo, key=_rank)
+                self._compiling.add(program)
+            try:
+                self._compile(program)
+            except Exception:  # noqa: BLE001 - e.g. out of device memory for one large program
+                log.exception("compiling %s failed; going on without it", program.cost_key)
+            with self._lock:
+                self._wake.notify()  # the engine thread may time it
+
+    def _pending(self) -> list[Program]:
+        return [p for p in self.programs.values() if p.fn is None and p.variant in self._wanted
+                and p not in self._compiling]
+
+    def _measure_ready(self) -> None:
+        """Time, on free slots turned into dummies (:func:`decode.rewind`), each compiled program whose cost is unknown and
+        whose slot batch the free slots fill (the whole batch only when every slot is free)."""
+        free = [s for s, j in enumerate(self.slots) if j is None]
+        todo = [p for p in self.programs.values() if p.fn is not None and not p.tried and p.size <= len(free)
+                and self.costs.get(p.cost_key) is None]
+        for program in todo:
+            program.tried = True
+            rows = np.asarray(free[: program.size], np.int32)
+            mask = np.zeros(len(self.slots), bool)
+            mask[rows] = True
+            # rounds of at most path_len tokens from there stay within max_len
+            length = max(1, min(self._context(), self.config.max_len - self.config.rounds_per_step
+                                * self.spec.path_len - 1))
+            args = (jnp.asarray(mask), jnp.full((len(self.slots),), length, jnp.int32),
+                    jnp.full((len(self.slots),), self.config.max_len, jnp.int32))
+            sec, self.state = decode.measure(lambda st: self._call(program, st, rows, np.zeros(len(rows), np.int32)),
+                                             self.state, lambda st: decode.rewind(st, *args))
+            self.state = mark_done(self.state, jnp.asarray(mask))
+            if sec is not None:
+                self.costs.measured(program.cost_key, sec, length)
+                log.info("timed %s: %.2f ms a round", program.cost_key, 1e3 * sec)
+        if todo:
+            self.costs.save()  # for the next start (no-op without a cost table on disk)
+
+    def _context(self) -> int:
+        """Committed tokens per live sequence, on average (the shortest bucket when none is live)."""
+        live = [j.emitted for j in self.slots if j is not None]
+        return int(np.mean(live)) if live else MIN_BUCKET
+
+    def _call(self, program: Program, state, rows: np.ndarray, starts: np.ndarray):
+        """Run ``program`` on ``rows`` of the slot batch (all of them at max_batch): (state, its Snapshot)."""
+        rounds = jnp.int32(self.config.rounds_per_step)
+        if program.size == len(self.slots):
+            return program.fn(self.tparams, self.dparams, state, jnp.asarray(starts), rounds)
+        return program.fn(self.tparams, self.dparams, state, jnp.asarray(rows), jnp.asarray(starts), rounds)
+
+    def _choose(self, live: list[int]) -> Program:
+        """The program of the next step: among the compiled ones holding the live slots in a variant their requests
+        allow, one never timed at the smallest such slot batch (its step times it), else the policy's choice."""
+        hot = [self.slots[s].params for s in live if self.slots[s].params.temperature > 0]
+        need = "filtering" if any(accept.filters(p.top_p, p.top_k) for p in hot) else "sampling" if hot else "greedy"
+        if need not in self._wanted:
+            with self._lock:
+                self._wanted.add(need)
+                self._compile_wake.notify()
+        if self.first.fn is None:  # started without warm-up: the first program serves any request
+            self._compile(self.first)
+        ok = [p for p in self.programs.values() if p.fn is not None and p.size >= len(live)
+              and VARIANTS.index(p.variant) >= VARIANTS.index(need)]
+        smallest = min(p.size for p in ok)
+        untimed = [p for p in ok if p.size == smallest and not p.tried and self.costs.get(p.cost_key) is None]
+        if untimed:
+            program = min(untimed, key=_rank)
+            program.tried = True
+            return program
+        best: dict[tuple[str, int], tuple[float, Program]] = {}
+        for p in ok:
+            c = self.costs.get(p.cost_key)
+            if c is not None and ((p.form, p.size) not in best or c < best[p.form, p.size][0]):
+                best[p.form, p.size] = (c, p)
+        if not best:  # nothing timed yet at these sizes (steps that ran no round)
+            return min(ok, key=lambda p: (p.size, _rank(p)))
+        return best[self.policy.choose(live, {k: c for k, (c, _) in best.items()})][1]
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
         try:
             while True:
                 with self._lock:
-                    while not self._stopping and not self._cancels and not self.active_slots and not self.waiting:
+                    while (not self._stopping and not self._cancels and not self.active_slots and not self.waiting
+                           and not self._untimed()):
                         self._wake.wait()
                     if self._stopping:
                         break
@@ -547,6 +712,7 @@ class Engine:
                 self._cancel(cancels)
                 self._mark_ended()  # before admission, which may reuse the freed slots
                 self._admit()
+                self._measure_ready()
                 if self.active_slots:
                     self._deliver(*self._step())
                     self._mark_ended()
@@ -592,6 +758,7 @@ class Engine:
             try:
                 t0 = time.perf_counter()
                 self._prefill_into(job, s)
+                self.policy.start(s)
                 self.metrics.prefill_latency.observe(time.perf_counter() - t0)
                 self.metrics.prompt_tokens.inc(len(job.prompt_ids))
             except Exception as e:  # noqa: BLE001 - one request's failure is not the server's
@@ -624,44 +791,46 @@ class Engine:
             job.decoder = self.tokenizer.incremental_decoder()
         self.slots[slot] = job
 
-    def _step(self, record: bool = True, size: int | None = None, program: str | None = None):
-        """Run ``rounds_per_step`` rounds on the smallest slot batch in ``self.sizes`` that holds the live slots
-        (or on ``size``), with the least general of ``self.programs`` that the live requests allow (or
-        ``program``); return (starts [B], Snapshot [B]) for every slot."""
+    def _untimed(self) -> bool:
+        """Whether :meth:`_measure_ready` has a program to time (the engine thread wakes for it when idle)."""
+        free = sum(j is None for j in self.slots)
+        return any(p.fn is not None and not p.tried and p.size <= free and self.costs.get(p.cost_key) is None
+                   for p in self.programs.values())
+
+    def _step(self) -> tuple[np.ndarray, decode.Snapshot]:
+        """Run ``rounds_per_step`` rounds of the chosen program (:meth:`_choose`) on the live slots; return (starts
+        [B], Snapshot [B]) for every slot."""
         starts = np.array([j.emitted if j is not None else 0 for j in self.slots], np.int32)
         live = [s for s, j in enumerate(self.slots) if j is not None]
-        size = size or next(n for n in self.sizes if n >= len(live))
-        if program is None:
-            hot = [self.slots[s].params for s in live if self.slots[s].params.temperature > 0]
-            program = ("filtering" if any(accept.filters(p.top_p, p.top_k) for p in hot) else
-                       "sampling" if hot else "greedy")
-        spec = self.programs[program]
+        program = self._choose(live)
+        # the whole batch in slot order, or for a smaller one the live slots padded with free ones (distinct rows:
+        # the scatter back stays exact)
+        rows = np.array((live + [s for s, j in enumerate(self.slots) if j is None])[: program.size], np.int32)
+        if program.size == len(self.slots):
+            rows = np.arange(len(self.slots), dtype=np.int32)
         t0 = time.perf_counter()
-        if size == len(self.slots):
-            self.state, snap = step(spec, self.tparams, self.dparams, self.state, jnp.asarray(starts),
-                                    self.config.rounds_per_step)
-            snap = jax.device_get(snap)
-        else:  # the live slots, padded with free ones (distinct rows: the scatter back stays exact)
-            rows = np.array((live + [s for s, j in enumerate(self.slots) if j is None])[:size], np.int32)
-            self.state, part = step_rows(spec, self.tparams, self.dparams, self.state, jnp.asarray(rows),
-                                         jnp.asarray(starts[rows]), self.config.rounds_per_step)
-            part = jax.device_get(part)
+        self.state, part = self._call(program, self.state, rows, starts[rows])
+        part = jax.device_get(part)
+        elapsed = time.perf_counter() - t0
+        if program.size == len(self.slots):
+            snap = part
+        else:
             snap = jax.tree.map(lambda x: np.zeros((len(self.slots),) + x.shape[1:], x.dtype), part)
             for full, x in zip(jax.tree.leaves(snap), jax.tree.leaves(part)):
                 full[rows] = x
-        self.step_sizes[size] += 1
-        self.step_programs[program] += 1
-        elapsed = time.perf_counter() - t0
-        if not record:
-            return starts, snap
+        self.step_sizes[program.size] += 1
+        self.step_programs[program.form, program.size, program.variant] += 1
         rounds = int(snap.new_rounds.max()) if snap.new_rounds.size else 0
         if rounds:
             self.metrics.round_latency.observe(elapsed / rounds)
-        self.metrics.rounds.inc(int(snap.new_rounds.sum()))
-        self.metrics.committed.inc(int(snap.new_tokens.sum()))
+            self.costs.observe(program.cost_key, elapsed / rounds, self._context())
+        if snap.new_stats is not None:
+            for s in live:
+                self.policy.observe(s, program.form, snap.new_stats[s])
+        self.metrics.stepped(self, program, live, snap)
         return starts, snap
 
-    def _deliver(self, starts: np.ndarray, snap: Snapshot) -> None:
+    def _deliver(self, starts: np.ndarray, snap: decode.Snapshot) -> None:
         for s, job in enumerate(self.slots):
             if job is None:
                 continue
@@ -750,6 +919,7 @@ class Engine:
         if job.slot is not None and self.slots[job.slot] is job:
             self.slots[job.slot] = None
             self._ended.append(job.slot)
+            self.policy.end(job.slot)
         self.metrics.requests.labels(reason).inc()
         self.metrics.latency.observe(time.perf_counter() - job.submitted)
         self._emit(job, event or Event((), "", reason, error, len(job.prompt_ids), len(job.tokens)))

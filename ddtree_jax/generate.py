@@ -15,6 +15,7 @@ Output:
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
@@ -23,7 +24,7 @@ import time
 import types
 from typing import Any, Sequence, TextIO
 
-from ddtree_jax import cli, config, decode
+from ddtree_jax import cli, config, decode, policy
 from ddtree_jax.tokenizer import Tokenizer, load_tokenizer
 from ddtree_jax.tuning import Tuning
 
@@ -32,17 +33,21 @@ _EPILOG = """\
 output (--json): one object on stdout,
   {"results": [{"output_ids": [prompt + generated ids], "generated_text": "..." (only when the model
                 directory has a tokenizer), "num_generated": n, "acceptance_lengths": [per round],
-                "mean_acceptance_length": x, "rounds": [...] (only with --trace)}, ... one per prompt],
+                "mean_acceptance_length": x, "round_forms": [per round: "ar", "chain" or the tree budget]
+                (only under --tree-budget auto), "rounds": [...] (only with --trace)}, ... one per prompt],
    "timing": {"compile_s": s, "prefill_s": s, "decode_s": s, "decode_tokens_per_s": x}}
   acceptance_lengths count the accepted tree nodes per round including the root (the reference's
   convention); for --method ar they are [] and mean_acceptance_length is null.
   decode_tokens_per_s = generated tokens of all prompts / decode_s (null when decode_s is 0); compile_s (the
-  ahead-of-time compilation; 0 for shapes already compiled in the process) is kept out of prefill_s and decode_s.
+  ahead-of-time compilation; 0 for shapes already compiled in the process; under --tree-budget auto also the timing
+  of each form's program the first time, kept in $DDTREE_JAX_CACHE/costs.json) is kept out of prefill_s and decode_s.
+  Under --tree-budget auto (the default of dflash and ddtree) the summary line counts the rounds of each form.
 
 examples:
   python -m ddtree_jax.generate      # the default pair: SmolLM2-135M-Instruct + the shipped drafter, vs AR
   python -m ddtree_jax.generate --target Qwen/Qwen3-8B --prompt "Why is the sky blue?"
-  python -m ddtree_jax.generate --target T --draft D --method ddtree --tree-budget 32 --prompt "..." --json
+  python -m ddtree_jax.generate --target T --draft D --method ddtree --prompt "..." --json   # --tree-budget auto
+  python -m ddtree_jax.generate --target T --draft D --method ddtree --tree-budget 32 --prompt "..."
   python -m ddtree_jax.generate --target T --prompt-ids 1,2,3 --prompt-ids 4,5 --dtype float32 --json
   python -m ddtree_jax.generate --target T --draft D --method ddtree --mesh 1x8 --prompt "..."  # 8 GPUs
 
@@ -79,9 +84,8 @@ def build_parser() -> cli.ArgumentParser:
                    help="ar: plain autoregressive; dflash: DFlash chain speculation (block size from the "
                         "drafter); ddtree: DDTree draft tree of --tree-budget nodes (default: ar; ddtree for "
                         "the default pair)")
-    g.add_argument("--tree-budget", type=cli.positive_int, default=None, metavar="N",
-                   help=f"number of draft-tree nodes verified per round, --method ddtree only "
-                        f"(default: {decode.DEFAULT_TREE_BUDGET}; the default pair: 16 on CPU, 32 on GPU)")
+    g.add_argument("--tree-budget", type=cli.tree_budget, default=None, metavar="N|auto", help=cli.TREE_BUDGET_HELP)
+    g.add_argument("--forms", type=cli.form_list, default=None, metavar="LIST", help=cli.FORMS_HELP)
     g.add_argument("--max-new-tokens", type=cli.positive_int, default=128, metavar="N",
                    help="stop after N generated tokens per prompt (default: 128)")
     g.add_argument("--temperature", type=cli.nonneg_float, default=0.0, metavar="T",
@@ -122,7 +126,8 @@ def build_parser() -> cli.ArgumentParser:
                    help="with --json, add per-round 'rounds' to each result: {'tree': {'node_token_ids', "
                         "'node_depths', 'parents'}, 'accepted_indices', 'target_choices'} (tree index 0 is the root, "
                         "parent -1; node k of the node lists is tree index k+1; target_choices[i] is the target's "
-                        "token at tree index i)")
+                        "token at tree index i; under --tree-budget auto also 'form', the round's form, whose nodes "
+                        "the lists hold)")
     return p
 
 
@@ -151,13 +156,27 @@ class Plan:
     tuning: Tuning = Tuning()  # --tuning: how the decode runs on the device
 
 
-def required_positions(prompt_len: int, options: decode.GenerateOptions, block_size: int = 0) -> int:
+def required_positions(prompt_len: int, options: decode.GenerateOptions, block_size: int = 0, batch: int = 1) -> int:
     """Cache positions one sequence needs: prompt + new tokens + the widest verify block + 1.
 
-    The verify block is the tree (ddtree: budget nodes), the chain (dflash: block_size), or nothing (ar).
+    The verify block is the tree (budget nodes), the chain (block_size), or nothing (ar); under auto the widest
+    of the forms a batch of ``batch`` may take (policy.allowed).
     """
-    extra = {"ar": 0, "dflash": block_size, "ddtree": options.tree_budget}[options.method]
-    return prompt_len + options.max_new_tokens + extra + 1
+    return prompt_len + options.max_new_tokens + widest_block(options, block_size, batch) + 1
+
+
+def widest_block(options: decode.GenerateOptions, block_size: int, batch: int = 1) -> int:
+    """The verify block :func:`required_positions` counts: 0 for ar, block_size for the chain, the budget of a tree."""
+    if options.method == "ar":
+        return 0
+    if options.tree_budget != decode.AUTO:
+        return options.tree_budget if options.method == "ddtree" else block_size
+    forms = policy.allowed(decode.run_forms(options), batch, block_size)
+    if not forms:
+        raise ValueError(f"none of the forms {','.join(options.forms)} fits a verify of {policy.ROW_CAP} rows at "
+                         f"batch {batch}")
+    return max(block_size if f == policy.CHAIN else policy.nodes(f, block_size) for f in forms)
+
 
 
 def plan(args: argparse.Namespace) -> Plan:
@@ -173,8 +192,10 @@ def plan(args: argparse.Namespace) -> Plan:
         raise cli.UsageError(f"--method {args.method} needs a drafter: pass --draft PATH")
     if args.method == "ar" and args.draft is not None:
         cli.warn("--draft is ignored with --method ar")
-    if args.tree_budget is not None and args.method != "ddtree":
-        cli.warn(f"--tree-budget is ignored with --method {args.method}")
+    if args.tree_budget is not None and args.method == "ar":
+        cli.warn(f"--tree-budget {args.tree_budget} is ignored with --method ar")
+    if args.forms is not None and (args.method == "ar" or args.tree_budget not in (None, decode.AUTO)):
+        cli.warn("--forms is ignored without --tree-budget auto and a drafter")
     if args.trace and not args.json:
         cli.warn("--trace only changes the --json output")
     if args.temperature == 0 and (args.top_p != 1.0 or args.top_k != 0):
@@ -217,6 +238,7 @@ def plan(args: argparse.Namespace) -> Plan:
         method=args.method,
         max_new_tokens=args.max_new_tokens,
         tree_budget=args.tree_budget if args.tree_budget is not None else decode.DEFAULT_TREE_BUDGET,
+        forms=args.forms or (),
         temperature=float(args.temperature),
         top_p=float(args.top_p),
         top_k=int(args.top_k),
@@ -228,11 +250,17 @@ def plan(args: argparse.Namespace) -> Plan:
 
     limit = target_cfg.max_position_embeddings
     block = draft_cfg.block_size if draft_cfg is not None else 0
+    try:
+        widest = widest_block(options, block, len(prompts))
+    except ValueError as e:  # forms none of which fits the batch
+        raise cli.UsageError(str(e)) from None
     for n, ids in enumerate(prompts, 1):
-        need = required_positions(len(ids), options, block)
+        need = required_positions(len(ids), options, block, len(prompts))
         if need > limit:
-            verify = {"ar": "", "dflash": f" + drafter block {block}",
-                      "ddtree": f" + tree budget {options.tree_budget}"}[options.method]
+            verify = ("" if not widest else f" + tree budget {widest}" if options.tree_budget != decode.AUTO
+                      and options.method == "ddtree" else f" + drafter block {widest}"
+                      if options.tree_budget != decode.AUTO else f" + verify block {widest} (--tree-budget auto's "
+                      f"largest form)")
             raise cli.UsageError(
                 f"prompt {n} is too long: {len(ids)} prompt tokens + {options.max_new_tokens} new tokens"
                 f"{verify} + 1 = {need} positions, but the model allows max_position_embeddings={limit}; "
@@ -262,10 +290,6 @@ def _use_default_pair(args: argparse.Namespace) -> None:
         args.method = defaults.METHOD
     if args.method != "ar" and args.draft is None:
         args.draft = defaults.draft_path()
-    if args.method == "ddtree" and args.tree_budget is None:
-        import jax
-
-        args.tree_budget = defaults.tree_budget(jax.default_backend())
     if args.prompt is None and args.prompt_ids is None:
         args.prompt = [defaults.PROMPT]
     if not defaults.target_cached():
@@ -321,7 +345,7 @@ def load_models(p: Plan, mesh=None):
         cli.info(f"loaded drafter {p.draft_path} ({p.dtype}) in {time.perf_counter() - t0:.1f}s")
     if mesh is None:  # laid out for the backend once here, not in each decode.generate call (it is idempotent)
         layout = p.tuning.layout
-        target = (target[0], decode.device_layout(target[1], layout=layout, method=p.options.method))
+        target = (target[0], decode.device_layout(target[1], layout=layout, method=decode.layout_method(p.options)))
         draft = (draft[0], decode.device_layout(draft[1], layout=layout)) if draft is not None else None
     return target, draft
 
@@ -407,6 +431,8 @@ def result_json(p: Plan, result: decode.GenerateResult) -> dict[str, Any]:
         r["num_generated"] = len(gen)
         r["acceptance_lengths"] = acc
         r["mean_acceptance_length"] = _mean(acc)
+        if result.round_forms is not None:
+            r["round_forms"] = result.round_forms[i]
         if p.options.trace:
             r["rounds"] = _jsonable(result.rounds[i]) if result.rounds else []
         results.append(r)
@@ -428,8 +454,13 @@ def summary_line(p: Plan, result: decode.GenerateResult) -> str:
         acc = [a for seq in (result.acceptance_lengths or []) for a in seq]
         mean = _mean(acc)
         line += f", mean acceptance length {mean:.2f}" if mean is not None else ""
-        line += f" ({p.options.method}" + (f", budget {p.options.tree_budget})" if p.options.method == "ddtree"
-                                          else ")")
+        if result.round_forms is not None:
+            counts = collections.Counter(f for seq in result.round_forms for f in seq)
+            ran = ", ".join(f"{f} x{n}" for f, n in sorted(counts.items(), key=lambda x: -x[1]))
+            line += f" ({p.options.method}, auto: {ran})"
+        else:
+            line += f" ({p.options.method}" + (f", budget {p.options.tree_budget})" if p.options.method == "ddtree"
+                                              else ")")
     return line
 
 
@@ -440,7 +471,8 @@ def execute(p: Plan, out: TextIO) -> None:
         from ddtree_jax import sharding
 
         mesh = sharding.make_mesh(p.mesh)
-    kw = {"mesh": mesh, "tuning": p.tuning}
+    # persist_costs: each program's seconds per round, for --tree-budget auto (costs.py)
+    kw = {"mesh": mesh, "tuning": p.tuning, "persist_costs": True}
     target, draft = load_models(p, mesh)
     streamer = None if p.as_json else Streamer(out, p.tokenizer, len(p.prompts))
     result = decode.generate(target, p.prompts, p.options, draft=draft, on_tokens=streamer, **kw)

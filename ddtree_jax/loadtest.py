@@ -3,7 +3,9 @@
 For each concurrency c (default 1, 2, 4, 8, 16, 32), c clients send streamed ``/v1/completions`` requests
 back to back (closed loop) until ``--requests`` requests have finished; every request has a random
 token-id prompt of ``--prompt-len`` tokens and generates exactly ``--max-tokens`` tokens (``ignore_eos``),
-so runs of ar, dflash and ddtree servers do the same work. Reported per level:
+so runs of ar, dflash and ddtree servers do the same work. With ``--prompts-file`` the prompts are that file's
+instead, in turn: text (sent as one user message to ``/v1/chat/completions``, for a server with a tokenizer and a
+chat template) or token ids (``/v1/completions``). Reported per level:
 
     output tok/s         generated tokens of the level / its wall time
     req/s                finished requests / wall time
@@ -11,6 +13,7 @@ so runs of ar, dflash and ddtree servers do the same work. Reported per level:
     ttft p50/p90/p99     submission to first token, seconds
     tpot p50             (latency - ttft) / (tokens - 1): time per output token after the first
     acceptance           committed tokens per sequence round over the level, from the server's /metrics
+    form_rounds          (--tree-budget auto) sequence rounds by the form they took, from /metrics
 
 Example (start the server first, e.g. with random Qwen3-8B-shaped weights):
     python -m ddtree_jax.loadtest --url http://127.0.0.1:8000 --concurrency 1,2,4,8,16,32 --json > load.json
@@ -55,8 +58,9 @@ async def _one(client, url: str, body: dict) -> Sample:
     t0 = time.perf_counter()
     ttft = None
     tokens = 0
+    endpoint = "chat/completions" if "messages" in body else "completions"
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        async with client.stream("POST", f"{url}/v1/{endpoint}", json=body) as r:
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
                 return Sample(time.perf_counter() - t0, None, 0, f"HTTP {r.status_code}: {text[:200]}")
@@ -99,18 +103,39 @@ async def _metrics(client, url: str) -> dict[str, float]:
         return {}
 
 
+def load_prompts(path: str) -> list[str] | list[list[int]]:
+    """A prompts file: a JSON list of strings or of token-id lists, or a text file of one prompt a line."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        prompts = json.loads(text)
+    except ValueError:
+        prompts = [line for line in text.splitlines() if line.strip()]
+    ok = isinstance(prompts, list) and prompts and (all(isinstance(p, str) and p for p in prompts) or all(
+        isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts))
+    if not ok:
+        raise ValueError(f"{path}: expected a JSON list of strings or of token-id lists, or one prompt a line")
+    return prompts
+
+
 async def run_level(url: str, model: str | None, concurrency: int, requests: int, prompt_len: int, max_tokens: int,
                     *, temperature: float = 0.0, vocab: tuple[int, int] = (100, 1000), seed: int = 0,
-                    timeout: float = 600.0) -> dict[str, Any]:
-    """One concurrency level: ``requests`` requests from ``concurrency`` closed-loop clients."""
+                    timeout: float = 600.0, prompts: list | None = None) -> dict[str, Any]:
+    """One concurrency level: ``requests`` requests from ``concurrency`` closed-loop clients; their prompts random
+    token ids, or ``prompts`` in turn (text: chat completions; token ids: completions)."""
     import httpx
 
     rng = random.Random(seed * 1000 + concurrency)
     bodies = []
     for i in range(requests):
-        body = {"prompt": [rng.randrange(*vocab) for _ in range(prompt_len)], "max_tokens": max_tokens,
-                "temperature": temperature, "seed": seed + i, "stream": True, "ignore_eos": True,
-                "return_token_ids": True}
+        body = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed + i, "stream": True,
+                "ignore_eos": True, "return_token_ids": True}
+        if prompts is None:
+            body["prompt"] = [rng.randrange(*vocab) for _ in range(prompt_len)]
+        elif isinstance(prompts[i % len(prompts)], str):
+            body["messages"] = [{"role": "user", "content": prompts[i % len(prompts)]}]
+        else:
+            body["prompt"] = prompts[i % len(prompts)]
         if model:
             body["model"] = model
         bodies.append(body)
@@ -136,6 +161,8 @@ async def run_level(url: str, model: str | None, concurrency: int, requests: int
     tpot = [(s.latency - s.ttft) / (s.tokens - 1) for s in ok if s.ttft is not None and s.tokens > 1]
     rounds = after.get("ddtree_sequence_rounds_total", 0) - before.get("ddtree_sequence_rounds_total", 0)
     committed = after.get("ddtree_committed_tokens_total", 0) - before.get("ddtree_committed_tokens_total", 0)
+    prefix = "ddtree_form_sequence_rounds_total{form=\""  # --tree-budget auto: sequence-rounds by form
+    forms = {k[len(prefix):-2]: v - before.get(k, 0) for k, v in after.items() if k.startswith(prefix)}
     return {
         "concurrency": concurrency,
         "requests": len(samples),
@@ -149,24 +176,25 @@ async def run_level(url: str, model: str | None, concurrency: int, requests: int
         "ttft_s": {f"p{q}": percentile(ttft, q) for q in (50, 90, 99)},
         "tpot_s": {"p50": percentile(tpot, 50)},
         "mean_acceptance_length": committed / rounds if rounds else None,
+        "form_rounds": {f: n for f, n in forms.items() if n} or None,
     }
 
 
 def run_load(url: str, *, model: str | None = None, concurrency: Sequence[int] = (1, 2, 4, 8, 16, 32),
              requests: int | None = None, prompt_len: int = 128, max_tokens: int = 128, temperature: float = 0.0,
              vocab: tuple[int, int] = (100, 1000), seed: int = 0, warmup: int = 1,
-             progress=None) -> list[dict[str, Any]]:
+             progress=None, prompts: list | None = None) -> list[dict[str, Any]]:
     """Every level in turn (after ``warmup`` untimed requests); a list of run_level results.
     ``requests`` defaults to max(4 * c, 16) per level."""
     url = url.rstrip("/")
     if warmup:
         asyncio.run(run_level(url, model, 1, warmup, prompt_len, max_tokens, temperature=temperature, vocab=vocab,
-                              seed=seed + 99))
+                              seed=seed + 99, prompts=prompts))
     results = []
     for c in concurrency:
         n = requests if requests is not None else max(4 * c, 16)
         res = asyncio.run(run_level(url, model, c, n, prompt_len, max_tokens, temperature=temperature,
-                                    vocab=vocab, seed=seed))
+                                    vocab=vocab, seed=seed, prompts=prompts))
         results.append(res)
         if progress is not None:
             progress(res)
@@ -206,6 +234,10 @@ def build_parser() -> cli.ArgumentParser:
                    help="requests per level (default: max(4 x concurrency, 16))")
     p.add_argument("--prompt-len", type=cli.positive_int, default=128, metavar="N",
                    help="prompt tokens per request (default: 128)")
+    p.add_argument("--prompts-file", default=None, metavar="PATH",
+                   help="prompts to send in turn instead of random token ids: a JSON list of strings (sent as chat "
+                        "messages; the server needs a tokenizer) or of token-id lists, or a text file of one prompt "
+                        "a line (e.g. ddtree_jax/data/prompts/python.json)")
     p.add_argument("--max-tokens", type=cli.positive_int, default=128, metavar="N",
                    help="generated tokens per request (default: 128)")
     p.add_argument("--temperature", type=cli.nonneg_float, default=0.0, help="sampling temperature (default: 0)")
@@ -222,6 +254,14 @@ def _main(argv: Sequence[str] | None) -> int:
         raise cli.UsageError(f"--vocab wants LO,HI with LO < HI, got {args.vocab}")
     if any(c < 1 for c in args.concurrency):
         raise cli.UsageError("--concurrency levels must be >= 1")
+    prompts = None
+    if args.prompts_file is not None:
+        try:
+            prompts = load_prompts(args.prompts_file)
+        except OSError as e:
+            raise cli.UsageError(f"--prompts-file: {e}") from None
+        except ValueError as e:
+            raise cli.UsageError(f"--prompts-file {e}") from None
     try:
         import httpx
     except ImportError:
@@ -241,7 +281,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
     results = run_load(url, model=args.model, concurrency=args.concurrency, requests=args.requests,
                        prompt_len=args.prompt_len, max_tokens=args.max_tokens, temperature=args.temperature,
-                       vocab=(args.vocab[0], args.vocab[1]), seed=args.seed, progress=progress)
+                       vocab=(args.vocab[0], args.vocab[1]), seed=args.seed, progress=progress, prompts=prompts)
     print(json.dumps(results, indent=1) if args.json else format_table(results))
     return cli.EXIT_OK
 

@@ -68,15 +68,23 @@ random weights (load tests at real shapes, nothing to download): --target random
   The target and its DFlash drafter (that shape's, e.g. 5 layers and block 16 for the Qwen3 shapes) get
   random weights (--dtype, bfloat16 by default) made directly on the device; --draft is not taken. There
   is no tokenizer: /v1/completions takes token-id prompts only; text prompts and /v1/chat/completions get
-  400. The drafter never agrees with random weights, so dflash/ddtree accept about one token per round:
-  the speeds and latencies are real, the acceptance is not.
+  400. The drafter never agrees with random weights, so dflash/ddtree accept about one token per round
+  (--tree-budget auto then runs AR steps, probing speculation now and then): the speeds and latencies are
+  real, the acceptance is not.
+
+--tree-budget auto (the default of dflash and ddtree): every step takes the (form, slot batch) with the most
+  expected tokens per second; each program (form x slot batch x greedy / sampling / top-k-top-p) compiles in a
+  background thread after start-up (the full batch's AR step first: /health turns 200 once it and the shortest
+  prefill are compiled; /health's programs_compiled counts the rest) and is timed once on free slots. /metrics:
+  ddtree_form_sequence_rounds_total{form=...} (rounds by form), ddtree_expected_acceptance_length and
+  ddtree_acceptance_ratio (the policy's estimates), ddtree_programs_compiled.
 
 examples:
   python -m ddtree_jax.serve --target Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16 --method ddtree \\
-      --tree-budget 64 --max-batch 16 --max-len 4096 --port 8000
+      --max-batch 16 --max-len 4096 --port 8000
   curl localhost:8000/v1/completions -d '{"model": "Qwen3-8B", "prompt": "Hello", "max_tokens": 32}'
   python -m ddtree_jax.loadtest --url http://127.0.0.1:8000 --concurrency 1,2,4,8,16,32
-  python -m ddtree_jax.serve --target random:qwen3-8b --method ddtree --tree-budget 64 --max-batch 32
+  python -m ddtree_jax.serve --target random:qwen3-8b --method ddtree --max-batch 32
   python benchmarks/load_bench.py OUT_DIR        # ar, dflash, ddtree servers in turn, each load-tested
 
 Bad flags: one 'error: ...' line on stderr and exit status 2. DDTREE_JAX_DEBUG=1 shows tracebacks.
@@ -469,7 +477,8 @@ class Server:
             return JSONResponse({"status": "failed", "error": e.failure}, status_code=503)
         if not e.alive:
             return JSONResponse({"status": "starting" if not e.ready else "stopped"}, status_code=503)
-        return JSONResponse({"status": "ok", "active_slots": e.active_slots, "queue_length": e.queue_length})
+        return JSONResponse({"status": "ok", "active_slots": e.active_slots, "queue_length": e.queue_length,
+                             "programs_compiled": e.programs_ready, "programs": e.programs_wanted})
 
     async def metrics(self, request):
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -565,6 +574,11 @@ def _start_or_exit(engine: engines.Engine, warmup_all: bool = False) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- CLI
+def _buckets(text: str) -> tuple[int, ...]:
+    """--batch-buckets: a list of slot batches, or 'none' (argparse type)."""
+    return () if text.strip().lower() == "none" else tuple(cli.int_list(text))
+
+
 def parse_mesh(text: str) -> tuple[int, int]:
     """'DxM' -> (data, model) axis sizes (argparse type)."""
     m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
@@ -615,9 +629,8 @@ def build_parser() -> cli.ArgumentParser:
     g.add_argument("--method", choices=decode.METHODS, default=None,
                    help="ar: plain autoregressive; dflash: DFlash chain speculation; ddtree: DDTree draft tree "
                         "of --tree-budget nodes (default: ddtree with --draft or a random target, ar otherwise)")
-    g.add_argument("--tree-budget", type=cli.positive_int, default=None, metavar="N",
-                   help=f"draft-tree nodes verified per round, --method ddtree only "
-                        f"(default: {decode.DEFAULT_TREE_BUDGET})")
+    g.add_argument("--tree-budget", type=cli.tree_budget, default=None, metavar="N|auto", help=cli.TREE_BUDGET_HELP)
+    g.add_argument("--forms", type=cli.form_list, default=None, metavar="LIST", help=cli.FORMS_HELP)
     g.add_argument("--attention", choices=cli.ATTENTIONS, default="auto", help=cli.ATTENTION_HELP)
     cli.add_tuning(g)
     g.add_argument("--mesh", type=parse_mesh, default=(1, 1), metavar="DxM",
@@ -637,11 +650,17 @@ def build_parser() -> cli.ArgumentParser:
     b.add_argument("--rounds-per-step", type=cli.positive_int, default=4, metavar="K",
                    help="rounds per device call between host visits: new tokens stream, requests join and "
                         "finished slots free every K rounds (default: 4)")
-    b.add_argument("--batch-buckets", type=cli.int_list, default=(), metavar="N,N,...",
-                   help="smaller slot batches compiled besides --max-batch, e.g. 1,4,16: each step runs the "
-                        "smallest that holds the live requests, so few requests do not pay for a full "
-                        "batch (a ddtree verify runs slots x (budget + 1) tokens); each size is one more "
-                        "compilation at start-up; not with a data axis in --mesh (default: none)")
+    b.add_argument("--batch-buckets", type=_buckets, default=None, metavar="N,N,...|none",
+                   help="smaller slot batches besides --max-batch, e.g. 1,4,16, or none: a step runs on one that "
+                        "holds the live requests (their rows gathered out of the slots), so few requests do not pay "
+                        "for a full batch (a verify runs slots x (nodes + 1) rows); under --tree-budget auto the "
+                        "cheapest for the chosen form. Each size's programs compile in the background after "
+                        "start-up; not with a data axis in --mesh (default: the powers of two below --max-batch)")
+    b.add_argument("--no-disk-cache", action="store_true",
+                   help="keep nothing on disk: no persistent compilation cache (by default compiled programs are kept "
+                        "in $DDTREE_JAX_CACHE/jit, unless JAX_COMPILATION_CACHE_DIR names another, so a second start "
+                        "compiles little) and no cost table ($DDTREE_JAX_CACHE/costs.json: each program's seconds "
+                        "per round, which --tree-budget auto weighs; then timed anew at every start)")
     b.add_argument("--warmup-all", action="store_true",
                    help="compile the prefill of every prompt-length bucket (64, 128, 256, ... up to --max-len) "
                         "before /health turns 200; by default only the shortest is, and a longer bucket "
@@ -670,6 +689,7 @@ class Plan:
     log_level: str
     warmup_all: bool = False
     random_shape: str | None = None  # --target random:SHAPE
+    disk_cache: bool = True  # the persistent compilation cache and the cost table (--no-disk-cache: neither)
 
 
 def plan(args: argparse.Namespace) -> Plan:
@@ -683,8 +703,11 @@ def plan(args: argparse.Namespace) -> Plan:
         raise cli.UsageError(f"--method {method} needs a drafter: pass --draft PATH")
     if method == "ar" and args.draft is not None:
         cli.warn("--draft is ignored with --method ar")
-    if args.tree_budget is not None and method != "ddtree":
-        cli.warn(f"--tree-budget is ignored with --method {method}")
+    budget = args.tree_budget if args.tree_budget is not None else decode.DEFAULT_TREE_BUDGET
+    if args.tree_budget is not None and method == "ar":
+        cli.warn(f"--tree-budget {args.tree_budget} is ignored with --method ar")
+    if args.forms is not None and (budget != decode.AUTO or method == "ar"):
+        cli.warn("--forms is ignored without --tree-budget auto and a drafter")
     if args.port > 65535:
         raise cli.UsageError(f"--port {args.port} is not a port number (0..65535)")
     target_path = draft_path = dcfg = None
@@ -699,9 +722,19 @@ def plan(args: argparse.Namespace) -> Plan:
             dcfg = config.draft_config(draft_path)
     if dcfg is not None:
         config.check_pair(tcfg, dcfg)
-    budget = args.tree_budget if args.tree_budget is not None else decode.DEFAULT_TREE_BUDGET
-    options = decode.GenerateOptions(method=method, tree_budget=budget)
-    block = decode.make_spec(tcfg, dcfg if method != "ar" else None, options).round_positions  # as the engine
+    buckets = None if args.batch_buckets is None else tuple(sorted(set(args.batch_buckets)))
+    try:  # the engine's own rules, checked before any weight is loaded
+        engines.check_batch_buckets(buckets or (), args.max_batch, args.mesh[0])
+    except ValueError as e:
+        raise cli.UsageError(f"--batch-buckets: {e}") from None
+    options = decode.GenerateOptions(method=method, tree_budget=budget, forms=args.forms or ())
+    smallest = min((buckets if buckets is not None else engines.default_buckets(args.max_batch, args.mesh[0]))
+                   + (args.max_batch,))
+    try:  # the verify block of the largest form the engine may run (as the engine computes it)
+        block = decode.make_spec(tcfg, dcfg if method != "ar" else None, options, args.tuning,
+                                 batch=smallest).round_positions
+    except ValueError as e:  # --forms that the method or the slot batches cannot take
+        raise cli.UsageError(f"--forms: {e}") from None
     allowed = tcfg.max_position_embeddings - block
     max_len = args.max_len if args.max_len is not None else min(4096, allowed)
     if max_len < 2:
@@ -711,11 +744,6 @@ def plan(args: argparse.Namespace) -> Plan:
                              f"max_position_embeddings={tcfg.max_position_embeddings}; use --max-len {allowed} "
                              f"or less")
     _check_mesh(args.mesh, args.max_batch, tcfg, dcfg)
-    buckets = tuple(sorted(set(args.batch_buckets)))
-    try:  # the engine's own rule, checked before any weight is loaded
-        engines.check_batch_buckets(buckets, args.max_batch, args.mesh[0])
-    except ValueError as e:
-        raise cli.UsageError(f"--batch-buckets: {e}") from None
     tok = load_tokenizer(target_path) if target_path is not None else None
     eos = tuple(dict.fromkeys((tok.eos_token_ids if tok else ()) + tcfg.eos_token_ids))
     if len(eos) > decode.MAX_STOP_IDS:
@@ -724,9 +752,10 @@ def plan(args: argparse.Namespace) -> Plan:
     name = args.served_model_name or (args.target if shape else os.path.basename(os.path.normpath(args.target)))
     ecfg = engines.EngineConfig(method=method, tree_budget=budget, max_batch=args.max_batch, max_len=max_len,
                                 rounds_per_step=args.rounds_per_step, max_queue=args.max_queue,
-                                attention=args.attention, batch_buckets=buckets, tuning=args.tuning)
+                                attention=args.attention, batch_buckets=buckets, forms=args.forms or (),
+                                tuning=args.tuning)
     return Plan(target_path, draft_path, args.dtype, name, ecfg, args.mesh, tok, eos, args.host, args.port,
-                args.log_level, args.warmup_all, shape)
+                args.log_level, args.warmup_all, shape, not args.no_disk_cache)
 
 
 def _check_mesh(shape: tuple[int, int], max_batch: int, tcfg, dcfg) -> None:
@@ -765,17 +794,30 @@ def _random_models(p: Plan, dtype):
     return (tcfg, tparams), draft
 
 
+def use_compilation_cache() -> None:
+    """Keep compiled programs in the cache directory's jit/ (as generate does for the default pair), unless jax's
+    persistent compilation cache already points somewhere (JAX_COMPILATION_CACHE_DIR)."""
+    import jax
+
+    from ddtree_jax import gguf_model
+
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", os.path.join(gguf_model.cache_dir(), "jit"))
+
+
 def load_engine(p: Plan) -> engines.Engine:
     import jax.numpy as jnp
 
     from ddtree_jax import weights
 
+    if p.disk_cache:
+        use_compilation_cache()
     dtype = jnp.dtype(p.dtype)
     mesh = _make_mesh(p.mesh)
     if p.random_shape is not None:
         target, draft = _random_models(p, dtype)
         return engines.Engine(target, draft, p.engine_config, tokenizer=None, eos_token_ids=p.eos_token_ids,
-                              mesh=mesh)
+                              mesh=mesh, persist_costs=p.disk_cache)
     if mesh is None:
         load_target, load_draft = weights.load_target, weights.load_draft
     else:  # each device reads its own part of the weights
@@ -792,7 +834,7 @@ def load_engine(p: Plan) -> engines.Engine:
         draft = load_draft(p.draft_path, dtype=dtype)
         cli.info(f"loaded drafter {p.draft_path} ({p.dtype}) in {time.perf_counter() - t0:.1f}s")
     return engines.Engine(target, draft, p.engine_config, tokenizer=p.tokenizer, eos_token_ids=p.eos_token_ids,
-                          mesh=mesh)
+                          mesh=mesh, persist_costs=p.disk_cache)
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -807,7 +849,7 @@ def _main(argv: Sequence[str] | None) -> int:
     import uvicorn
 
     c = p.engine_config
-    cli.info(f"serving {p.model_name} ({c.method}{f', budget {c.tree_budget}' if c.method == 'ddtree' else ''}, "
+    cli.info(f"serving {p.model_name} ({c.method}{f', budget {c.tree_budget}' if c.method != 'ar' else ''}, "
              f"{c.max_batch} slots x {c.max_len} tokens, mesh {p.mesh[0]}x{p.mesh[1]}) on http://{p.host}:{p.port} ; compiling, /health "
              f"turns 200 when ready")
     uvicorn.run(app, host=p.host, port=p.port, log_level=p.log_level, timeout_graceful_shutdown=10)

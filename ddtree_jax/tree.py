@@ -277,14 +277,55 @@ def best_first(
     top-k (:func:`default_topk_chunk`; on each vocabulary shard under a mesh, see ``sharding.top_k``) and XLA's
     ancestor bits; a fully unrolled depth loop and :func:`default_select`; each measured faster on an H200
     (docs/PERFORMANCE.md)."""
-    b, _, vocab = draft_logits.shape
-    k = min(budget, vocab)
-    if chunk is None:
-        chunk = default_topk_chunk(k, default_kernels(b))
+    b = draft_logits.shape[0]
     if select is None:
         select = default_select(budget, b)
-    lp, ids = top_log_probs(draft_logits, k, chunk)
+    lp, ids = _lists(draft_logits, budget, chunk)
     return tree_from_lists(lp, ids, budget, select=select, unroll=unroll, bits=bits)
+
+
+def _lists(draft_logits: Array, budget: int, chunk=None) -> tuple[Array, Array]:
+    """The per-depth top-min(budget, V) lists a tree of ``budget`` nodes is built from (:func:`top_log_probs`)."""
+    b, _, vocab = draft_logits.shape
+    k = min(budget, vocab)
+    return top_log_probs(draft_logits, k, default_topk_chunk(k, default_kernels(b)) if chunk is None else chunk)
+
+
+def scored_best_first(draft_logits: Array, budget: int) -> tuple[Tree, Array, Array]:
+    """:func:`best_first` (its defaults) with what the drafter expects of it: (tree, each node's path log-probability
+    [B, N] f32 (:func:`path_log_probs`; sorted descending, as the nodes are), the best log-probability of each depth
+    [B, Dp] f32). The c best paths are the tree's first c nodes (:func:`prefix`): their probabilities summed, plus
+    the root, are the acceptance length a tree of c nodes expects if the target behaves as the drafter."""
+    lp, ids = _lists(draft_logits, budget)
+    tree = tree_from_lists(lp, ids, budget, select=default_select(budget, draft_logits.shape[0]))
+    return tree, path_log_probs(tree, lp, ids), lp[:, :, 0]
+
+
+def path_log_probs(tree: Tree, lp: Array, ids: Array) -> Array:
+    """[B, N] f32: each node's path log-probability, the sum of its own and its ancestors' draft log-probabilities,
+    each looked up in its depth's list (lp, ids [B, Dp, K]); -inf for an unused node (token -1). Computed apart from
+    the build (whose kernels keep their scores to themselves): the same sums up to the order of the additions."""
+    b, n = tree.tokens.shape
+    k = ids.shape[2]
+    at = jnp.broadcast_to(jnp.maximum(tree.depths - 1, 0)[..., None], (b, n, k))
+    match = jnp.take_along_axis(ids, at, axis=1) == tree.tokens[..., None]  # [B, N, K]
+    own = jnp.where(jnp.any(match, -1), jnp.sum(jnp.where(match, jnp.take_along_axis(lp, at, axis=1), 0.0), -1),
+                    -jnp.inf)
+    own = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), own], axis=1)  # the root's: 0
+    up = jnp.maximum(tree.parents, 0)
+    total = own
+    for _ in range(lp.shape[1] - 1):  # one more ancestor a pass; depths reach Dp
+        total = own + jnp.take_along_axis(total, up, axis=1).at[:, 0].set(0.0)
+    return total[:, 1:]
+
+
+def prefix(tree: Tree, size: int) -> Tree:
+    """The first ``size`` nodes of a best-first tree: its ``size`` best paths (nodes are sorted by path score, parents
+    first on ties, so the prefix holds every node's ancestors), the same tree as :func:`best_first` at that budget up
+    to ties."""
+    words = -(-(1 + size) // 32)
+    return Tree(tree.tokens[:, :size], tree.depths[:, :size], tree.parents[:, : size + 1],
+                tree.bits[:, : size + 1, :words])
 
 
 def tree_from_lists(lp: Array, ids: Array, budget: int, *, select: str, unroll: int | bool = True,

@@ -64,6 +64,7 @@ LONGEST_FIRST = (
     "test_serve.py",  # 105: four servers, besides the worker
     "test_tree.py",  # 95
     "test_engine.py",  # 70
+    "test_auto.py",  # 60
     "test_notebooks.py",  # 55
     "test_model.py",  # 40
     "test_convert.py",  # 30

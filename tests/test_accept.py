@@ -11,7 +11,7 @@ from tests.conftest import fixture_path
 
 # jitted (one program per shape) rather than dispatched op by op, each op compiled on its own for every new shape
 ancestor_bits_jit = jax.jit(ancestor_bits, static_argnums=1)
-node_keys = jax.jit(accept.node_keys, static_argnums=2)
+node_keys = jax.jit(accept.node_keys)
 choose = jax.jit(accept.choose, static_argnames=("sampling", "filtering"))
 filter_logits = jax.jit(accept.filter_logits)
 
@@ -113,19 +113,22 @@ def test_walk_rejects_unused_slots_and_matches_a_python_walk():
 def test_greedy_choice_is_argmax():
     rng = np.random.default_rng(1)
     logits = jnp.asarray(rng.standard_normal((3, 9, 256)).astype(np.float32))
-    keys = node_keys(jax.vmap(jax.random.key)(jnp.arange(3, dtype=jnp.uint32)), jnp.asarray([5, 6, 7]), 9)
+    keys = node_keys(jax.vmap(jax.random.key)(jnp.arange(3, dtype=jnp.uint32)), jnp.arange(5, 8)[:, None] + jnp.arange(9))
     zeros = jnp.zeros(3)
     got = choose(logits, keys, zeros, jnp.full(3, 0.5), jnp.full(3, 3, jnp.int32))
     np.testing.assert_array_equal(got, np.asarray(logits).argmax(-1))
 
 
-def test_node_keys_are_distinct_and_depend_only_on_own_seed_and_position():
+def test_node_keys_depend_only_on_own_seed_and_position():
+    """A node's key is its sequence's seed at the node's position: distinct across positions and seeds, the same for
+    siblings (one position) and for the same (seed, position) in another batch or another round's tree."""
     seq = jax.vmap(jax.random.key)(jnp.asarray([0, 1, 0], jnp.uint32))
-    keys = node_keys(seq, jnp.asarray([10, 10, 11]), 6)
-    data = np.asarray(jax.random.key_data(keys)).reshape(18, -1)
-    assert len({tuple(r) for r in data}) == 18
-    alone = node_keys(seq[1:2], jnp.asarray([10]), 6)
-    np.testing.assert_array_equal(jax.random.key_data(alone[0]), jax.random.key_data(keys[1]))
+    positions = jnp.asarray([[10, 11, 12, 13], [10, 11, 12, 13], [14, 15, 16, 17]])
+    keys = node_keys(seq, positions)
+    data = np.asarray(jax.random.key_data(keys)).reshape(12, -1)
+    assert len({tuple(r) for r in data}) == 12
+    alone = node_keys(seq[1:2], jnp.asarray([[12, 12, 10]]))
+    np.testing.assert_array_equal(jax.random.key_data(alone[0]), jax.random.key_data(keys[1, jnp.asarray([2, 2, 0])]))
 
 
 # A hand-made distribution: probabilities 0.40 0.25 0.15 0.10 0.06 0.04, shuffled over 6 tokens.
@@ -238,7 +241,7 @@ def test_mixed_greedy_and_sampled_rows():
     @jax.jit
     def draw(i):
         seq = jax.vmap(jax.random.key)(jnp.arange(b, dtype=jnp.uint32) + 100)
-        keys = accept.node_keys(seq, jnp.full((b,), i), nodes)
+        keys = accept.node_keys(seq, jnp.full((b, 1), i) + jnp.arange(nodes))
         return accept.choose(logits, keys, temp, top_p, top_k)
 
     samples = np.asarray(jax.lax.map(draw, jnp.arange(draws)))  # [draws, B, nodes]
@@ -274,7 +277,7 @@ def test_the_choice_has_no_branch_and_each_program_agrees_where_it_applies():
     gives the general one's tokens: greedy rows the argmax, unfiltered sampled rows the same sample (same keys)."""
     rng = np.random.default_rng(2)
     logits = jnp.asarray(rng.standard_normal((3, 5, 64)).astype(np.float32))
-    keys = node_keys(jax.vmap(jax.random.key)(jnp.arange(3, dtype=jnp.uint32)), jnp.asarray([3, 4, 5]), 5)
+    keys = node_keys(jax.vmap(jax.random.key)(jnp.arange(3, dtype=jnp.uint32)), jnp.arange(3, 6)[:, None] + jnp.arange(5))
     greedy = (logits, keys, jnp.zeros(3), jnp.ones(3), jnp.zeros(3, jnp.int32))
     np.testing.assert_array_equal(choose(*greedy, sampling=False), np.asarray(logits).argmax(-1))
     np.testing.assert_array_equal(choose(*greedy, sampling=False), choose(*greedy))

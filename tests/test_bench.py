@@ -46,21 +46,26 @@ def test_fixtures_mode_on_a_mesh(tmp_path):
     assert rec["mesh"] == "1x1" and rec["matches_reference"] is True
 
 
-def test_pair_mode_on_the_fixture_pair(tmp_path, capsys):
-    """``bench pair`` with an explicit pair: held-out prompts, every method, acceptance and speed vs AR."""
+def test_pair_mode_on_the_fixture_pair(tmp_path, capsys, monkeypatch):
+    """``bench pair`` with an explicit pair: held-out prompts, every method (ddtree at a fixed budget and under auto,
+    whose costs go to the cache directory's table), acceptance and speed vs AR."""
     from tests.conftest import fixture_path
 
+    monkeypatch.setenv("DDTREE_JAX_CACHE", str(tmp_path))
     out = tmp_path / "pair.json"
     code = bench.main(["pair", "--target", fixture_path("target"), "--draft", fixture_path("draft"),
-                       "--budgets", "4", "--prompts", "2", "--max-new-tokens", "8", "--dtype", "float32",
-                       "--check", "--json", str(out)])
+                       "--budgets", "4,auto", "--forms", "ar,4", "--prompts", "2", "--max-new-tokens", "8",
+                       "--dtype", "float32", "--check", "--json", str(out)])
     assert code == 0
     res = json.loads(out.read_text())
-    assert list(res["methods"]) == ["ar", "dflash", "ddtree-4"] and res["prompts"] == 2 and res["batch"] == 1
+    assert list(res["methods"]) == ["ar", "dflash", "ddtree-4", "ddtree-auto"] and res["prompts"] == 2
+    forms = res["methods"]["ddtree-auto"]["forms"]
+    assert res["batch"] == 1 and set(forms) <= {"ar", "4"} and sum(forms.values()) >= 2
+    assert (tmp_path / "costs.json").exists()
     assert res["methods"]["ar"]["speedup"] == 1.0
     assert res["methods"]["ddtree-4"]["mean_acceptance_length"] >= 1.0
     assert res["methods"]["dflash"]["min_acceptance_length"] >= 1 and res["methods"]["ar"]["min_acceptance_length"] is None
-    for name in ("dflash", "ddtree-4"):  # --check: f32 greedy equals ar; every traced walk replays on the host
+    for name in ("dflash", "ddtree-4", "ddtree-auto"):  # --check: f32 greedy equals ar; traced walks replay on the host
         row = res["methods"][name]
         assert row["same_as_ar"] == 2 and row["first_divergence"] is None and row["traced_same_as_untraced"]
         assert row["walk_mismatches"] == 0 and row["traced_rounds"] >= 2  # a round per prompt at least

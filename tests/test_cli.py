@@ -179,7 +179,7 @@ def _install_fakes(monkeypatch, *, noisy=False, split=True, raise_in_load=None):
         seen["draft"] = (path, str(dtype))
         return ("draft-config", "draft-params")
 
-    def fake_generate(target, prompts, options, draft=None, on_tokens=None, mesh=None, tuning=None):
+    def fake_generate(target, prompts, options, draft=None, on_tokens=None, mesh=None, tuning=None, persist_costs=False):
         seen.update(target=seen.get("target"), prompts=prompts, options=options, draft_arg=draft, tuning=tuning)
         if noisy:  # what a library might print: Python-level and C-level writes to stdout
             print("noise from python")
@@ -390,10 +390,10 @@ def test_ddtree_trace_matches_reference(capsys):
 @needs_decode
 def test_dflash_matches_reference(capsys):
     run = RUNS[0]
-    doc = _generate_json(capsys, "--draft", DRAFT, "--method", "dflash", "--prompt-ids", _ids(run["prompt"]),
-                         "--max-new-tokens", str(run["max_new_tokens"]))
+    doc = _generate_json(capsys, "--draft", DRAFT, "--method", "dflash", "--forms", "chain",  # the chain every round
+                         "--prompt-ids", _ids(run["prompt"]), "--max-new-tokens", str(run["max_new_tokens"]))
     (r,) = doc["results"]
-    assert r["output_ids"] == run["dflash"]["output"]
+    assert r["output_ids"] == run["dflash"]["output"] and set(r["round_forms"]) == {"chain"}
     assert r["acceptance_lengths"] == run["dflash"]["acceptance_lengths"]
 
 

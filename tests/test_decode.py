@@ -114,7 +114,7 @@ def test_ddtree_matches_reference_round_by_round(target, drafter, reference_runs
 def test_batched_prompts_of_different_lengths(target, drafter, reference_runs, method, budget):
     """All three prompts (5, 23 and 64 tokens) in one batch: same outputs and per-round lengths."""
     n = min(r["max_new_tokens"] for r in reference_runs)
-    kw = {} if budget is None else {"tree_budget": budget}
+    kw = {"tree_budget": budget or 1}  # dflash: a fixed budget runs the chain every round
     res = decode.generate(
         target, [r["prompt"] for r in reference_runs], decode.GenerateOptions(method=method, max_new_tokens=n, **kw),
         draft=drafter,
@@ -132,13 +132,15 @@ def test_stop_token_and_max_tokens(target, drafter, reference_runs):
     gen = run["ar"][len(run["prompt"]) :]
     stop = gen[5]
     first = gen.index(stop)
-    for method in ("ar", "ddtree"):
+    for method in ("ar", "ddtree"):  # ddtree under auto, AR steps or trees of 8 nodes
         res = decode.generate(
-            target, [run["prompt"]], decode.GenerateOptions(method=method, max_new_tokens=30, stop_token_ids=(stop,)),
+            target, [run["prompt"]], decode.GenerateOptions(method=method, max_new_tokens=30, stop_token_ids=(stop,),
+                                                            forms=("ar", "8")),
             draft=drafter,
         )
         assert res.output_ids[0] == run["prompt"] + gen[: first + 1], method
-    res = decode.generate(target, [run["prompt"]], decode.GenerateOptions(method="dflash", max_new_tokens=3), draft=drafter)
+    res = decode.generate(target, [run["prompt"]], decode.GenerateOptions(method="dflash", max_new_tokens=3,
+                                                                           tree_budget=1), draft=drafter)
     assert res.output_ids[0] == run["prompt"] + gen[:3]
 
 
@@ -215,8 +217,9 @@ def test_a_fault_on_the_kernels_path_raises_and_names_the_xla_path(target, draft
     """A decode fault with the Pallas kernels chosen raises, naming the way out; nothing decodes again behind the
     caller's back."""
     run = reference_runs[0]
-    with pytest.raises(RuntimeError, match="decode fault.*--attention xla avoids the kernels"):
-        decode.generate(target, [run["prompt"]], options("dflash", run, attention="pallas"), draft=drafter)
+    with pytest.raises(RuntimeError, match="decode fault.*--attention xla avoids the kernels"):  # the chain alone
+        decode.generate(target, [run["prompt"]], options("dflash", run, attention="pallas", tree_budget=1),
+                        draft=drafter)
 
 
 @pytest.mark.parametrize("layout", ["unstacked", "stacked-out-major", "unstacked-out-major-fused",
@@ -410,7 +413,15 @@ def test_donated_state_leaves_keep_their_own_buffers(target, drafter, reference_
     programs = {
         "prefill": decode.compiled(decode.prefill, spec, tparams, dparams, state, jnp.zeros((1, p_pad), jnp.int32)),
         "run_rounds": decode.compiled(decode.run_rounds, spec, tparams, dparams, state, jnp.int32(1)),
-        "engine.step": engine.step.lower(spec, tparams, dparams, state, jnp.zeros((1,), jnp.int32), 2).compile(),
+        "run_group": decode.run_group.lower(spec, tparams, dparams, state, jnp.zeros((1,), jnp.int32), jnp.int32(2),
+                                            2).compile(),
     }
     for name, exe in programs.items():
         assert output_buffers(exe) == {i: first + i for i in range(n)}, name
+    # an auto run's State (with its forms and statistics), through the engine's group of a smaller slot batch
+    auto = decode.make_spec(tcfg, dcfg, dataclasses.replace(opts, tree_budget="auto", forms=("ar", "4")))
+    state = decode.init_state(auto, [len(run["prompt"])] * 2, [opts] * 2, capacity, out_len, jnp.float32)
+    n = len(jax.tree.leaves(state))
+    one = jnp.zeros((1,), jnp.int32)
+    exe = decode.run_group_rows.lower(auto.with_form("ar"), tparams, dparams, state, one, one, jnp.int32(2), 2).compile()
+    assert output_buffers(exe) == {i: first + i for i in range(n)}

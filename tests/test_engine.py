@@ -1,14 +1,16 @@
-"""The continuous-batching engine on the fixture pair (dflash, 3 slots): outputs equal the reference and
-do not depend on what else is in the batch; stop strings, stop tokens, cancellation, queue limits."""
+"""The continuous-batching engine on the fixture pair (dflash under --tree-budget auto, 3 slots): outputs equal the
+reference and do not depend on what else is in the batch; stop strings, stop tokens, cancellation, queue limits;
+the forms and slot batches a step may take."""
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import pytest
 
-from ddtree_jax import engine as engines
+from ddtree_jax import decode, engine as engines
 from ddtree_jax.tokenizer import load_tokenizer
 from ddtree_jax.tuning import Tuning
 from tests.conftest import fixture_path
@@ -24,7 +26,8 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def engine(target, drafter, tokenizer):
-    cfg = engines.EngineConfig(method="dflash", max_batch=SLOTS, max_len=MAX_LEN, rounds_per_step=3)
+    # --tree-budget auto (ar steps or the chain), the full slot batch alone: six programs to compile
+    cfg = engines.EngineConfig(method="dflash", max_batch=SLOTS, max_len=MAX_LEN, rounds_per_step=3, batch_buckets=())
     eng = engines.Engine(target, drafter, cfg, tokenizer=tokenizer).start()
     yield eng
     eng.stop()
@@ -248,41 +251,53 @@ def test_stop_answers_every_pending_request(target, drafter, engine, reference_r
         eng.submit([1, 2], greedy(2), print)
 
 
-def test_batch_buckets_run_only_the_live_slots(target, drafter, tokenizer, reference_runs):
-    """With batch buckets a step runs the smallest slot batch holding the live requests (gathered out of the
-    slot batch and scattered back): greedy outputs still equal the reference, alone and batched, a seeded
-    sample is the same in a smaller bucket (one live request and a free slot) and in the full batch, and every size
-    ran. Steps without a sampling request run the greedy-only program, those with one the sampling one, with top-k /
-    top-p the filtering one (warm-up compiled the three). One bucket of 2 rows out of 3 slots: a gather of several
-    rows, padded with free ones, as any smaller bucket (each size is three more programs to compile). The verify
-    block padded to 8 rows (the config's Tuning, as on GPU) changes nothing."""
-    cfg = engines.EngineConfig(method="ddtree", tree_budget=4, max_batch=3, max_len=MAX_LEN, rounds_per_step=2,
-                               batch_buckets=(2,), tuning=Tuning(verify_align=8))
-    eng = engines.Engine(target, drafter, cfg, tokenizer=tokenizer).start()
+def wait_until(predicate, timeout=300.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_forms_and_slot_batches_run_only_the_live_slots(target, drafter, tokenizer, reference_runs, monkeypatch):
+    """Under --tree-budget auto each step runs the (form, slot batch) the policy picks among the compiled programs:
+    the warm-up compiles the full batch's AR step (in the variant that serves any request), the background compiler
+    the greedy rest, and a sampling variant once a request needs one. With a slot batch of 1 cheaper than 3 (set
+    here: the CPU's timings are noisy), a lone request runs gathered out of the slots and scattered back, three run
+    in the full batch: greedy outputs equal the reference either way, and a seeded sample is the same alone and
+    batched, and is AR's for its seed (generate's, with its seed)."""
+    cfg = engines.EngineConfig(method="ddtree", forms=("ar", "4"), max_batch=3, max_len=MAX_LEN, rounds_per_step=2,
+                               batch_buckets=(1,))
+    eng = engines.Engine(target, drafter, cfg, tokenizer=tokenizer)
+    assert eng.sizes == [1, 3]
+    assert set(eng.programs) == {(f, n, v) for f in ("ar", "4") for n in (1, 3) for v in engines.VARIANTS}
+    eng.start()
     try:
-        assert eng.sizes == [2, 3] and eng.spec.verify_len == 8
-        warm = dict(eng.step_sizes)
-        assert eng.step_programs == {"greedy": 2, "sampling": 2, "filtering": 2}  # warm-up: each at each size
+        assert eng.first.fn is not None and eng.costs.get(eng.first.cost_key) is not None  # compiled and timed
+        wait_until(lambda: eng.programs_ready == 5)  # the greedy ones besides the first
+        for (form, size, _), p in eng.programs.items():
+            eng.costs.measured(p.cost_key, 1e-3 * size * (2 if form == "4" else 1), 64)
+        monkeypatch.setattr(eng.costs, "observe", lambda *a: None)
         run = reference_runs[0]
         n = len(run["prompt"])
         res = eng.generate(run["prompt"], greedy(run["max_new_tokens"]), timeout=120)
         assert res.token_ids == run["ar"][n:]
-        assert eng.step_programs["sampling"] == eng.step_programs["filtering"] == 2 and eng.step_programs["greedy"] > 2
-        eng.generate(reference_runs[1]["prompt"], engines.SamplingParams(max_tokens=4, temperature=0.9), timeout=120)
-        assert eng.step_programs["sampling"] > 2 and eng.step_programs["filtering"] == 2
+        assert eng.step_sizes[1] > 0 and eng.step_sizes[3] == 0
+        assert {form for form, _, _ in eng.step_programs} == {"ar", "4"}  # 4 explored, then AR (random drafter)
         params = engines.SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=7)
         alone = eng.generate(reference_runs[1]["prompt"], params, timeout=120)
-        assert eng.step_programs["filtering"] > 2
-        reqs = [(r["prompt"], greedy(min(4 + 5 * i, r["max_new_tokens"]))) for i, r in enumerate(reference_runs * 2)]
+        reqs = [(r["prompt"], greedy(min(4 + 5 * i, r["max_new_tokens"]))) for i, r in enumerate(reference_runs)]
         results = run_concurrently(eng, reqs + [(reference_runs[1]["prompt"], params)])
         for (prompt, p), got in zip(reqs, results):
             ref = next(r["ar"] for r in reference_runs if r["prompt"] == prompt)
             assert got.token_ids == ref[len(prompt): len(prompt) + p.max_tokens]
         assert results[-1].token_ids == alone.token_ids
-        used = {k: v - warm.get(k, 0) for k, v in eng.step_sizes.items()}
-        assert used[2] > 0 and used[3] > 0, used
+        assert eng.step_sizes[3] > 0
+        wait_until(lambda: eng.programs_ready == eng.programs_wanted == 8)  # the greedy and the top-p ones
     finally:
         eng.stop()
+    opts = decode.GenerateOptions(max_new_tokens=12, temperature=0.9, top_p=0.95, seed=7)
+    ar = decode.generate(target, [reference_runs[1]["prompt"]], opts)
+    assert ar.output_ids[0][len(reference_runs[1]["prompt"]):] == alone.token_ids
     with pytest.raises(ValueError, match="batch buckets must be between 1 and max_batch - 1"):
         engines.Engine(target, drafter, dataclasses.replace(cfg, batch_buckets=(3,)))
 

@@ -1,5 +1,6 @@
 """Lossless sampling: DDTree's tokens have exactly the target's distribution, at any temperature.
 
+The rounds are those of ``--tree-budget auto``'s tree program (a larger tree built, its best nodes verified).
 On the tiny target (vocabulary 256) the exact joint distribution of the first generated tokens is
 computable. We sample it with thousands of batched ``ddtree`` runs (one seed per sequence) and compare
 with a chi-square test. The test must have power where it matters: the first generated token t0 is
@@ -135,8 +136,12 @@ def sample_first_tokens(target, drafter, prompt, proposer, settings, n=SAMPLES):
     per setting."""
     tcfg, tparams = target
     dcfg, dparams = drafter
-    opts = decode.GenerateOptions(method="ddtree", max_new_tokens=3, tree_budget=BUDGET)
+    # the tree program of --tree-budget auto: a tree built at 2 x BUDGET nodes (for the predictions), its best BUDGET
+    # verified, the round's statistics recorded
+    opts = decode.GenerateOptions(method="ddtree", max_new_tokens=3, forms=("ar", str(BUDGET), str(2 * BUDGET)))
     spec = decode.make_spec(tcfg, dcfg, opts, proposer=proposer, sampling=True, filtering=True)  # rows' own settings
+    spec = spec.with_form(str(BUDGET))
+    assert spec.build_budget == 2 * BUDGET and spec.budget == BUDGET
     rows = n * len(settings)
     per_seq = [
         dataclasses.replace(opts, seed=SEED0 + r // n * SAMPLES + r % n, temperature=settings[r // n][0],
@@ -173,9 +178,9 @@ def chi_square(samples: np.ndarray, cells, probs) -> tuple[float, float]:
 
 
 def key_reused_across_nodes(original):
-    def node_keys(seq_keys, position, nodes):
-        one = original(seq_keys, position, 1)  # [B, 1]
-        return one[:, jnp.zeros((nodes,), jnp.int32)]
+    def node_keys(seq_keys, positions):
+        one = original(seq_keys, positions[:, :1])  # [B, 1]: the root's
+        return one[:, jnp.zeros((positions.shape[1],), jnp.int32)]
 
     return node_keys
 

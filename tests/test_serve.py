@@ -2,12 +2,13 @@
 float32), called with the official ``openai`` client and with httpx for what the client hides.
 
 Three servers start together (their compilation overlaps the CLI runs of the fixture below):
-- ``server``: ddtree, budget 8, 4 slots x 128 tokens: parity with the reference and the CLI, streaming,
-  32 concurrent clients, bad requests, the load test;
+- ``server``: ddtree under --tree-budget auto (AR steps, the chain or trees of 8 nodes), 4 slots x 128 tokens:
+  parity with the reference and with the CLI at a fixed budget of 8, streaming, 32 concurrent clients, bad requests,
+  the load test;
 - ``small``: ar, 1 slot x 2048 tokens, a queue of 1: long requests to disconnect from, a full queue;
 - ``meshed``: ar on a 2x2 mesh of 4 (fake) CPU devices, 2 slots: data + tensor parallel serving.
 
-One more starts alone: ``--target random:tiny`` (random weights, no tokenizer).
+One more starts alone: ``--target random:tiny`` (random weights, no tokenizer), with the default flags.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class Launched:
         self.log_path = tmp / f"{name}.log"
         self.log = open(self.log_path, "w")
         env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
-        cmd = [sys.executable, "-m", "ddtree_jax.serve", "--target", target, "--dtype", dtype,
+        cmd = [sys.executable, "-m", "ddtree_jax.serve", "--target", target, "--dtype", dtype, "--no-disk-cache",
                "--port", str(self.port), "--log-level", "warning", *flags]
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
@@ -112,8 +113,8 @@ def _run_cli(*argv: str) -> dict:
 def launched(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("servers")
     servers = {
-        "server": Launched(tmp, "server", "--draft", DRAFT, "--method", "ddtree", "--tree-budget", str(BUDGET),
-                           "--max-batch", "4", "--max-len", str(MAX_LEN)),
+        "server": Launched(tmp, "server", "--draft", DRAFT, "--method", "ddtree", "--forms", f"ar,chain,{BUDGET}",
+                           "--batch-buckets", "none", "--max-batch", "4", "--max-len", str(MAX_LEN)),
         "small": Launched(tmp, "small", "--method", "ar", "--max-batch", "1", "--max-queue", "1",
                           "--max-len", str(LONG + 48), "--rounds-per-step", "2"),
         "meshed": Launched(tmp, "meshed", "--method", "ar", "--mesh", "2x2", "--max-batch", "2",
@@ -188,12 +189,17 @@ def test_models_health_and_metrics(server):
     models = server.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].model_extra["max_model_len"] == MAX_LEN
-    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["status"] == "ok" and 1 <= health["programs_compiled"] <= 9 and health["programs"] >= 3
+    server.client().completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=8, temperature=0)
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("ddtree_requests_total", "ddtree_generated_tokens_total", "ddtree_mean_acceptance_length",
                  "ddtree_tokens_per_second", "ddtree_queue_length", "ddtree_round_latency_seconds_bucket",
-                 "ddtree_active_slots"):
+                 "ddtree_active_slots", "ddtree_expected_acceptance_length", "ddtree_acceptance_ratio",
+                 "ddtree_programs_compiled", "ddtree_programs"):
         assert name in text
+    by_form = {k: v for k, v in server.metrics().items() if k.startswith("ddtree_form_sequence_rounds_total")}
+    assert by_form and set(by_form) <= {f'ddtree_form_sequence_rounds_total{{form="{f}"}}' for f in ("ar", "chain", "8")}
 
 
 def test_greedy_completions_equal_the_reference(server, reference_runs):
@@ -485,6 +491,10 @@ def test_cli_bad_flags_are_one_line_errors(capsys, tmp_path):
     _one_line_error(capsys, ["--target", "random:tiny", "--draft", DRAFT], "drafter is random")
     _one_line_error(capsys, ["--target", TARGET, "--max-batch", "4", "--batch-buckets", "2,4"], "--batch-buckets")
     _one_line_error(capsys, ["--target", TARGET, "--batch-buckets", "0"], "--batch-buckets")
+    _one_line_error(capsys, ["--target", TARGET, "--draft", DRAFT, "--method", "dflash", "--forms", "ar,16"],
+                    "--forms", "dflash takes the forms ar and chain")
+    _one_line_error(capsys, ["--target", TARGET, "--tree-budget", "many"], "--tree-budget")
+    _one_line_error(capsys, ["--target", TARGET, "--forms", "ar,tree"], "--forms", "unknown form 'tree'")
 
 
 def test_cli_help_explains_every_flag(capsys):
@@ -492,7 +502,7 @@ def test_cli_help_explains_every_flag(capsys):
     out = capsys.readouterr().out
     for flag in ("--target", "--draft", "--method", "--tree-budget", "--mesh", "--max-batch", "--max-len",
                  "--host", "--port", "--dtype", "--attention", "--max-queue", "--rounds-per-step",
-                 "--served-model-name", "--log-level", "--warmup-all", "--batch-buckets"):
+                 "--served-model-name", "--log-level", "--warmup-all", "--batch-buckets", "--forms", "--no-disk-cache"):
         assert re.search(rf"^\s+{flag}\b.*\n?.*\w", out, re.M), flag
     assert "random:SHAPE" in out and "qwen3-8b" in out
     assert serve.parse_mesh("2x4") == (2, 4)
@@ -511,9 +521,9 @@ def test_random_target_plan_needs_no_files():
 
 
 def test_random_tiny_server_takes_token_ids_and_refuses_text(tmp_path):
-    """--target random:tiny: random bf16 weights (target and drafter) built in the server, no tokenizer."""
-    s = Launched(tmp_path, "random", "--method", "ddtree", "--tree-budget", "4", "--max-batch", "2",
-                 "--max-len", "128", target="random:tiny", dtype="bfloat16")
+    """--target random:tiny: random bf16 weights (target and drafter) built in the server, no tokenizer; ddtree under
+    --tree-budget auto with its default forms and slot batches."""
+    s = Launched(tmp_path, "random", "--max-batch", "2", "--max-len", "128", target="random:tiny", dtype="bfloat16")
     try:
         s.wait_ready(120)
         r = httpx.post(f"{s.url}/v1/completions", json={"model": "random:tiny", "prompt": [5, 6, 7], "max_tokens": 6,

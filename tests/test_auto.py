@@ -1,0 +1,170 @@
+"""``tree_budget="auto"`` in decode: the forms of a round (AR step, chain, best-first tree) share one state, AR steps
+keep the drafter's context complete, a tree built large gives every smaller one as its prefix with the drafter's
+predictions, and whatever forms run, greedy output is AR's and sampled output AR's for the same seed (f32 fixtures)."""
+
+import dataclasses
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax import accept, decode, policy
+from ddtree_jax import tree as trees
+from tests.test_decode import tree_paths
+from tests.test_oracle import oracle
+
+FORMS = ("ar", "chain", "4")
+
+
+class Scripted(policy.Policy):
+    """A policy that runs the given forms in turn, whatever the statistics say."""
+
+    def __init__(self, order, *args):
+        super().__init__(*args)
+        self.order = itertools.cycle(order)
+        self.chosen = []
+
+    def choose(self, seqs, options):
+        form = next(self.order)
+        self.chosen.append(form)
+        return next(k for k in options if k[0] == form)
+
+
+def test_a_large_trees_prefix_is_the_smaller_tree_and_its_scores_are_the_drafters():
+    """best_first at budget P, cut to its first b nodes, is best_first at budget b (as path sets; random logits have
+    no ties); each node's score is the sum of the drafter's log-probabilities along its path, sorted descending, and
+    the predictions are 1 + the summed path probabilities of the best c nodes (the chain: of its argmax path)."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.standard_normal((2, 5, 48)) * 3, jnp.float32)
+    big, scores, top1 = jax.jit(trees.scored_best_first, static_argnums=1)(logits, 24)
+    logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    for b in range(2):
+        tokens, parents = np.asarray(big.tokens[b]), np.asarray(big.parents[b])
+        depths = np.asarray(big.depths[b])
+        for size in (1, 6, 13):
+            small = jax.jit(trees.best_first, static_argnums=1)(logits, size)
+            cut = trees.prefix(big, size)
+            assert tree_paths(cut.tokens[b], cut.parents[b]) == tree_paths(small.tokens[b], small.parents[b])
+            want_bits = trees.ancestor_bits(cut.parents, 4)
+            np.testing.assert_array_equal(cut.bits, want_bits)
+        brute = []
+        for k in range(24):
+            total, j = 0.0, k + 1
+            while j > 0:
+                total += logp[b, depths[j - 1] - 1, tokens[j - 1]]
+                j = parents[j]
+            brute.append(total)
+        np.testing.assert_allclose(scores[b], brute, rtol=1e-5, atol=1e-5)
+        assert (np.diff(np.asarray(scores[b])) <= 1e-6).all()
+        np.testing.assert_allclose(top1[b], logp[b].max(-1), rtol=1e-6, atol=1e-6)
+
+    spec = dataclasses.replace(_spec_stub(), predict=(4, 24, 64), tree="best_first", budget=6)
+    pred = np.asarray(decode.predictions(spec, top1, scores))
+    mass = np.cumsum(np.exp(np.asarray(scores)), axis=1)
+    chain = 1 + np.cumsum(np.exp(np.cumsum(np.asarray(top1), axis=1)), axis=1)[:, -1]
+    np.testing.assert_allclose(pred, np.stack([1 + mass[:, 5], chain, 1 + mass[:, 3], 1 + mass[:, 23],
+                                               np.zeros(2)], axis=1), rtol=1e-5)
+
+
+def _spec_stub():
+    from ddtree_jax.config import DraftConfig, ModelConfig
+
+    return decode.Spec(target=ModelConfig.__new__(ModelConfig), draft=DraftConfig.__new__(DraftConfig),
+                       method="ddtree", budget=1, max_rounds=1, auto=True)
+
+
+def _copy(state):
+    return jax.tree.map(jnp.copy, state)
+
+
+def test_ar_steps_keep_the_drafters_context(target, drafter, reference_runs):
+    """Three AR steps of a speculative run commit what three chain rounds commit (the fixture drafter's first chain
+    rounds accept the root alone): the same tokens, the same draft cache up to its length, the same pending
+    context, hence the same draft logits for the next round, and the same tokens after it."""
+    (tcfg, tparams), (dcfg, dparams) = target, drafter
+    run = reference_runs[0]
+    assert run["dflash"]["acceptance_lengths"][:4] == [1, 1, 1, 1]
+    opts = decode.GenerateOptions(method="dflash", tree_budget="auto", max_new_tokens=run["max_new_tokens"])
+    spec = decode.make_spec(tcfg, dcfg, opts)
+    assert spec.auto and spec.form == "chain" and spec.with_form("ar").form == "ar"
+    state, tokens = decode.start(spec, [run["prompt"]], [opts], opts.max_new_tokens, tparams.embed.dtype)
+    state = decode.compiled(decode.prefill, spec, tparams, dparams, state, tokens)(tparams, dparams, state, tokens)
+    three = jnp.int32(3)
+    steps = {form: decode.compiled(decode.run_rounds, spec.with_form(form), tparams, dparams, state, three)
+             for form in ("ar", "chain")}
+    by_ar = steps["ar"](tparams, dparams, _copy(state), three)
+    by_chain = steps["chain"](tparams, dparams, _copy(state), three)
+    n = len(run["prompt"])
+    for s in (by_ar, by_chain):
+        assert np.asarray(s.out[0, : n + 4]).tolist() == run["ar"][: n + 4]
+    assert np.asarray(by_ar.forms[0, :3]).tolist() == [0, 0, 0] and float(by_ar.stats[0, policy.ROUNDS]) == 0
+    assert np.asarray(by_chain.forms[0, :3]).tolist() == [-1, -1, -1]
+    assert float(by_chain.stats[0, policy.ROUNDS]) == 3
+    length = int(by_ar.dcache.length[0])
+    assert length == int(by_chain.dcache.length[0]) == n + 2
+    for a, b in ((by_ar.dcache.k, by_chain.dcache.k), (by_ar.dcache.v, by_chain.dcache.v)):
+        np.testing.assert_allclose(a[:, :, :length], b[:, :, :length], rtol=1e-5, atol=1e-5)
+    count = int(by_ar.context_count[0])
+    assert count == int(by_chain.context_count[0]) == 1
+    np.testing.assert_allclose(by_ar.context[:, :count], by_chain.context[:, :count], rtol=1e-5, atol=1e-5)
+    draft = jax.jit(lambda s: decode.draft_logits(spec, tparams, dparams, s)[0])
+    np.testing.assert_allclose(draft(by_ar), draft(by_chain), rtol=1e-4, atol=1e-4)
+    one = jnp.int32(1)
+    after = decode.compiled(decode.run_rounds, spec.with_form("chain"), tparams, dparams, by_ar, one)
+    a, b = after(tparams, dparams, by_ar, one), after(tparams, dparams, by_chain, one)
+    np.testing.assert_array_equal(a.out, b.out)
+    np.testing.assert_array_equal(a.accept_hist[0, 3], b.accept_hist[0, 3])
+
+
+@pytest.fixture(scope="module")
+def batch(reference_runs):
+    n = min(r["max_new_tokens"] for r in reference_runs)
+    return [r["prompt"] for r in reference_runs], n
+
+
+def test_any_sequence_of_forms_gives_ars_tokens_and_traces_each_rounds_own_tree(target, drafter, reference_runs,
+                                                                              batch):
+    """Forced forms (AR steps, the chain, trees of 4 nodes, in turn) and the default policy, on the reference prompts
+    as one batch: AR's tokens; each round's traced tree is cut to its form's nodes, and its walk replays on the
+    host; the statistics count the rounds that drafted."""
+    prompts, n = batch
+    opts = decode.GenerateOptions(method="ddtree", max_new_tokens=n, forms=FORMS, trace=True)
+    (tcfg, _), (dcfg, _) = target, drafter
+    chooser = Scripted(["ar", "ar", "4", "chain", "4"], FORMS, (4,))
+    forced = decode.generate(target, prompts, opts, draft=drafter, chooser=chooser)
+    default = decode.generate(target, prompts, opts, draft=drafter)
+    for res in (forced, default):
+        for run, out, forms, rounds in zip(reference_runs, res.output_ids, res.round_forms, res.rounds):
+            assert out == run["ar"][: len(run["prompt"]) + n]
+            assert len(forms) == len(rounds) and set(forms) <= set(FORMS)
+            for form, r in zip(forms, rounds):
+                assert r["form"] == form
+                size = policy.nodes(form, dcfg.block_size)
+                assert len(r["tree"]["node_token_ids"]) == size and len(r["target_choices"]) == size + 1
+                assert accept.walk_host(r["tree"]["node_token_ids"], r["tree"]["parents"],
+                                        r["target_choices"]) == r["accepted_indices"]
+    assert {f for seq in forced.round_forms for f in seq} == set(FORMS)
+    # groups of rounds of one form: the first of FIRST_GROUPS rounds, then of GROUP_ROUNDS
+    (a, b), c = decode.FIRST_GROUPS, decode.GROUP_ROUNDS
+    assert forced.round_forms[0][: a + b + c] == ["ar"] * (a + b) + ["4"] * c
+
+
+def test_sampled_output_is_ars_for_the_same_seed_whatever_the_forms(target, drafter, batch):
+    """Each token is drawn with the noise of (seed, position) (accept.node_keys), so a sampled run's tokens are AR's
+    with the same seed, whichever forms ran: here samples through forced trees, chains and AR steps whose
+    drafter (an oracle peaked on AR's sampled continuation, with decoys) makes them accept long paths."""
+    prompts, n = batch
+    opts = decode.GenerateOptions(method="ddtree", max_new_tokens=n, forms=FORMS, temperature=0.9, seed=5)
+    extra = drafter[0].block_size
+    ar = decode.generate(target, prompts, dataclasses.replace(opts, method="ar", max_new_tokens=n + extra))
+    proposer = oracle(ar.output_ids, peak=[8.0] * 3, noise=[1.0] * 3, decoy_rate=[0.2, 0.0, 0.4])
+    chooser = Scripted(["ar", "4", "chain"], FORMS, (4,))
+    auto = decode.generate(target, prompts, opts, draft=drafter, chooser=chooser, proposer=proposer)
+    for mine, theirs, prompt in zip(auto.output_ids, ar.output_ids, prompts):
+        assert mine == theirs[: len(prompt) + n]
+    assert {f for seq in auto.round_forms for f in seq} == set(FORMS)
+    deep = [a for seq, forms in zip(auto.acceptance_lengths, auto.round_forms) for a, f in zip(seq, forms) if f != "ar"]
+    assert max(deep) >= 4 and np.mean(deep) > 2, deep
