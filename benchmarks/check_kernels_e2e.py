@@ -1,7 +1,7 @@
 """End-to-end: DDTree greedy decoding with the Pallas kernels (verify attention + tree walk) gives the same
 tokens as the XLA path, on a random bf16 model whose heads the kernel supports (head_dim 64).
 
-    PYTHONPATH=. python benchmarks/check_kernels_e2e.py [--attention pallas]   # GPU: the kernels; CPU: interpret
+    PYTHONPATH=. python benchmarks/check_kernels_e2e.py [--attention pallas] [--budget auto]   # CPU: interpret
 Prints one JSON line: tokens compared, tokens equal, first difference.
 """
 
@@ -11,14 +11,15 @@ import json
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax import decode, shapes
+from ddtree_jax import cli, decode, shapes
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--attention", default="pallas")
     p.add_argument("--tokens", type=int, default=48)
-    p.add_argument("--budget", type=int, default=16)
+    p.add_argument("--budget", type=cli.tree_budget, default=16, help="a tree budget, or auto (AR steps with the "
+                   "drafter's taps, chains and trees built large and cut: --tree-budget auto's rounds)")
     a = p.parse_args()
     tcfg, dcfg = shapes.model_configs(shapes.SHAPES["tiny"])
     tp, dp = shapes.build_params(tcfg, dcfg, jnp.bfloat16)

@@ -1,20 +1,31 @@
-"""Load benchmark of the OpenAI-compatible server on random-weight models: ar, dflash and ddtree in turn.
+"""Load benchmark of the OpenAI-compatible server: one server per configuration in turn, each load-tested.
 
-For each method: start ``python -m ddtree_jax.serve --target random:SHAPE --method M --max-batch 32 ...`` in
-the background, wait for /health (compilation), run ``python -m ddtree_jax.loadtest --json`` once per
-concurrency level (max(K x c, MIN) closed-loop requests of exactly --max-tokens tokens on --prompt-len random
-token ids), stop the server, and go on with the next method whatever happened. Each method gets an equal
-share of what is left of --time-limit; a level that would overrun it is cut (and reported).
+A configuration is METHOD or METHOD:BUDGET (ar; dflash and ddtree under --tree-budget auto unless a budget is given,
+e.g. ddtree:64). For each: start ``python -m ddtree_jax.serve --target T --method M [--tree-budget B] --max-batch 32
+...`` in the background, time it to /health 200 (``startup_s``; the servers' cache directory is OUT/cache unless
+--cache-dir says otherwise, so the first start compiles everything), optionally wait until every program is compiled
+(--wait-compiled: the steady state; ``compiled_s``), run ``python -m ddtree_jax.loadtest --json`` once per
+concurrency level (max(K x c, MIN) closed-loop requests of exactly --max-tokens tokens), stop the server, and for the
+configurations of --restart start it once more to time a second start on the persistent compilation cache
+(``restart_s``). Each configuration gets an equal share of what is left of --time-limit; a level that would overrun it
+is cut (and reported).
 
-Writes to OUT_DIR: METHOD.json (the loadtest's JSON list, the levels that finished), METHOD.server.log,
-METHOD.loadtest.log, run.json (parameters, startup times, failures) and summary.md (a Markdown table).
+Prompts: --prompt-len random token ids (random weights), or --prompts-file (text prompts as chat messages, or token
+ids); with --target default (the default pair) the held-out prompts of ddtree_jax/data/prompts/python.json when
+present, else train_draft's held-out documentation prompts (their token ids, written to OUT/prompts.json).
 
-    python benchmarks/load_bench.py OUT_DIR                   # H200: random:qwen3-8b, about 4 minutes
-    python benchmarks/load_bench.py OUT_DIR --shape tiny --prompt-len 32 --max-tokens 16   # CPU rehearsal
+Writes to OUT_DIR: CONFIG.json (the loadtest's JSON list, the levels that finished), CONFIG.server.log,
+CONFIG.loadtest.log, run.json (parameters, startup times, failures) and summary.md (a Markdown table, throughput
+relative to ar's, the forms auto ran).
+
+    python benchmarks/load_bench.py OUT_DIR                   # H200: random:qwen3-8b, ar, dflash, ddtree (auto)
+    python benchmarks/load_bench.py OUT_DIR --target default --methods ar,ddtree,ddtree:16,ddtree:32,ddtree:64 \\
+        --concurrency 1,4,16,32 --wait-compiled 300          # the default pair: auto against fixed budgets
+    python benchmarks/load_bench.py OUT_DIR --target random:tiny --prompt-len 32 --max-tokens 16   # CPU rehearsal
     python benchmarks/load_bench.py OUT_DIR --summarize       # summary.md again from OUT_DIR's JSON files
 
-Random weights: the drafter never agrees with the target, so dflash/ddtree accept about one token per round;
-the numbers are the serving cost of each method at that acceptance, not its speedup on a real pair.
+Random weights: the drafter never agrees with the target, so dflash/ddtree accept about one token per round (auto
+then runs AR steps); the numbers are the serving cost of each configuration at that acceptance.
 Needs the server's packages (starlette, uvicorn, sse-starlette, prometheus-client) and httpx (loadtest).
 """
 
@@ -32,6 +43,7 @@ import time
 import urllib.request
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+METHODS = ("ar", "dflash", "ddtree")
 
 
 def _ints(text: str) -> list[int]:
@@ -41,30 +53,55 @@ def _ints(text: str) -> list[int]:
     return vals
 
 
+def _configs(text: str) -> list[str]:
+    """'ar,dflash,ddtree:64' -> those names, checked: METHOD or METHOD:BUDGET (BUDGET a positive integer or auto)."""
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        method, _, budget = item.partition(":")
+        if method not in METHODS or (budget and budget != "auto" and not (budget.isdigit() and int(budget) > 0)):
+            raise argparse.ArgumentTypeError(f"{item!r}: expected METHOD or METHOD:BUDGET, METHOD one of "
+                                             f"{', '.join(METHODS)}, BUDGET a positive integer or auto")
+        out.append(method if budget in ("", "auto") else f"{method}:{budget}")
+    if not out:
+        raise argparse.ArgumentTypeError("no configuration given")
+    return out
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", help="output directory (created)")
-    p.add_argument("--shape", default="qwen3-8b", help="served as --target random:SHAPE (default: %(default)s)")
-    p.add_argument("--methods", default="ar,dflash,ddtree", help="comma-separated (default: %(default)s)")
-    p.add_argument("--tree-budget", type=int, default=64, help="ddtree's budget (default: %(default)s)")
-    p.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8, 16, 32], help="levels (default: 1,...,32)")
+    p.add_argument("--target", default="random:qwen3-8b",
+                   help="the served target: random:SHAPE, a model directory, or default (the default pair) "
+                        "(default: %(default)s)")
+    p.add_argument("--draft", default=None, help="the drafter directory of a --target directory")
+    p.add_argument("--methods", type=_configs, default=_configs("ar,dflash,ddtree"), metavar="CONFIGS",
+                   help="configurations, METHOD or METHOD:BUDGET (default: ar,dflash,ddtree; dflash and ddtree "
+                        "under --tree-budget auto)")
+    p.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8, 16, 32, 64], help="levels (default: 1,...,64)")
     p.add_argument("--requests-per-client", type=int, default=2, metavar="K",
                    help="requests per level: max(K x concurrency, --min-requests) (default: %(default)s)")
     p.add_argument("--min-requests", type=int, default=4, help="(default: %(default)s)")
-    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default: %(default)s)")
+    p.add_argument("--prompt-len", type=int, default=128, help="random prompt tokens (default: %(default)s)")
+    p.add_argument("--prompts-file", default=None, help="prompts instead of random token ids (loadtest's option)")
     p.add_argument("--max-tokens", type=int, default=64, help="generated tokens per request (default: %(default)s)")
     p.add_argument("--max-batch", type=int, default=32, help="server slots (default: %(default)s)")
     p.add_argument("--max-len", type=int, default=1024, help="server --max-len (default: %(default)s)")
-    p.add_argument("--time-limit", type=float, default=360.0,
-                   help="seconds for everything; each method gets an equal share of what is left "
+    p.add_argument("--wait-compiled", type=float, default=0.0, metavar="S",
+                   help="before the levels, wait up to S seconds until the server has compiled every program "
+                        "(/health's programs_compiled), so that the levels measure the steady state (default: 0)")
+    p.add_argument("--restart", type=_configs, default=[], metavar="CONFIGS",
+                   help="configurations to start a second time, on the persistent compilation cache, to time it "
+                        "(default: none)")
+    p.add_argument("--cache-dir", default=None,
+                   help="the servers' DDTREE_JAX_CACHE (compiled programs, measured costs) (default: OUT/cache)")
+    p.add_argument("--time-limit", type=float, default=480.0,
+                   help="seconds for everything; each configuration gets an equal share of what is left "
                         "(default: %(default)s)")
     p.add_argument("--server-arg", action="append", default=[], metavar="FLAG",
                    help="extra serve flag, repeatable, e.g. --server-arg=--attention=xla")
     p.add_argument("--summarize", action="store_true", help="only (re)write summary.md from OUT's JSON files")
-    args = p.parse_args(argv)
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    return args
+    return p.parse_args(argv)
 
 
 def _free_port() -> int:
@@ -76,18 +113,21 @@ def _free_port() -> int:
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
 
 
-def _healthy(url: str) -> bool:
+def _health(url: str) -> dict | None:
+    """/health's JSON when it answers 200, else None."""
     try:
         with _DIRECT.open(f"{url}/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:  # URLError, HTTPError (503 while compiling), connection refused
-        return False
+            return json.load(r) if r.status == 200 else None
+    except (OSError, ValueError):  # URLError, HTTPError (503 while compiling), connection refused
+        return None
 
 
-def _env() -> dict[str, str]:
+def _env(args) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([REPO] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env["DDTREE_JAX_CACHE"] = args.cache_dir
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the server's own cache: the cache directory's jit/
     return env
 
 
@@ -102,50 +142,86 @@ def _stop(proc: subprocess.Popen) -> int | None:
     return proc.returncode
 
 
-def run_method(args, method: str, deadline: float) -> dict:
-    """One server, every level; returns this method's entry of run.json (results go to METHOD.json)."""
+def server_command(args, config: str, port: int) -> list[str]:
+    method, _, budget = config.partition(":")
+    cmd = [sys.executable, "-m", "ddtree_jax.serve", "--target", args.target, "--method", method,
+           "--max-batch", str(args.max_batch), "--max-len", str(args.max_len), "--port", str(port),
+           "--log-level", "warning"]
+    if args.draft and method != "ar":
+        cmd += ["--draft", args.draft]
+    return cmd + (["--tree-budget", budget] if budget else []) + args.server_arg
+
+
+def _start(args, config: str, log, deadline: float) -> tuple[subprocess.Popen, str, float]:
+    """A server of ``config`` up: (process, url, seconds to /health 200)."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "ddtree_jax.serve", "--target", f"random:{args.shape}", "--method", method,
-           "--max-batch", str(args.max_batch), "--max-len", str(args.max_len), "--port", str(port),
-           "--log-level", "warning", *(["--tree-budget", str(args.tree_budget)] if method == "ddtree" else []),
-           *args.server_arg]
-    info: dict = {"method": method, "server_command": " ".join(cmd[1:]), "levels": [], "failures": []}
-    results: list[dict] = []
-    out_json = os.path.join(args.out, f"{method}.json")
     t0 = time.monotonic()
-    with open(os.path.join(args.out, f"{method}.server.log"), "w") as slog, \
-            open(os.path.join(args.out, f"{method}.loadtest.log"), "w") as llog:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=slog, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(server_command(args, config, port), cwd=REPO, env=_env(args), stdout=log,
+                            stderr=subprocess.STDOUT)
+    while _health(url) is None:
+        if proc.poll() is not None:
+            log.flush()
+            with open(log.name) as f:
+                last = (f.read().strip().splitlines() or [""])[-1]
+            raise RuntimeError(f"server exited with status {proc.returncode} before /health was 200: {last}")
+        if time.monotonic() > deadline:
+            _stop(proc)
+            raise RuntimeError(f"server not healthy after {time.monotonic() - t0:.0f}s (time share spent)")
+        time.sleep(0.25)
+    return proc, url, round(time.monotonic() - t0, 1)
+
+
+def _wait_compiled(url: str, limit: float) -> tuple[float | None, dict]:
+    """Seconds until /health says every program is compiled (None when ``limit`` passed first), and its last JSON."""
+    t0 = time.monotonic()
+    while True:
+        health = _health(url) or {}
+        if health.get("programs_compiled", 0) >= health.get("programs", 1):
+            return round(time.monotonic() - t0, 1), health
+        if time.monotonic() - t0 > limit:
+            return None, health
+        time.sleep(0.5)
+
+
+def run_config(args, config: str, deadline: float) -> dict:
+    """One server, every level; returns this configuration's entry of run.json (results go to CONFIG.json)."""
+    name = config.replace(":", "-")
+    info: dict = {"config": config, "server_command": " ".join(server_command(args, config, 0)[1:]), "levels": [],
+                  "failures": []}
+    results: list[dict] = []
+    out_json = os.path.join(args.out, f"{name}.json")
+    t0 = time.monotonic()
+    with open(os.path.join(args.out, f"{name}.server.log"), "w") as slog, \
+            open(os.path.join(args.out, f"{name}.loadtest.log"), "w") as llog:
+        proc = None
         try:
-            while not _healthy(url):
-                if proc.poll() is not None:
-                    slog.flush()
-                    with open(slog.name) as f:
-                        last = (f.read().strip().splitlines() or [""])[-1]
-                    raise RuntimeError(f"server exited with status {proc.returncode} before /health was 200: "
-                                       f"{last}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"server not healthy after {time.monotonic() - t0:.0f}s (time share spent)")
-                time.sleep(0.5)
-            info["startup_s"] = round(time.monotonic() - t0, 1)
-            print(f"[{method}] ready in {info['startup_s']}s", file=sys.stderr, flush=True)
+            proc, url, info["startup_s"] = _start(args, config, slog, deadline)
+            print(f"[{config}] /health 200 in {info['startup_s']}s", file=sys.stderr, flush=True)
+            if args.wait_compiled > 0:
+                info["compiled_s"], health = _wait_compiled(url, min(args.wait_compiled, deadline - time.monotonic()))
+                info["programs"] = [health.get("programs_compiled"), health.get("programs")]
+                when = f"after {info['compiled_s']}s more" if info["compiled_s"] is not None else "(not all in time)"
+                print(f"[{config}] programs compiled / to compile: {info['programs']} {when}", file=sys.stderr,
+                      flush=True)
             for c in args.concurrency:
                 n = max(args.requests_per_client * c, args.min_requests)
                 left = deadline - time.monotonic()
                 if left < 5:
-                    info["failures"].append(f"concurrency {c}: skipped, the method's time share is spent")
+                    info["failures"].append(f"concurrency {c}: skipped, the configuration's time share is spent")
                     continue
                 lcmd = [sys.executable, "-m", "ddtree_jax.loadtest", "--url", url, "--concurrency", str(c),
                         "--requests", str(n), "--prompt-len", str(args.prompt_len), "--max-tokens",
                         str(args.max_tokens), "--json"]
+                if args.prompts_file:
+                    lcmd += ["--prompts-file", args.prompts_file]
                 llog.write(f"$ {' '.join(lcmd[1:])}\n")
                 llog.flush()
                 try:
-                    r = subprocess.run(lcmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=llog, text=True,
+                    r = subprocess.run(lcmd, cwd=REPO, env=_env(args), stdout=subprocess.PIPE, stderr=llog, text=True,
                                        timeout=left)
                 except subprocess.TimeoutExpired:
-                    info["failures"].append(f"concurrency {c}: cut after {left:.0f}s (the method's time share)")
+                    info["failures"].append(f"concurrency {c}: cut after {left:.0f}s (the configuration's time share)")
                     continue
                 if r.returncode != 0:
                     info["failures"].append(f"concurrency {c}: loadtest exited with {r.returncode} (see the log)")
@@ -156,16 +232,25 @@ def run_method(args, method: str, deadline: float) -> dict:
                 if level["errors"]:
                     info["failures"].append(f"concurrency {c}: {level['errors']} failed requests, first: "
                                             f"{level['first_error']}")
-                print(f"[{method}] c={c}: {level['output_tokens_per_s'] or 0:.1f} tok/s, p50 "
-                      f"{level['latency_s']['p50'] or 0:.3f}s, {level['errors']} errors", file=sys.stderr,
-                      flush=True)
+                print(f"[{config}] c={c}: {level['output_tokens_per_s'] or 0:.1f} tok/s, p50 "
+                      f"{level['latency_s']['p50'] or 0:.3f}s, forms {level.get('form_rounds')}, {level['errors']} "
+                      f"errors", file=sys.stderr, flush=True)
                 with open(out_json, "w") as f:
                     json.dump(results, f, indent=1)
-        except Exception as e:  # noqa: BLE001 - one method failing must not stop the others
+        except Exception as e:  # noqa: BLE001 - one configuration failing must not stop the others
             info["failures"].append(f"{type(e).__name__}: {e}")
-            print(f"[{method}] failed: {e}", file=sys.stderr, flush=True)
+            print(f"[{config}] failed: {e}", file=sys.stderr, flush=True)
         finally:
-            info["server_exit"] = _stop(proc)
+            info["server_exit"] = _stop(proc) if proc is not None else None
+        if config in args.restart and not info["failures"]:
+            try:  # the second start: the persistent compilation cache holds every program the first compiled
+                proc, url, info["restart_s"] = _start(args, config, slog, deadline + 120)
+                if args.wait_compiled > 0:
+                    info["restart_compiled_s"], _ = _wait_compiled(url, args.wait_compiled)
+                print(f"[{config}] second start: /health 200 in {info['restart_s']}s", file=sys.stderr, flush=True)
+                _stop(proc)
+            except Exception as e:  # noqa: BLE001
+                info["failures"].append(f"second start: {type(e).__name__}: {e}")
     info["wall_s"] = round(time.monotonic() - t0, 1)
     return info
 
@@ -174,46 +259,62 @@ def _f(x, spec=".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _forms(counts: dict | None) -> str:
+    """'64 71%, ar 29%': the forms auto ran at a level, by share of sequence rounds."""
+    if not counts:
+        return "-"
+    total = sum(counts.values())
+    return ", ".join(f"{f} {100 * n / total:.0f}%" for f, n in sorted(counts.items(), key=lambda x: -x[1]))
+
+
 def summarize(out: str) -> str:
-    """summary.md of OUT_DIR: one row per (method, concurrency), throughput relative to ar's at that level."""
+    """summary.md of OUT_DIR: one row per (configuration, concurrency), throughput relative to ar's at that level."""
     run = {}
     if os.path.exists(os.path.join(out, "run.json")):
         with open(os.path.join(out, "run.json")) as f:
             run = json.load(f)
-    methods = [m["method"] for m in run.get("methods", [])] or sorted(
-        x[:-5] for x in os.listdir(out) if x.endswith(".json") and x != "run.json")
+    configs = [m["config"] for m in run.get("configs", [])] or sorted(
+        x[:-5] for x in os.listdir(out) if x.endswith(".json") and x not in ("run.json", "prompts.json"))
     data = {}
-    for m in methods:
-        path = os.path.join(out, f"{m}.json")
+    for m in configs:
+        path = os.path.join(out, f"{m.replace(':', '-')}.json")
         if os.path.exists(path):
             with open(path) as f:
                 data[m] = {r["concurrency"]: r for r in json.load(f)}
     a = run.get("args", {})
     lines = []
     if a:
-        lines.append(f"random:{a['shape']} ({a.get('device') or 'no nvidia-smi'}), --max-batch {a['max_batch']}, "
-                     f"--max-len {a['max_len']}, ddtree budget {a['tree_budget']}; prompt {a['prompt_len']} random "
-                     f"token ids, {a['max_tokens']} tokens generated per request (ignore_eos), greedy; closed loop, "
-                     f"max({a['requests_per_client']} x concurrency, {a['min_requests']}) requests per level.")
-        starts = ", ".join(f"{m['method']} {m['startup_s']}s" for m in run.get("methods", []) if "startup_s" in m)
+        prompts = (f"the prompts of {a['prompts_file']}" if a.get("prompts_file") else
+                   f"prompt {a['prompt_len']} random token ids")
+        lines.append(f"{a['target']} ({a.get('device') or 'no nvidia-smi'}), --max-batch {a['max_batch']}, "
+                     f"--max-len {a['max_len']}; {prompts}, {a['max_tokens']} tokens generated per request "
+                     f"(ignore_eos), greedy; closed loop, max({a['requests_per_client']} x concurrency, "
+                     f"{a['min_requests']}) requests per level.")
+        starts = ", ".join(f"{m['config']} {m['startup_s']}s" + (f" (second start {m['restart_s']}s)"
+                                                                if "restart_s" in m else "")
+                           for m in run.get("configs", []) if "startup_s" in m)
         if starts:
-            lines.append(f"Server start to /health 200 (random weights built on device + compilation): {starts}.")
+            lines.append(f"Server start to /health 200 (weights loaded or built + compilation): {starts}.")
+        compiled = ", ".join(f"{m['config']} {m['compiled_s']}s" for m in run.get("configs", [])
+                             if m.get("compiled_s") is not None)
+        if compiled:
+            lines.append(f"Then every program compiled in the background after: {compiled}.")
         lines.append("")
-    lines += ["| method | concurrency | requests | errors | req/s | output tok/s | tok/s vs ar "
-              "| latency p50 / p90 / p99 (s) | TTFT p50 / p90 / p99 (s) | TPOT p50 (ms) | acceptance |",
-              "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|"]
-    for m in methods:
+    lines += ["| config | concurrency | requests | errors | req/s | output tok/s | tok/s vs ar "
+              "| latency p50 / p90 / p99 (s) | TTFT p50 (s) | TPOT p50 (ms) | acceptance | forms (auto) |",
+              "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"]
+    for m in configs:
         for c, r in sorted(data.get(m, {}).items()):
             ar = data.get("ar", {}).get(c, {}).get("output_tokens_per_s")
             tps = r["output_tokens_per_s"]
-            lat, ttft = (" / ".join(_f(r[k][q]) for q in ("p50", "p90", "p99")) for k in ("latency_s", "ttft_s"))
+            lat = " / ".join(_f(r["latency_s"][q]) for q in ("p50", "p90", "p99"))
             tpot = r["tpot_s"]["p50"]
             lines.append(
                 f"| {m} | {c} | {r['requests']} | {r['errors']} | {_f(r['requests_per_s'], '.2f')} | {_f(tps, '.1f')} "
-                f"| {_f(tps / ar if tps and ar else None, '.2f')} | {lat} | {ttft} "
+                f"| {_f(tps / ar if tps and ar else None, '.2f')} | {lat} | {_f(r['ttft_s']['p50'])} "
                 f"| {_f(tpot * 1000 if tpot is not None else None, '.1f')} "
-                f"| {_f(r['mean_acceptance_length'], '.2f')} |")
-    fails = [f"- {m['method']}: {x}" for m in run.get("methods", []) for x in m.get("failures", [])]
+                f"| {_f(r['mean_acceptance_length'], '.2f')} | {_forms(r.get('form_rounds'))} |")
+    fails = [f"- {m['config']}: {x}" for m in run.get("configs", []) for x in m.get("failures", [])]
     if fails:
         lines += ["", "Failures:", *fails]
     text = "\n".join(lines) + "\n"
@@ -226,6 +327,27 @@ NEEDS = {"jax": "jax", "starlette": "starlette", "uvicorn": "uvicorn", "sse_star
          "prometheus_client": "prometheus-client", "httpx": "httpx"}
 
 
+def _default_pair(args) -> None:
+    """--target default: the default pair's paths (fetched and converted here once), and its held-out prompts."""
+    sys.path.insert(0, REPO)
+    from ddtree_jax import defaults
+
+    args.target, args.draft = defaults.target_path(), args.draft or defaults.draft_path()
+    if args.prompts_file:
+        return
+    shipped = os.path.join(REPO, "ddtree_jax", "data", "prompts", "python.json")
+    if os.path.exists(shipped):
+        args.prompts_file = shipped
+        return
+    from ddtree_jax import train_draft
+    from ddtree_jax.tokenizer import load_tokenizer
+
+    _, held_out = train_draft.make_prompts(load_tokenizer(args.target), 64)
+    args.prompts_file = os.path.join(args.out, "prompts.json")
+    with open(args.prompts_file, "w") as f:
+        json.dump([list(map(int, p)) for p in held_out], f)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -236,9 +358,12 @@ def main(argv=None) -> int:
     if missing:  # before any server starts: the servers and the loadtest run with this interpreter and path
         print(f"error: missing packages: {' '.join(missing)} (pip install {' '.join(missing)})", file=sys.stderr)
         return 2
+    args.cache_dir = os.path.abspath(args.cache_dir or os.path.join(args.out, "cache"))
+    if args.target == "default":
+        _default_pair(args)
     t_start = time.monotonic()
     record = {"args": {k: v for k, v in vars(args).items() if k not in ("out", "summarize")},
-              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "methods": []}
+              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "configs": []}
     try:  # the accelerator, for the summary's header (nvidia-smi where there is one)
         record["args"]["device"] = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
                                                   capture_output=True, text=True, timeout=20).stdout.strip() or None
@@ -246,7 +371,7 @@ def main(argv=None) -> int:
         record["args"]["device"] = None
     for i, m in enumerate(args.methods):
         share = (args.time_limit - (time.monotonic() - t_start)) / (len(args.methods) - i)
-        record["methods"].append(run_method(args, m, time.monotonic() + share))
+        record["configs"].append(run_config(args, m, time.monotonic() + share))
         with open(os.path.join(args.out, "run.json"), "w") as f:
             json.dump(record, f, indent=1)
     record["total_s"] = round(time.monotonic() - t_start, 1)
@@ -254,7 +379,7 @@ def main(argv=None) -> int:
         json.dump(record, f, indent=1)
     print(summarize(args.out), end="")
     print(f"total {record['total_s']}s; files in {args.out}", file=sys.stderr)
-    complete = all(not m["failures"] and len(m["levels"]) == len(args.concurrency) for m in record["methods"])
+    complete = all(not m["failures"] and len(m["levels"]) == len(args.concurrency) for m in record["configs"])
     return 0 if complete else 1
 
 
