@@ -55,7 +55,10 @@ class CostTable:
         self._costs: dict[str, Cost] = {}
         self._dirty = False
         if path is not None:
-            self._costs = {k: Cost(**v) for k, v in _read(path).get(sig, {}).items()}
+            try:
+                self._costs = {k: Cost(**v) for k, v in _read(path).get(sig, {}).items()}
+            except TypeError:  # a file of another layout: timed anew
+                self._costs = {}
 
     def get(self, key: str) -> float | None:
         with self._lock:
@@ -80,10 +83,6 @@ class CostTable:
                 c.context = int(context)
                 c.samples += 1
             self._dirty = True
-
-    def items(self) -> dict[str, Cost]:
-        with self._lock:
-            return dict(self._costs)
 
     def save(self) -> None:
         """Merge this signature's costs into the file (atomically; other signatures kept). No-op in memory."""
