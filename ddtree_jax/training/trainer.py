@@ -15,6 +15,7 @@ checkpoints, a learning-rate schedule that ends where a time-boxed run does, eva
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -81,23 +82,11 @@ class Trainer:
         if mesh is not None and tc.batch % mesh.shape["data"]:
             raise ValueError(f"batch {tc.batch} is not a multiple of the mesh's data axis ({mesh.shape['data']})")
         self.tparams = self._place(target[1])
-        self.step_fn = jax.jit(self._step, donate_argnums=(0, 1),
-                               out_shardings=None if mesh is None else self.replicated)
-        self.eval_fn = jax.jit(self._loss, out_shardings=None if mesh is None else self.replicated)
+        shape_only = dataclasses.replace(tc, steps=0, batch=0, lr=0.0, warmup=0, seed=0)  # what the program reads
+        self.step_fn, self.eval_fn = _compiled_fns(dcfg, target[0], shape_only, mesh)
         self.params = self.opt_state = self.compiled = None  # compiled: (row length, the step compiled ahead)
         self.step = 0
         self.history: list[dict] = []
-
-    # ------------------------------------------------------------------ the step
-    def _loss(self, params, tparams, batch, key):
-        compute = jax.tree.map(lambda x: x.astype(self.tc.compute_dtype), params)
-        return objective.loss_terms(compute, self.dcfg, (self.target[0], tparams), batch, key, self.tc.objective)
-
-    def _step(self, params, opt_state, tparams, batch, key, lr):
-        (loss, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, tparams, batch, key)
-        updates, opt_state = self.tx.update(grads, opt_state, params)
-        params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
-        return params, opt_state, loss, metrics
 
     def _place(self, tree):
         return tree if self.mesh is None else jax.device_put(tree, self.replicated)
@@ -264,6 +253,25 @@ class Trainer:
             self.record(entry)
             log(f"step {self.step}: " + json.dumps({k: v for k, v in entry.items() if k != "step"}))
         return time.perf_counter() - t0
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_fns(dcfg, target_cfg, tc: TrainConfig, mesh):
+    """(the jitted step, the jitted loss) of a configuration, shared by every Trainer of it in a process."""
+    tx = optimizer(tc)
+
+    def loss(params, tparams, batch, key):
+        compute = jax.tree.map(lambda x: x.astype(tc.compute_dtype), params)
+        return objective.loss_terms(compute, dcfg, (target_cfg, tparams), batch, key, tc.objective)
+
+    def step(params, opt_state, tparams, batch, key, lr):
+        (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params, tparams, batch, key)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
+        return params, opt_state, value, metrics
+
+    out = None if mesh is None else NamedSharding(mesh, P())  # the drafter and the figures replicated
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=out), jax.jit(loss, out_shardings=out)
 
 
 class _Checkpoints:
