@@ -1,35 +1,38 @@
 #!/usr/bin/env bash
-# Train the default pair's drafter (docs/DEFAULT_PAIR.md) on one GPU, then measure it on held-out prompts.
-# Usage: benchmarks/train_default_pair.sh OUTDIR [MINUTES] [MAX_STEPS] [train_draft flags that override these]
-# Needs the target: $DDTREE_JAX_CACHE/gguf/SmolLM2-135M-Instruct.Q4_1.gguf (or network for its download).
-# Step 1 makes the data and times 20 steps; step 2 resumes to as many steps as fit in MINUTES (at most MAX_STEPS),
-# so the learning-rate schedule ends where the run does, evaluating held-out acceptance every EVAL_EVERY steps
-# (default 500) and exporting the best (--keep-best). The drafter is left in $WORK/drafter and copied to OUTDIR.
+# Train the default pair's drafter (SmolLM2-135M-Instruct) on one GPU in one device call, and bring back its record.
+#
+# Usage: OUT=DIR benchmarks/train_default_pair.sh [train_draft flags, e.g. --init DRAFTER_DIR]
+#        benchmarks/train_default_pair.sh --help        (this text)
+#
+# One `python -m ddtree_jax.train_draft` run, boxed to $MINUTES (default 8.75) from its start: the target converted
+# from $DDTREE_JAX_CACHE/gguf/SmolLM2-135M-Instruct.Q4_1.gguf (place it there: no network is needed), curated prompts
+# and the target's greedy and sampled responses for up to $DATA_MINUTES (default 3.3), training to the time left
+# (the learning-rate schedule planned to end with it), held-out evaluations with the real decode loop, export.
+# $OUT then holds (6 files, about 17 MB): config.json + model.safetensors.part00, part01 (the drafter, joined by
+# `training.export.load` or `cat`), history.jsonl, run.json (data counts, generation and training tokens/s, steps,
+# times, evaluations), log.txt (the run's messages, progress bars left out).
+# SIGTERM/SIGINT: the run stops at its next step and writes what exists. Extra flags override the recipe's; pass
+# --init DIR (a previous $OUT or any drafter directory) to continue from an earlier session's drafter. Work files
+# (data, checkpoints, the compilation cache) stay in $WORK (default /tmp/ddtree_train): a second call on the same
+# machine resumes from them.
 set -u
-OUT=${1:?output directory}; MIN=${2:-4}; MAX_STEPS=${3:-6000}; shift $(($# < 3 ? $# : 3))
-WORK=${WORK:-/root/smollm2}
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 DDTREE_JAX_LAYOUT=${DDTREE_JAX_LAYOUT:-stacked}
-export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/ddtree_jit}
+if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
+OUT=${OUT:-$PWD/out}; WORK=${WORK:-/tmp/ddtree_train}; MINUTES=${MINUTES:-8.75}; DATA_MINUTES=${DATA_MINUTES:-3.3}
 mkdir -p "$OUT" "$WORK"
-save() {  # the drafter (split: a device call returns files of 16 MiB at most), history, run and bench records
-  trap - TERM INT
-  cp "$WORK/drafter/config.json" "$WORK/history.jsonl" "$WORK/run.json" "$WORK/bench.json" "$OUT/" 2>/dev/null
-  if [ -f "$WORK/drafter/model.safetensors" ]; then
-    (cd "$OUT" && split -b 12M -d "$WORK/drafter/model.safetensors" model.safetensors.part)
-    sha256sum "$WORK/drafter/model.safetensors"
-  fi
-}
-trap 'save; exit 143' TERM INT
-TRAIN=(python3 -m ddtree_jax.train_draft --target default --out "$WORK" --layers 2 --block-size 16
-  --num-prompts 4000 --prompts-per-passage 4 --max-prompt-tokens 256 --max-new-tokens 320 --seq-len 576
-  --gen-batch 128 --batch 32 --anchors 32 --lr 6e-4 --save-every 1000 --seed 0 "$@")
-"${TRAIN[@]}" --steps 20 --eval-prompts 0 2>&1 | tee -a "$OUT/raw.log" | tr '\r' '\n' | grep -v -e '^ *$' -e 'it/s\]$' -e 's/it\]$' | tail -n 12
-per_step=$(python3 -c "
-import json; h = [json.loads(l) for l in open('$WORK/history.jsonl') if 'loss' in l]
-print((h[-1]['elapsed_s'] - h[0]['elapsed_s']) / max(1, h[-1]['step'] - h[0]['step']))")
-steps=$(python3 -c "print(max(100, min($MAX_STEPS, int(($MIN * 60 - 30) / $per_step) // 100 * 100)))")
-echo "=== $per_step s/step: training to step $steps"
-"${TRAIN[@]}" --steps "$steps" --time-limit "$MIN" --eval-every "${EVAL_EVERY:-500}" --keep-best --eval-prompts 8 --eval-budget 32 \
-  --eval-tokens 64 --bench-budgets "${BENCH_BUDGETS:-16,32,64,128,256}" --bench-prompts 8 --bench-tokens 128 2>&1 | tee -a "$OUT/raw.log" \
-  | tr '\r' '\n' | grep -v -e '^ *$' -e 'it/s\]$' -e 's/it\]$' | tail -n 25
-save  # (also on SIGTERM/SIGINT, e.g. a device call's time limit: whatever exists by then comes back)
+cd "$(dirname "$0")/.." || exit 1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$WORK/jit}
+PY=${PYTHON:-python3}
+"$PY" -m ddtree_jax.train_draft --target default --out "$WORK" --results "$OUT" --time-limit "$MINUTES" \
+  --data-minutes "$DATA_MINUTES" --corpus pydoc,stdlib,packages --self-instruct 50000 --max-prompt-tokens 256 \
+  --max-new-tokens 1024 --greedy-share 0.5 --temperatures 0.7,1.0 --gen-batch 1024 \
+  --layers 2 --block-size 16 --steps 20000 --batch 16 --seq-len 2048 --anchors 512 --anchor-group 32 \
+  --lr 6e-4 --warmup 100 --evals 4 --eval-budget 64 --eval-tokens 128 --save-every 500 "$@" \
+  > >(tr '\r' '\n' | grep --line-buffered -v -E -e '\[[0-9:]+(<[0-9:?]+)?, .*\]$' -e '^ *$' > "$OUT/log.txt") 2>&1 &
+pid=$!
+trap 'kill -TERM "$pid" 2>/dev/null' TERM INT
+wait "$pid"; rc=$?
+while kill -0 "$pid" 2>/dev/null; do wait "$pid"; rc=$?; done  # a trapped signal ends the first wait early
+sleep 1  # the log filter's last lines
+tail -n 25 "$OUT/log.txt"
+exit "$rc"

@@ -23,6 +23,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -66,6 +67,8 @@ def build_parser() -> cli.ArgumentParser:
                    help="data-parallel devices: each step's rows split over D devices (D or Dx1)")
     p.add_argument("--time-limit", type=float, default=None, metavar="MINUTES",
                    help="the whole command's time: training stops and exports in time")
+    p.add_argument("--attention", choices=cli.ATTENTIONS, default="auto",
+                   help="the decode loop's attention, for the data and the evaluations: " + cli.ATTENTION_HELP)
     m = p.add_argument_group("drafter")
     m.add_argument("--layers", type=cli.positive_int, default=2, help="drafter layers (of the target's width)")
     m.add_argument("--block-size", type=cli.positive_int, default=16,
@@ -87,7 +90,8 @@ def build_parser() -> cli.ArgumentParser:
     d.add_argument("--prompts-per-passage", type=cli.positive_int, default=1, help="requests drawn per passage")
     d.add_argument("--held-out-prompts", type=cli.nonneg_int, default=64,
                    help="held-out requests answered (their loss is tracked while training)")
-    d.add_argument("--max-prompt-tokens", type=cli.positive_int, default=384, help="longer prompts are dropped")
+    d.add_argument("--max-prompt-tokens", type=cli.positive_int, default=256,
+                   help="longer prompts are dropped (every prompt is padded to this for its prefill)")
     d.add_argument("--max-new-tokens", type=cli.positive_int, default=1024, help="the longest response")
     d.add_argument("--greedy-share", type=float, default=0.5, help="share of greedy responses (the rest sampled)")
     d.add_argument("--temperatures", type=_floats, default="0.7,1.0", metavar="T,...",
@@ -229,7 +233,7 @@ def _main(argv: Sequence[str] | None) -> int:
     config.check_pair(tcfg, dcfg)
     os.makedirs(args.out, exist_ok=True)
     stop_ids = tuple(dict.fromkeys((tok.eos_token_ids if tok else ()) + tcfg.eos_token_ids))
-    run: dict = {"argv": list(sys.argv[1:] if argv is None else argv), "target": target_path, "drafter_config": raw,
+    run: dict = {"argv": shlex.join(sys.argv[1:] if argv is None else argv), "target": target_path, "drafter_config": raw,
                  "device": jax.devices()[0].device_kind, "devices": jax.device_count(), "phases_s": {}}
     stop = _Stop()
     try:
@@ -259,7 +263,7 @@ def _main(argv: Sequence[str] | None) -> int:
                                    batch=args.gen_batch, seed=args.seed)
             cuts = [x for x in (deadline and deadline - 120, args.data_minutes and t0 + 60 * args.data_minutes) if x]
             seqs, run["data"] = curate.curate(target, tok, dc, stop_ids=stop_ids, deadline=min(cuts, default=None),
-                                              should_stop=stop, log=cli.info)
+                                              should_stop=stop, attention=args.attention, log=cli.info)
             seqs.save(data_file)
             with open(os.path.join(args.out, "data.json"), "w") as f:
                 json.dump(run["data"], f, indent=2)
@@ -279,13 +283,15 @@ def _main(argv: Sequence[str] | None) -> int:
         def held_out(params) -> dict:
             draft = (dcfg, jax.device_put(jax.tree.map(lambda x: x.astype(args.dtype), params), jax.devices()[0]))
             return evaluate.held_out_acceptance(target, draft, tok, budget=args.eval_budget,
-                                                max_new_tokens=args.eval_tokens, stop_ids=stop_ids)
+                                                max_new_tokens=args.eval_tokens, stop_ids=stop_ids,
+                                                attention=args.attention)
 
         can_eval = args.evals and tok is not None and tok.has_chat_template
         fit = tr.fit(rows, held, deadline=None if deadline is None else deadline - 20, evals=args.evals,
                      evaluate=held_out if can_eval else None, should_stop=stop, save_every=args.save_every,
                      log=cli.info)
-        run["training"] = {**fit, **_throughput(tr.history, args.seq_len)}
+        run["training"] = {**fit, **_throughput(tr.history, objective.flops_per_row(
+            tcfg, dcfg, args.seq_len, args.anchors) * args.batch)}
         export.export(tr.params, raw, os.path.join(args.out, "drafter"), meta={"step": tr.step})
         run["evals"] = [h for h in tr.history if "eval_s" in h]
         cli.info(f"wrote {os.path.join(args.out, 'drafter')} (step {tr.step})")
@@ -301,8 +307,9 @@ def _main(argv: Sequence[str] | None) -> int:
     return cli.EXIT_OK
 
 
-def _throughput(history: list[dict], seq_len: int) -> dict:
-    """Training tokens/s from the log entries after the first two (compilation and warm-up behind them)."""
+def _throughput(history: list[dict], step_flops: float) -> dict:
+    """Training tokens/s from the log entries after the first two (compilation and warm-up behind them), and the
+    model FLOPs they mean (``objective.flops_per_row``: an estimate)."""
     logs = [h for h in history if "loss" in h][2:]
     if not logs:
         return {}
@@ -310,7 +317,8 @@ def _throughput(history: list[dict], seq_len: int) -> dict:
     secs = sum(h["elapsed_s"] for h in logs)
     return {"row_tokens_per_s": round(sum(h["row_tokens_per_s"] * h["elapsed_s"] for h in logs) / secs),
             "labels_per_s": round(sum(h["labels_per_s"] * h["elapsed_s"] for h in logs) / secs),
-            "steady_sec_per_step": round(secs / steps, 4)}
+            "steady_sec_per_step": round(secs / steps, 4),
+            "model_tflops_per_s": round(step_flops * steps / secs / 1e12, 1)}
 
 
 def _memory(run: dict) -> None:

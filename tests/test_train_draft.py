@@ -151,3 +151,34 @@ def test_cli_end_to_end(tmp_path):
     assert td.main(["--target", "/no/such/dir", "--out", out]) == 2
     assert td.main(["--target", fixture_path("target"), "--out", out, "--corpus", "wiki"]) == 2
     assert td.main(["--target", fixture_path("target"), "--out", out, "--mesh", "2x2"]) == 2
+
+
+@pytest.mark.skipif(not __import__("ddtree_jax.defaults").defaults.target_cached(),
+                    reason="the converted SmolLM2 target is not cached (python -m convert.gguf_to_orbax --default)")
+def test_default_pair_script_end_to_end(tmp_path):
+    """benchmarks/train_default_pair.sh at a tiny scale on the real SmolLM2 target (a few prompts, a few steps):
+    the record a device call brings back, the drafter whole again from its parts, and a warm start from them."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    small = ["--corpus", "pydoc", "--self-instruct", "4", "--num-prompts", "4", "--held-out-prompts", "1",
+             "--max-new-tokens", "16", "--gen-batch", "4", "--steps", "2", "--batch", "2", "--seq-len", "256",
+             "--anchors", "16", "--anchor-group", "8", "--evals", "1", "--eval-tokens", "4", "--eval-budget", "4"]
+    env = dict(os.environ, OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"), MINUTES="20", PYTHON=sys.executable)
+    proc = subprocess.run(["bash", os.path.join(repo, "benchmarks", "train_default_pair.sh"), *small], env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "out"
+    assert sorted(os.listdir(out)) == ["config.json", "history.jsonl", "log.txt", "model.safetensors.part00",
+                                       "model.safetensors.part01", "run.json"]
+    assert all(os.path.getsize(out / n) < 16 << 20 for n in os.listdir(out))
+    run = json.loads((out / "run.json").read_text())
+    assert run["training"]["steps"] == 2 and run["data"]["generation"]["tokens_per_s"] > 0
+    assert set(run["evals"][-1]["eval"]) == {"python", "everyday"} and "wrote" in (out / "log.txt").read_text()
+    dcfg, dp = export.load(str(out))
+    assert dcfg.target_layer_ids == (1, 10, 18, 27) and dcfg.block_size == 16 and dcfg.mask_token_id == 16
+    env["WORK"] = str(tmp_path / "work2")
+    proc = subprocess.run(["bash", os.path.join(repo, "benchmarks", "train_default_pair.sh"), *small,
+                           "--init", str(out)], env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0 and "warm start from exported weights" in (out / "log.txt").read_text()

@@ -27,7 +27,7 @@ class DataConfig:
     self_instruct: int = 0  # user turns the target is asked to write
     max_prompts: int | None = None  # passage requests answered (at most)
     held_out_prompts: int = 64  # held-out requests answered (at most; the rest are counted only)
-    max_prompt_tokens: int = 384
+    max_prompt_tokens: int = 256
     max_new_tokens: int = 1024
     turn_tokens: int = 128  # a self-instruct user turn's limit
     greedy_share: float = 0.5

@@ -25,22 +25,23 @@ BUDGET, NEW_TOKENS = 64, 128  # the held-out check's decoding
 
 
 def acceptance(target, draft, prompts: list[list[int]], *, budget: int = BUDGET, max_new_tokens: int = NEW_TOKENS,
-               stop_ids: Sequence[int] = (), method: str = "ddtree") -> list[list[int]]:
+               stop_ids: Sequence[int] = (), method: str = "ddtree", attention: str = "auto") -> list[list[int]]:
     """Per prompt, the acceptance length of every round of greedy speculative decoding (one batch)."""
     from ddtree_jax import decode
 
     opts = decode.GenerateOptions(method=method, tree_budget=budget, max_new_tokens=max_new_tokens,
-                                  stop_token_ids=tuple(stop_ids))
+                                  stop_token_ids=tuple(stop_ids), attention=attention)
     return decode.generate(target, prompts, opts, draft=draft).acceptance_lengths
 
 
 def held_out_acceptance(target, draft, tokenizer, *, budget: int = BUDGET, max_new_tokens: int = NEW_TOKENS,
-                        stop_ids: Sequence[int] = ()) -> dict[str, float]:
+                        stop_ids: Sequence[int] = (), attention: str = "auto") -> dict[str, float]:
     """{set name: mean acceptance length} over the shipped held-out sets, every set's prompts in one batch (one
     compilation for every evaluation of a training run)."""
     sets = P.held_out_sets()
     prompts = [P.chat_ids(tokenizer, m) for ps in sets.values() for m in ps]
-    lengths = acceptance(target, draft, prompts, budget=budget, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    lengths = acceptance(target, draft, prompts, budget=budget, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                         attention=attention)
     out, at = {}, 0
     for name, ps in sets.items():
         rounds = [a for seq in lengths[at:at + len(ps)] for a in seq]

@@ -252,3 +252,22 @@ def draft_loss(params: DraftParams, cfg: DraftConfig, tparams: TargetParams, fea
     loss = loss_sum / jnp.maximum(w_sum, 1e-6)
     return loss, {"labels": jnp.sum(counts), "hits": hits, "counts": counts,
                   "chain_tau": 1.0 + accepted / jnp.maximum(blocks, 1.0)}
+
+
+def flops_per_row(target_cfg, cfg: DraftConfig, seq_len: int, anchors: int) -> float:
+    """Model FLOPs of one training row (an estimate for the run record, matmuls only, the work as computed): the
+    target's forward (its attention over the whole row, as the XLA path computes it), and the drafter's groups run
+    forward, again under ``jax.checkpoint``, and backward (layers: weights and inputs; the frozen head: inputs)."""
+    def layer_params(c):
+        return c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * \
+            c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+
+    tc, lc, bs = target_cfg, cfg.layers, cfg.block_size
+    target = 2 * tc.num_layers * layer_params(tc) * seq_len + 4 * tc.num_layers * tc.num_heads * tc.head_dim * seq_len ** 2
+    rows = anchors * bs
+    layers = 2 * lc.num_layers * layer_params(lc) * rows + 4 * lc.num_layers * lc.num_heads * lc.head_dim * rows * (
+        seq_len + bs)
+    head = 2 * lc.hidden_size * lc.vocab_size * anchors * (bs - 1)
+    context = 2 * (cfg.num_taps * tc.hidden_size * lc.hidden_size + lc.num_layers * 2 * lc.hidden_size
+                   * lc.num_kv_heads * lc.head_dim) * seq_len
+    return target + 4 * layers + 3 * head + 3 * context

@@ -53,6 +53,7 @@ class Stats:
     syncs: int = 0
     refills: int = 0
     batch: int = 0
+    kv_bytes_read: int = 0  # the cache bytes the generated tokens' attention had to read (their contexts' K/V)
 
     @property
     def tokens_per_s(self) -> float:
@@ -61,6 +62,7 @@ class Stats:
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["tokens_per_s"] = round(self.tokens_per_s, 1)
+        d["kv_read_gb_per_s"] = round(self.kv_bytes_read / self.run_s / 1e9, 1) if self.run_s > 0 else None
         return d
 
 
@@ -89,6 +91,7 @@ def generate(target, requests: Iterable[Request], *, batch: int, max_prompt_toke
     spec = decode.make_spec(tcfg, None, sampled)  # one program for greedy and sampled rows (no top-p / top-k)
     p_pad, capacity, out_len = decode.layout(spec, [max_prompt_tokens], max_new_tokens)
     dtype = tparams.embed.dtype
+    kv_per_token = 2 * tcfg.num_layers * tcfg.num_kv_heads * tcfg.head_dim * jnp.dtype(dtype).itemsize
     queue = collections.deque(requests)
     stats = Stats(batch=batch)
     results: list[Result] = []
@@ -151,6 +154,7 @@ def generate(target, requests: Iterable[Request], *, batch: int, max_prompt_toke
                 results.append(res)
                 new += len(toks_i)
                 stats.generated_tokens += len(toks_i)
+                stats.kv_bytes_read += kv_per_token * (len(r.prompt) * len(toks_i) + len(toks_i) * (len(toks_i) - 1) // 2)
                 if done[i]:
                     stats.finished += 1
                     if on_done is not None and not stopping:
