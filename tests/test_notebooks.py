@@ -14,7 +14,8 @@ ALL = sorted(f for f in os.listdir(NOTEBOOKS) if f.endswith(".ipynb"))
 
 
 def test_there_are_notebooks():
-    assert {"tree_anatomy.ipynb", "acceptance_vs_budget.ipynb", "kernels_and_performance.ipynb"} <= set(ALL)
+    assert {"tree_anatomy.ipynb", "acceptance_vs_budget.ipynb", "kernels_and_performance.ipynb",
+            "train_a_drafter.ipynb"} <= set(ALL)
 
 
 @pytest.mark.parametrize("name", ALL)

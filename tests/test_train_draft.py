@@ -148,6 +148,10 @@ def test_cli_end_to_end(tmp_path):
     assert td.main(argv[:-2] + ["--steps", "5"]) == 0  # reuses data.npz, resumes at step 4
     with open(os.path.join(out, "run.json")) as f:
         assert json.load(f)["training"]["steps"] == 5
+    warm = str(tmp_path / "warm")  # a new work directory started from the record's parts
+    assert td.main(argv[:3] + [warm, *argv[4:-2], "--init", results, "--steps", "1", "--evals", "0"]) == 0
+    with open(os.path.join(warm, "run.json")) as f:
+        assert json.load(f)["training"]["steps"] == 1
     assert td.main(["--target", "/no/such/dir", "--out", out]) == 2
     assert td.main(["--target", fixture_path("target"), "--out", out, "--corpus", "wiki"]) == 2
     assert td.main(["--target", fixture_path("target"), "--out", out, "--mesh", "2x2"]) == 2
@@ -157,7 +161,7 @@ def test_cli_end_to_end(tmp_path):
                     reason="the converted SmolLM2 target is not cached (python -m convert.gguf_to_orbax --default)")
 def test_default_pair_script_end_to_end(tmp_path):
     """benchmarks/train_default_pair.sh at a tiny scale on the real SmolLM2 target (a few prompts, a few steps):
-    the record a device call brings back, the drafter whole again from its parts, and a warm start from them."""
+    the record a device call brings back, and the drafter whole again from its parts (in the shipped shape)."""
     import subprocess
     import sys
 
@@ -178,7 +182,3 @@ def test_default_pair_script_end_to_end(tmp_path):
     assert set(run["evals"][-1]["eval"]) == {"python", "everyday"} and "wrote" in (out / "log.txt").read_text()
     dcfg, dp = export.load(str(out))
     assert dcfg.target_layer_ids == (1, 10, 18, 27) and dcfg.block_size == 16 and dcfg.mask_token_id == 16
-    env["WORK"] = str(tmp_path / "work2")
-    proc = subprocess.run(["bash", os.path.join(repo, "benchmarks", "train_default_pair.sh"), *small,
-                           "--init", str(out)], env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0 and "warm start from exported weights" in (out / "log.txt").read_text()
