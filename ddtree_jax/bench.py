@@ -1180,7 +1180,8 @@ def build_parser() -> cli.ArgumentParser:
                         "(default: 16,32,64,128,256,auto)")
     q.add_argument("--forms", type=cli.form_list, default=None, metavar="LIST", help=cli.FORMS_HELP)
     q.add_argument("--prompts", type=cli.positive_int, default=4,
-                   help="held-out prompts (train_draft's held-out documentation topics) (default: 4)")
+                   help="held-out prompts (the shipped held-out Python questions, ddtree_jax/data/prompts) "
+                        "(default: 4)")
     q.add_argument("--max-new-tokens", type=cli.positive_int, default=64, help="tokens per prompt (default: 64)")
     q.add_argument("--batched", action="store_true",
                    help="all prompts as one batch (default: one prompt at a time, batch 1)")
@@ -1227,13 +1228,14 @@ def build_parser() -> cli.ArgumentParser:
 
 # =============================================================================================== pair
 def _pair(args) -> int:
-    """train_draft.benchmark on held-out prompts, one at a time (batch 1) or as one batch; per method the mean
+    """training.evaluate.benchmark on held-out prompts, one at a time (batch 1) or as one batch; per method the mean
     acceptance length over all rounds and the mean decode tokens/s, compilation excluded."""
     import jax
     import jax.numpy as jnp
 
-    from ddtree_jax import decode, defaults, train_draft, weights
+    from ddtree_jax import decode, defaults, weights
     from ddtree_jax.tokenizer import load_tokenizer
+    from ddtree_jax.training import evaluate, prompts as curated
 
     target_path = defaults.target_path() if args.target == "default" else cli.existing_dir("--target", args.target)
     draft_path = cli.existing_dir("--draft", args.draft or defaults.draft_path())
@@ -1246,13 +1248,13 @@ def _pair(args) -> int:
     tok = load_tokenizer(target_path)
     if tok is None:
         raise cli.UsageError(f"{target_path} has no tokenizer: the held-out prompts are text")
-    _, held_out = train_draft.make_prompts(tok, 256)
+    held_out = [curated.chat_ids(tok, m) for m in curated.held_out_set("python")]
     prompts = held_out[: args.prompts]
     stop = tuple(dict.fromkeys(tok.eos_token_ids + target[0].eos_token_ids))
     groups = [prompts] if args.batched else [[p] for p in prompts]
     fixed = [b for b in args.budgets if b != decode.AUTO]
-    runs = [train_draft.benchmark(target, draft, g, budgets=fixed, max_new_tokens=args.max_new_tokens,
-                                  stop_ids=stop, attention=args.attention, check=args.check, log=lambda m: None)
+    runs = [evaluate.benchmark(target, draft, g, budgets=fixed, max_new_tokens=args.max_new_tokens,
+                               stop_ids=stop, attention=args.attention, check=args.check, log=lambda m: None)
             for g in groups]
     if decode.AUTO in args.budgets:
         for run, g in zip(runs, groups):
