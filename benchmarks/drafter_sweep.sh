@@ -27,8 +27,8 @@ for c in "${configs[@]}"; do
     echo "=== train $name ($flags)"
     # shellcheck disable=SC2086
     python3 -m ddtree_jax.train_draft --target default --out "$work" $flags --block-size 16 --corpus pydoc,stdlib \
-      --prompts-per-passage 2 --num-prompts 3000 --max-new-tokens 256 --seq-len 512 --gen-batch 256 --online-features \
-      --batch 32 --anchors 32 --lr 6e-4 --seed 0 --steps "${ARG:-600}" --save-every 10000 --eval-prompts 0 2>&1 \
+      --prompts-per-passage 2 --num-prompts 3000 --self-instruct 0 --max-new-tokens 256 --seq-len 512 --gen-batch 256 \
+      --batch 32 --anchors 32 --lr 6e-4 --seed 0 --steps "${ARG:-600}" --save-every 10000 --evals 0 2>&1 \
       | quiet | tail -n 4
     cp "$work/history.jsonl" "$OUT/history_$name.jsonl" 2>/dev/null
   elif [ -f "$work/drafter/model.safetensors" ]; then

@@ -68,12 +68,15 @@ def build_parser() -> cli.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=None, metavar="MINUTES",
                    help="the whole command's time: training stops and exports in time")
     p.add_argument("--attention", choices=cli.ATTENTIONS, default="auto",
-                   help="the decode loop's attention, for the data and the evaluations: " + cli.ATTENTION_HELP)
+                   help="the decode loop's attention, for the data and the evaluations; "
+                        + cli.ATTENTION_HELP.removeprefix("attention: "))
     m = p.add_argument_group("drafter")
-    m.add_argument("--layers", type=cli.positive_int, default=2, help="drafter layers (of the target's width)")
-    m.add_argument("--block-size", type=cli.positive_int, default=16,
+    m.add_argument("--layers", type=cli.positive_int, default=2, metavar="N",
+                   help="drafter layers (of the target's width)")
+    m.add_argument("--block-size", type=cli.positive_int, default=16, metavar="N",
                    help="block: the anchor token + block-size - 1 predicted positions")
-    m.add_argument("--intermediate-size", type=cli.positive_int, default=None, help="MLP width (default: the target's)")
+    m.add_argument("--intermediate-size", type=cli.positive_int, default=None, metavar="N",
+                   help="MLP width (default: the target's)")
     m.add_argument("--target-layer-ids", type=cli.int_list, default=None,
                    help="tapped target layers (default: 4 spread over the target's depth)")
     m.add_argument("--mask-token-id", type=int, default=None,
@@ -83,43 +86,45 @@ def build_parser() -> cli.ArgumentParser:
                    help="offline text the passage prompts come from: pydoc (CPython's language reference), stdlib "
                         "(the standard library's source), packages (docstrings of installed packages with a "
                         "permissive licence), comma-separated")
-    d.add_argument("--self-instruct", type=cli.nonneg_int, default=8000,
+    d.add_argument("--self-instruct", type=cli.nonneg_int, default=8000, metavar="N",
                    help="user turns the target writes itself (Magpie) to be answered (targets with a chat template)")
-    d.add_argument("--num-prompts", type=cli.positive_int, default=None,
+    d.add_argument("--num-prompts", type=cli.positive_int, default=None, metavar="N",
                    help="passage requests answered (default: all)")
-    d.add_argument("--prompts-per-passage", type=cli.positive_int, default=1, help="requests drawn per passage")
-    d.add_argument("--held-out-prompts", type=cli.nonneg_int, default=64,
+    d.add_argument("--prompts-per-passage", type=cli.positive_int, default=1, metavar="N",
+                   help="requests drawn per passage")
+    d.add_argument("--held-out-prompts", type=cli.nonneg_int, default=64, metavar="N",
                    help="held-out requests answered (their loss is tracked while training)")
-    d.add_argument("--max-prompt-tokens", type=cli.positive_int, default=256,
+    d.add_argument("--max-prompt-tokens", type=cli.positive_int, default=256, metavar="N",
                    help="longer prompts are dropped (every prompt is padded to this for its prefill)")
-    d.add_argument("--max-new-tokens", type=cli.positive_int, default=1024, help="the longest response")
+    d.add_argument("--max-new-tokens", type=cli.positive_int, default=1024, metavar="N", help="the longest response")
     d.add_argument("--greedy-share", type=float, default=0.5, help="share of greedy responses (the rest sampled)")
     d.add_argument("--temperatures", type=_floats, default="0.7,1.0", metavar="T,...",
                    help="temperatures of the sampled responses (drawn uniformly)")
-    d.add_argument("--gen-batch", type=cli.positive_int, default=256, help="rows decoded together")
+    d.add_argument("--gen-batch", type=cli.positive_int, default=256, metavar="N", help="rows decoded together")
     d.add_argument("--data-minutes", type=float, default=None, metavar="MINUTES",
                    help="stop generating after this long (responses cut there are kept)")
     t = p.add_argument_group("training")
-    t.add_argument("--steps", type=cli.positive_int, default=2000,
+    t.add_argument("--steps", type=cli.positive_int, default=2000, metavar="N",
                    help="training steps: the schedule's length (the most, with --time-limit)")
-    t.add_argument("--batch", type=cli.positive_int, default=16, help="rows per step")
-    t.add_argument("--seq-len", type=cli.positive_int, default=2048, help="tokens per row (whole sequences packed)")
-    t.add_argument("--anchors", type=cli.positive_int, default=512, help="blocks per row per step")
-    t.add_argument("--anchor-group", type=cli.positive_int, default=32,
+    t.add_argument("--batch", type=cli.positive_int, default=16, metavar="N", help="rows per step")
+    t.add_argument("--seq-len", type=cli.positive_int, default=2048, metavar="N",
+                   help="tokens per row (whole sequences packed)")
+    t.add_argument("--anchors", type=cli.positive_int, default=512, metavar="N", help="blocks per row per step")
+    t.add_argument("--anchor-group", type=cli.positive_int, default=32, metavar="N",
                    help="blocks computed at once (memory grows with it, not with --anchors)")
     t.add_argument("--loss", choices=("ce", "kl"), default="ce",
                    help="ce: cross-entropy on the target's tokens; kl: KL to the target's distribution")
     t.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate (warmup, cosine to 0)")
-    t.add_argument("--warmup", type=cli.positive_int, default=100, help="warmup steps")
+    t.add_argument("--warmup", type=cli.positive_int, default=100, metavar="N", help="warmup steps")
     t.add_argument("--gamma", type=float, default=None,
                    help="loss decay: slot k weighs exp(-(k-1)/gamma) (default: 7 for block 16, as DFlash)")
     t.add_argument("--seed", type=int, default=0, help="prompts, decoding, initialisation, batches and anchors")
-    t.add_argument("--save-every", type=cli.positive_int, default=500, help="checkpoint every N steps")
+    t.add_argument("--save-every", type=cli.positive_int, default=500, metavar="N", help="checkpoint every N steps")
     e = p.add_argument_group("evaluation (greedy ddtree on the shipped held-out sets, with the real decode loop)")
-    e.add_argument("--evals", type=cli.nonneg_int, default=4,
+    e.add_argument("--evals", type=cli.nonneg_int, default=4, metavar="N",
                    help="evaluations spread over the run, the last at its end (0: none)")
-    e.add_argument("--eval-budget", type=cli.positive_int, default=64, help="ddtree budget")
-    e.add_argument("--eval-tokens", type=cli.positive_int, default=128, help="new tokens per prompt")
+    e.add_argument("--eval-budget", type=cli.positive_int, default=64, metavar="N", help="ddtree budget")
+    e.add_argument("--eval-tokens", type=cli.positive_int, default=128, metavar="N", help="new tokens per prompt")
     return p
 
 
@@ -233,7 +238,8 @@ def _main(argv: Sequence[str] | None) -> int:
     config.check_pair(tcfg, dcfg)
     os.makedirs(args.out, exist_ok=True)
     stop_ids = tuple(dict.fromkeys((tok.eos_token_ids if tok else ()) + tcfg.eos_token_ids))
-    run: dict = {"argv": shlex.join(sys.argv[1:] if argv is None else argv), "target": target_path, "drafter_config": raw,
+    run: dict = {"argv": shlex.join(sys.argv[1:] if argv is None else argv), "target": target_path,
+                 "drafter_config": raw,
                  "device": jax.devices()[0].device_kind, "devices": jax.device_count(), "phases_s": {}}
     stop = _Stop()
     try:
@@ -250,8 +256,8 @@ def _main(argv: Sequence[str] | None) -> int:
         if os.path.exists(data_file):
             seqs = dataset.Sequences.load(data_file)
             cli.info(f"reusing {data_file}: {len(seqs)} sequences, {seqs.response_tokens:,} response tokens")
-            with open(os.path.join(args.out, "data.json")) as f:
-                run["data"] = json.load(f)
+            record = os.path.join(args.out, "data.json")
+            run["data"] = json.load(open(record)) if os.path.exists(record) else {"sequences": seqs.summary()}
         else:  # the step compiles on another thread while the target generates
             ahead = concurrent.futures.ThreadPoolExecutor(1).submit(tr.compile, args.seq_len)
             t0 = time.perf_counter()

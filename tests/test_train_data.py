@@ -96,7 +96,8 @@ def test_held_out_split_keeps_whole_topics():
 def test_self_instruct_opening_is_the_template_before_a_user_message():
     tok = load_tokenizer(fixture_path("target"))  # template: "[role]\ncontent\n" per message
     assert tok.decode(P.user_turn_opening(tok), skip_special_tokens=False) == "[user]\n"
-    assert tok.decode(P.user_turn_opening(tok, "Be brief."), skip_special_tokens=False) == "[system]\nBe brief.\n[user]\n"
+    with_system = P.user_turn_opening(tok, "Be brief.")
+    assert tok.decode(with_system, skip_special_tokens=False) == "[system]\nBe brief.\n[user]\n"
     assert P.user_turn(tok, tok.encode("How do I learn to swim?", add_special_tokens=False), True)
     assert P.user_turn(tok, tok.encode("How do I learn to swim?", add_special_tokens=False), False) is None
     assert P.user_turn(tok, tok.encode("#$%^&*()!@#$%^&*", add_special_tokens=False), True) is None

@@ -65,7 +65,8 @@ def test_data_parallel_training_matches_one_device(tmp_path):
     np.testing.assert_allclose(many["losses"], one["losses"], rtol=1e-5)
     # Adam divides by the gradients' root mean square, so an entry whose gradient is ~0 moves by up to lr (3e-3) a
     # step on the sign of rounding noise: nearly every entry agrees to 1e-5, and none differs by a third of a step
-    diff = np.concatenate([np.abs(np.asarray(b) - np.asarray(a)).ravel() for a, b in zip(one["params"], many["params"])])
+    diff = np.concatenate([np.abs(np.asarray(b) - np.asarray(a)).ravel()
+                           for a, b in zip(one["params"], many["params"])])
     assert np.mean(diff < 1e-5) > 0.97 and diff.max() < 1e-3, (np.mean(diff < 1e-5), diff.max())
     assert "NamedSharding" in many["spec"]
 

@@ -263,7 +263,8 @@ def flops_per_row(target_cfg, cfg: DraftConfig, seq_len: int, anchors: int) -> f
             c.hidden_size + 3 * c.hidden_size * c.intermediate_size
 
     tc, lc, bs = target_cfg, cfg.layers, cfg.block_size
-    target = 2 * tc.num_layers * layer_params(tc) * seq_len + 4 * tc.num_layers * tc.num_heads * tc.head_dim * seq_len ** 2
+    target = (2 * tc.num_layers * layer_params(tc) * seq_len
+              + 4 * tc.num_layers * tc.num_heads * tc.head_dim * seq_len ** 2)
     rows = anchors * bs
     layers = 2 * lc.num_layers * layer_params(lc) * rows + 4 * lc.num_layers * lc.num_heads * lc.head_dim * rows * (
         seq_len + bs)

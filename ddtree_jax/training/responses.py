@@ -154,7 +154,8 @@ def generate(target, requests: Iterable[Request], *, batch: int, max_prompt_toke
                 results.append(res)
                 new += len(toks_i)
                 stats.generated_tokens += len(toks_i)
-                stats.kv_bytes_read += kv_per_token * (len(r.prompt) * len(toks_i) + len(toks_i) * (len(toks_i) - 1) // 2)
+                n, p = len(toks_i), len(r.prompt)
+                stats.kv_bytes_read += kv_per_token * (p * n + n * (n - 1) // 2)
                 if done[i]:
                     stats.finished += 1
                     if on_done is not None and not stopping:

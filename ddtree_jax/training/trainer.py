@@ -84,7 +84,7 @@ class Trainer:
         self.tparams = self._place(target[1])
         shape_only = dataclasses.replace(tc, steps=0, batch=0, lr=0.0, warmup=0, seed=0)  # what the program reads
         self.step_fn, self.eval_fn = _compiled_fns(dcfg, target[0], shape_only, mesh)
-        self.params = self.opt_state = self.compiled = None  # compiled: (row length, the step compiled ahead)
+        self.params = self.opt_state = self.compiled = None  # compiled: (row length, step, loss) compiled ahead
         self.step = 0
         self.history: list[dict] = []
 
@@ -96,16 +96,19 @@ class Trainer:
         return b if self.mesh is None else jax.device_put(b, self.rows)
 
     def compile(self, seq_len: int) -> float:
-        """Compile the step for batches of ``seq_len``-token rows ahead of time (safe in a background thread while
-        the data is made); returns the seconds it took."""
+        """Compile the step and the held-out loss for batches of ``seq_len``-token rows ahead of time (safe in a
+        background thread while the data is made); returns the seconds it took."""
         t0 = time.perf_counter()
         shapes = jax.eval_shape(lambda: init_params(self.dcfg, jax.random.key(0)))
         opt = jax.eval_shape(self.tx.init, shapes)
         rows = lambda dt: jax.ShapeDtypeStruct((self.tc.batch, seq_len), dt, sharding=self.rows)  # noqa: E731
-        rep = lambda t: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.replicated), t)  # noqa
+        placed = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.replicated)  # noqa: E731
+        rep = functools.partial(jax.tree.map, placed)
         batch = objective.Batch(rows(jnp.int32), rows(jnp.int32), rows(jnp.bool_))
-        exe = self.step_fn.lower(rep(shapes), rep(opt), self.tparams, batch, jax.random.key(0), jnp.float32(0)).compile()
-        self.compiled = (seq_len, exe)
+        key = jax.random.key(0)
+        step = self.step_fn.lower(rep(shapes), rep(opt), self.tparams, batch, key, jnp.float32(0)).compile()
+        loss = self.eval_fn.lower(rep(shapes), self.tparams, batch, key).compile()
+        self.compiled = (seq_len, step, loss)
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ state
@@ -214,9 +217,12 @@ class Trainer:
 
     def _run_step(self, batch, key, lr):
         args = (self.params, self.opt_state, self.tparams, batch, key, jnp.float32(lr))
-        if self.compiled is not None and self.compiled[0] == batch.tokens.shape[1]:
-            return self.compiled[1](*args)
-        return self.step_fn(*args)
+        return self._ahead(1, self.step_fn, batch)(*args)
+
+    def _ahead(self, which: int, fn, batch):
+        """The program compiled ahead (``which``: 1 the step, 2 the loss) if it fits ``batch``, else ``fn``."""
+        fits = self.compiled is not None and self.compiled[0] == batch.tokens.shape[1]
+        return self.compiled[which] if fits else fn
 
     @staticmethod
     def _eval_points(total: int, evals: int, every: int) -> list[int]:
@@ -244,7 +250,8 @@ class Trainer:
         t0 = time.perf_counter()
         entry: dict = {"step": self.step}
         if held_batch is not None:
-            loss, m = jax.device_get(self.eval_fn(self.params, self.tparams, held_batch, key))
+            loss_fn = self._ahead(2, self.eval_fn, held_batch)
+            loss, m = jax.device_get(loss_fn(self.params, self.tparams, held_batch, key))
             entry.update(held_out_loss=float(loss), held_out_chain_tau=float(m["chain_tau"]))
         if evaluate is not None:
             entry["eval"] = evaluate(self.params)
