@@ -60,7 +60,10 @@ LONGEST_FIRST = (
     "test_bench.py",  # 150
     "test_moe.py",  # 75 (CPU seconds, a busy 2-core machine)
     "test_sampling.py",  # 120: one test
-    "test_train_draft.py",  # 110
+    "test_train_draft.py",  # 110 (and the default pair's script, 150-250, with the cached SmolLM2 target)
+    "test_train_data.py",  # 70
+    "test_train_sharding.py",  # 55: one 8-device subprocess
+    "test_train_objective.py",  # 50
     "test_serve.py",  # 105: four servers, besides the worker
     "test_tree.py",  # 95
     "test_engine.py",  # 70

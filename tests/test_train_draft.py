@@ -160,15 +160,16 @@ def test_cli_end_to_end(tmp_path):
 @pytest.mark.skipif(not __import__("ddtree_jax.defaults").defaults.target_cached(),
                     reason="the converted SmolLM2 target is not cached (python -m convert.gguf_to_orbax --default)")
 def test_default_pair_script_end_to_end(tmp_path):
-    """benchmarks/train_default_pair.sh at a tiny scale on the real SmolLM2 target (a few prompts, a few steps):
-    the record a device call brings back, and the drafter whole again from its parts (in the shipped shape)."""
+    """benchmarks/train_default_pair.sh at a tiny scale on the real SmolLM2 target (a few prompts, a few steps; the
+    decode-loop evaluations left to test_cli_end_to_end): the record a device call brings back, and the drafter whole
+    again from its parts (in the shipped shape)."""
     import subprocess
     import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     small = ["--corpus", "pydoc", "--self-instruct", "4", "--num-prompts", "4", "--held-out-prompts", "1",
              "--max-new-tokens", "16", "--gen-batch", "4", "--steps", "2", "--batch", "2", "--seq-len", "256",
-             "--anchors", "16", "--anchor-group", "8", "--evals", "1", "--eval-tokens", "4", "--eval-budget", "4"]
+             "--anchors", "16", "--anchor-group", "8", "--evals", "0"]
     env = dict(os.environ, OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"), MINUTES="20", PYTHON=sys.executable)
     proc = subprocess.run(["bash", os.path.join(repo, "benchmarks", "train_default_pair.sh"), *small], env=env,
                           capture_output=True, text=True, timeout=1200)
@@ -179,6 +180,6 @@ def test_default_pair_script_end_to_end(tmp_path):
     assert all(os.path.getsize(out / n) < 16 << 20 for n in os.listdir(out))
     run = json.loads((out / "run.json").read_text())
     assert run["training"]["steps"] == 2 and run["data"]["generation"]["tokens_per_s"] > 0
-    assert set(run["evals"][-1]["eval"]) == {"python", "everyday"} and "wrote" in (out / "log.txt").read_text()
+    assert "held_out_loss" in run["evals"][-1] and "wrote" in (out / "log.txt").read_text()
     dcfg, dp = export.load(str(out))
     assert dcfg.target_layer_ids == (1, 10, 18, 27) and dcfg.block_size == 16 and dcfg.mask_token_id == 16

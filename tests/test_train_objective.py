@@ -129,8 +129,7 @@ def test_loss_is_the_weighted_cross_entropy_of_the_inference_drafter(target, dra
 
 def test_memory_at_2048_tokens_and_512_anchors_is_bounded():
     """The compiled gradient of a row of 2,048 tokens with 512 anchors (groups of 32) needs less temporary memory
-    than the dense form's attention scores of one layer alone ([512 x bs, 2048] per head, f32), and a tenth of what
-    one group of all 512 anchors needs."""
+    than the dense form's attention scores of one layer alone ([512 x bs, 2048] per head, f32)."""
     from ddtree_jax import weights
     from tests.conftest import fixture_path
 
@@ -151,5 +150,4 @@ def test_memory_at_2048_tokens_and_512_anchors_is_bounded():
 
     dense_scores = a * dcfg.block_size * t * dcfg.layers.num_heads * 4
     grouped = temp(32)
-    assert grouped < dense_scores, (grouped, dense_scores)
-    assert grouped < temp(512) / 10
+    assert grouped < dense_scores / 2, (grouped, dense_scores)

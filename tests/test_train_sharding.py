@@ -23,17 +23,16 @@ def _script(out_path: str) -> None:
     import jax
     import numpy as np
 
-    from ddtree_jax import decode, sharding, weights
+    from ddtree_jax import sharding, weights
     from ddtree_jax.training import dataset, objective, trainer
 
     assert jax.device_count() == 8, jax.devices()
     target = weights.load_target(os.path.join(FIXTURES, "target"))
     dcfg, _ = weights.load_draft(os.path.join(FIXTURES, "draft"))
     raw = weights.read_config(os.path.join(FIXTURES, "draft"))
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 255, 10).tolist() for _ in range(16)]
-    out = decode.generate(target, prompts, decode.GenerateOptions(max_new_tokens=22)).output_ids
-    rows = dataset.pack(dataset.Sequences.build([(o, 10, dataset.TRAIN, 0.0, "random") for o in out]), 32)
+    rng = np.random.default_rng(0)  # random "responses": the comparison needs rows, not the target's text
+    seqs = [rng.integers(0, 255, 32).tolist() for _ in range(16)]
+    rows = dataset.pack(dataset.Sequences.build([(s, 10, dataset.TRAIN, 0.0, "random") for s in seqs]), 32)
     tc = trainer.TrainConfig(steps=3, batch=8, lr=3e-3, warmup=1, compute_dtype="float32",
                              objective=objective.Objective(anchors=12, group=4))
     report = {}
