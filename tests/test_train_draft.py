@@ -183,3 +183,20 @@ def test_default_pair_script_end_to_end(tmp_path):
     assert "held_out_loss" in run["evals"][-1] and "wrote" in (out / "log.txt").read_text()
     dcfg, dp = export.load(str(out))
     assert dcfg.target_layer_ids == (1, 10, 18, 27) and dcfg.block_size == 16 and dcfg.mask_token_id == 16
+
+
+def test_held_out_check_runs_generate_json_per_set(capsys):
+    """python -m ddtree_jax.training.evaluate: one `generate --json` per held-out set, the pooled mean of its rounds
+    (every round of every prompt counts once) and the command on stdout as JSON; an unknown set is one line."""
+    from ddtree_jax.training import evaluate as ev
+
+    argv = ["--target", fixture_path("target"), "--draft", fixture_path("draft"), "--sets", "everyday",
+            "--tree-budget", "4", "--max-new-tokens", "6", "--dtype", "float32"]
+    assert ev.main(argv) == 0
+    got = json.loads(capsys.readouterr().out)["sets"]["everyday"]
+    assert got["prompts"] == 20 and got["generated_tokens"] == 120 and 1 <= got["mean_acceptance_length"] <= 8
+    assert got["command"].startswith("python -m ddtree_jax.generate --target") and "--tree-budget 4" in got["command"]
+    report = {"results": [{"acceptance_lengths": [1, 3], "mean_acceptance_length": 2.0, "num_generated": 4},
+                          {"acceptance_lengths": [2], "mean_acceptance_length": 2.0, "num_generated": 2}]}
+    assert ev.set_acceptance(report)["mean_acceptance_length"] == 2.0 and ev.set_acceptance(report)["rounds"] == 3
+    assert ev.main(argv[:4] + ["--sets", "wiki"]) == 2

@@ -95,9 +95,8 @@ def curate(target, tokenizer, dc: DataConfig, *, stop_ids: Sequence[int], deadli
         counts["turns_usable"] += 1
         return [respond(P.Prompt("self-instruct", topic, tuple(ids), held_out), res.request.seed)]
 
-    limit = max([len(r.prompt) for r in queue] + [dc.max_prompt_tokens])
     with tqdm.tqdm(desc="target responses", unit="tok", unit_scale=True, file=sys.stderr, dynamic_ncols=True) as bar:
-        results, stats = responses.generate(target, queue, batch=dc.batch, max_prompt_tokens=limit,
+        results, stats = responses.generate(target, queue, batch=dc.batch, max_prompt_tokens=dc.max_prompt_tokens,
                                             max_new_tokens=max(dc.max_new_tokens, dc.turn_tokens), stop_ids=stop_ids,
                                             on_done=on_done, deadline=deadline, should_stop=should_stop,
                                             progress=bar.update, attention=attention)

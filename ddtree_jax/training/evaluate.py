@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import subprocess
 import sys
 from typing import Any, Sequence
@@ -171,14 +172,17 @@ def _main(argv: Sequence[str] | None) -> int:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(
         os.path.dirname(os.path.abspath(__file__)))), os.environ.get("PYTHONPATH")])))
     for name in sets:
-        cmd = generate_command(target, draft, P.held_out_set(name), budget=args.tree_budget,
-                               max_new_tokens=args.max_new_tokens, dtype=args.dtype)
-        cli.info(f"{name}: {len(cmd)} arguments, python -m ddtree_jax.generate ... --json")
+        messages = P.held_out_set(name)
+        cmd = generate_command(target, draft, messages, budget=args.tree_budget, max_new_tokens=args.max_new_tokens,
+                               dtype=args.dtype)
+        cli.info(f"{name}: {len(messages)} prompts, python -m ddtree_jax.generate ... --json")
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             raise RuntimeError(f"generate failed on the {name} set: {proc.stderr.strip().splitlines()[-1:]}")
-        out["sets"][name] = set_acceptance(json.loads(proc.stdout))
-        out["sets"][name]["decode_tokens_per_s"] = json.loads(proc.stdout)["timing"]["decode_tokens_per_s"]
+        report = json.loads(proc.stdout)
+        out["sets"][name] = {**set_acceptance(report), "decode_tokens_per_s": report["timing"]["decode_tokens_per_s"],
+                             "command": shlex.join(["python", *cmd[1:cmd.index("--prompt")]])
+                             + f" --prompt ... (each of ddtree_jax/data/prompts/{name}.json)"}
         cli.info(f"{name}: mean acceptance length {out['sets'][name]['mean_acceptance_length']}")
     with cli.stdout_to_stderr() as stdout:
         stdout.write(json.dumps(out, indent=2) + "\n")

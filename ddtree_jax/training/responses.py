@@ -4,7 +4,8 @@ A fixed batch of ``batch`` rows decodes under ``decode.run_rounds``; every ``rou
 which rows are done, takes their outputs, and refills the free rows ``refill`` at a time (one prefill of a batch of
 new prompts, scattered into the free rows on the device): finished rows stop costing work within a sync, instead of
 decoding padding until the longest sequence of a static batch ends. Every prompt is padded to one length and every
-row has one cache capacity, so the whole run compiles one prefill, one loop of rounds and one scatter.
+row has one cache capacity, so the whole run compiles one prefill, one loop of rounds and one scatter. The host
+handles the requests that finished at a sync while the device runs the next rounds.
 
 Each request carries its own decoding (greedy, or sampled at its temperature with its own seed) and token
 limit, so a single run can mix greedy and sampled responses, and short requests (self-instruct user turns) with long
@@ -19,7 +20,6 @@ import dataclasses
 import time
 from typing import Callable, Iterable, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -126,6 +126,7 @@ def generate(target, requests: Iterable[Request], *, batch: int, max_prompt_toke
 
     t0 = time.perf_counter()
     stopping = False
+    answered: list[Result] = []  # finished at the last sync, for on_done while the device runs the next rounds
     while True:
         free = [i for i in range(batch) if job[i] is None]
         while queue and len(free) >= refill and not stopping:  # the queue's tail: dummies fill the batch
@@ -137,9 +138,15 @@ def generate(target, requests: Iterable[Request], *, batch: int, max_prompt_toke
                 job[i] = r
                 stats.prompt_tokens += len(r.prompt) if r else 0
             stats.refills += 1
+        if any(job):
+            state = rounds(tparams, None, state, jnp.int32(rounds_per_sync))  # dispatched: the host goes on
+        for res in answered:
+            queue.extendleft(reversed(list(on_done(res))))  # follow-ups go first
+        answered = []
         if not any(job):
+            if queue and not stopping:
+                continue
             break
-        state = rounds(tparams, None, state, jnp.int32(rounds_per_sync))
         done, ends = np.asarray(state.done), decode.final_length(state)
         stats.syncs += 1
         stopping = stopping or should_stop() or (deadline is not None and time.perf_counter() > deadline)
@@ -152,17 +159,17 @@ def generate(target, requests: Iterable[Request], *, batch: int, max_prompt_toke
                 toks_i = out[i, len(r.prompt): ends[i]].tolist()
                 res = Result(r, toks_i, bool(stop_at[i] < decode.NEVER))
                 results.append(res)
-                new += len(toks_i)
-                stats.generated_tokens += len(toks_i)
                 n, p = len(toks_i), len(r.prompt)
+                new += n
                 stats.kv_bytes_read += kv_per_token * (p * n + n * (n - 1) // 2)
                 if done[i]:
                     stats.finished += 1
                     if on_done is not None and not stopping:
-                        queue.extendleft(reversed(list(on_done(res))))  # follow-ups go first
+                        answered.append(res)
                 else:
                     stats.unfinished += 1
                 job[i] = None
+            stats.generated_tokens += new
             if progress is not None:
                 progress(new)
         if stopping:
