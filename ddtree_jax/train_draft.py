@@ -256,8 +256,10 @@ def _main(argv: Sequence[str] | None) -> int:
         if os.path.exists(data_file):
             seqs = dataset.Sequences.load(data_file)
             cli.info(f"reusing {data_file}: {len(seqs)} sequences, {seqs.response_tokens:,} response tokens")
-            record = os.path.join(args.out, "data.json")
-            run["data"] = json.load(open(record)) if os.path.exists(record) else {"sequences": seqs.summary()}
+            run["data"] = {"sequences": seqs.summary()}
+            if os.path.exists(os.path.join(args.out, "data.json")):
+                with open(os.path.join(args.out, "data.json")) as f:
+                    run["data"] = json.load(f)
         else:  # the step compiles on another thread while the target generates
             ahead = concurrent.futures.ThreadPoolExecutor(1).submit(tr.compile, args.seq_len)
             t0 = time.perf_counter()
@@ -284,7 +286,10 @@ def _main(argv: Sequence[str] | None) -> int:
                  f"{len(held)} held out")
         tr.start(init, log=cli.info)
         if ahead is not None:
-            run["phases_s"]["step_compile_ahead"] = round(ahead.result(), 1)
+            try:
+                run["phases_s"]["step_compile_ahead"] = round(ahead.result(), 1)
+            except Exception as e:  # noqa: BLE001 - the first step compiles it instead
+                cli.warn(f"compiling the step ahead failed ({type(e).__name__}: {e}); it compiles at the first step")
 
         def held_out(params) -> dict:
             draft = (dcfg, jax.device_put(jax.tree.map(lambda x: x.astype(args.dtype), params), jax.devices()[0]))

@@ -200,3 +200,32 @@ def test_held_out_check_runs_generate_json_per_set(capsys):
                           {"acceptance_lengths": [2], "mean_acceptance_length": 2.0, "num_generated": 2}]}
     assert ev.set_acceptance(report)["mean_acceptance_length"] == 2.0 and ev.set_acceptance(report)["rounds"] == 3
     assert ev.main(argv[:4] + ["--sets", "wiki"]) == 2
+
+
+def test_sigterm_keeps_what_exists(tmp_path):
+    """benchmarks/train_default_pair.sh (here on the fixture target: later flags override the recipe's) sent SIGTERM
+    while training: it forwards the signal, the run stops at its next step, exports, and $OUT holds the record."""
+    import signal
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    work, out = tmp_path / "work", tmp_path / "out"
+    tiny_flags = ["--target", fixture_path("target"), "--dtype", "float32", "--layers", "1", "--block-size", "4",
+                  "--corpus", "pydoc", "--num-prompts", "6", "--held-out-prompts", "2", "--self-instruct", "0",
+                  "--max-new-tokens", "12", "--max-prompt-tokens", "96", "--seq-len", "128", "--gen-batch", "4",
+                  "--steps", "100000", "--batch", "2", "--anchors", "8", "--anchor-group", "4", "--evals", "0"]
+    env = dict(os.environ, OUT=str(out), WORK=str(work), PYTHON=sys.executable)
+    proc = subprocess.Popen(["bash", os.path.join(repo, "benchmarks", "train_default_pair.sh"), *tiny_flags], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 600
+    while not (work / "history.jsonl").exists() or not (work / "history.jsonl").read_text().strip():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, log[-3000:]
+    run = json.loads((out / "run.json").read_text())
+    assert run["stopped_by_signal"] == "SIGTERM" and run["training"]["stopped_by"] == "signal"
+    assert 10 <= run["training"]["steps"] < 100000
+    export.load(str(out))  # the drafter, whole from its parts

@@ -210,7 +210,8 @@ class Trainer:
         if pending:
             self.record(self._log_entry(pending, rows, time.perf_counter() - t_log))
         self.save()
-        final = self._evaluate(evaluate, held_batch, key, log) if self.step > first or not self.history else 0.0
+        trained = self.step > first or not self.history
+        final = self._evaluate(evaluate, held_batch, key, log) if trained and stopped != "signal" else 0.0
         return {"steps": self.step, "planned_steps": total, "stopped_by": stopped,
                 "train_s": round(time.perf_counter() - t_run, 1), "sec_per_step": sec_per_step,
                 "final_eval_s": round(final, 1)}
