@@ -60,7 +60,7 @@ LONGEST_FIRST = (
     "test_bench.py",  # 150
     "test_moe.py",  # 75 (CPU seconds, a busy 2-core machine)
     "test_sampling.py",  # 120: one test
-    "test_train_draft.py",  # 110 (and the default pair's script, 150-250, with the cached SmolLM2 target)
+    "test_train_draft.py",  # 130 (and the default pair's script, about 120 more, with the cached SmolLM2 target)
     "test_train_data.py",  # 70
     "test_train_sharding.py",  # 55: one 8-device subprocess
     "test_train_objective.py",  # 50
