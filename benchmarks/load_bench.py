@@ -11,8 +11,7 @@ configurations of --restart start it once more to time a second start on the per
 is cut (and reported).
 
 Prompts: --prompt-len random token ids (random weights), or --prompts-file (text prompts as chat messages, or token
-ids); with --target default (the default pair) the held-out prompts of ddtree_jax/data/prompts/python.json when
-present, else train_draft's held-out documentation prompts (their token ids, written to OUT/prompts.json).
+ids); with --target default (the default pair) the held-out prompts of ddtree_jax/data/prompts/python.json.
 
 Writes to OUT_DIR: CONFIG.json (the loadtest's JSON list, the levels that finished), CONFIG.server.log,
 CONFIG.loadtest.log, run.json (parameters, startup times, failures) and summary.md (a Markdown table, throughput
@@ -333,19 +332,7 @@ def _default_pair(args) -> None:
     from ddtree_jax import defaults
 
     args.target, args.draft = defaults.target_path(), args.draft or defaults.draft_path()
-    if args.prompts_file:
-        return
-    shipped = os.path.join(REPO, "ddtree_jax", "data", "prompts", "python.json")
-    if os.path.exists(shipped):
-        args.prompts_file = shipped
-        return
-    from ddtree_jax import train_draft
-    from ddtree_jax.tokenizer import load_tokenizer
-
-    _, held_out = train_draft.make_prompts(load_tokenizer(args.target), 64)
-    args.prompts_file = os.path.join(args.out, "prompts.json")
-    with open(args.prompts_file, "w") as f:
-        json.dump([list(map(int, p)) for p in held_out], f)
+    args.prompts_file = args.prompts_file or os.path.join(REPO, "ddtree_jax", "data", "prompts", "python.json")
 
 
 def main(argv=None) -> int:

@@ -21,8 +21,8 @@ Subcommands
             records also hold the distinct experts one more round touches per layer (measured from the router's
             choices, ``ddtree_jax.moe_cost``; random weights route about uniformly), and its rooflines and floors
             count the bytes of those experts only.
-  pair      a trained pair (default: the default pair) on train_draft's held-out prompts, one at a time or as
-            one batch: mean acceptance length and decode tokens/s of ar, dflash and ddtree at budgets.
+  pair      a trained pair (default: the default pair) on the shipped held-out Python prompts, one at a time or
+            as one batch: mean acceptance length and decode tokens/s of ar, dflash and ddtree at budgets.
   project   the projected speedup over AR of dflash and ddtree: the DDTree paper's mean acceptance lengths
             (benchmarks/paper_tau.json) x our recorded round costs (benchmarks/results/h200.json), per dataset.
             A projection, not a measurement (ddtree_jax.projection).
@@ -1303,7 +1303,7 @@ def _pair(args) -> int:
 
 def _auto_run(target, draft, prompts, args, stop, ar_tokens_per_s) -> dict:
     """``bench pair``'s ddtree under --tree-budget auto (the cost table of the cache directory, kept there): what
-    train_draft.benchmark records of a fixed budget, and the forms the rounds took ({form: rounds})."""
+    training.evaluate.benchmark records of a fixed budget, and the forms the rounds took ({form: rounds})."""
     from ddtree_jax import accept, decode
 
     opts = decode.GenerateOptions(method="ddtree", tree_budget=decode.AUTO, max_new_tokens=args.max_new_tokens,
@@ -1317,7 +1317,7 @@ def _auto_run(target, draft, prompts, args, stop, ar_tokens_per_s) -> dict:
            "forms": dict(collections.Counter(f for seq in res.round_forms for f in seq).most_common())}
     if tps and ar_tokens_per_s:
         row["speedup"] = tps / ar_tokens_per_s
-    if args.check:  # as train_draft.benchmark's check: AR's tokens, and every traced round's walk replayed
+    if args.check:  # as training.evaluate.benchmark's check: AR's tokens, and every traced round's walk replayed
         ar_ids = decode.generate(target, prompts, dataclasses.replace(opts, method="ar")).output_ids
         firsts = [next((i - len(p) for i, (x, y) in enumerate(zip(mine, theirs)) if i >= len(p) and x != y),
                        None if len(mine) == len(theirs) else min(len(mine), len(theirs)) - len(p))
