@@ -4,6 +4,7 @@ schedule and the time box, and the command line end to end."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -229,3 +230,21 @@ def test_sigterm_keeps_what_exists(tmp_path):
     assert run["stopped_by_signal"] == "SIGTERM" and run["training"]["stopped_by"] == "signal"
     assert 10 <= run["training"]["steps"] < 100000
     export.load(str(out))  # the drafter, whole from its parts
+
+
+def test_a_resumed_run_plans_its_schedule_to_the_deadline(target, seqs, tmp_path, monkeypatch):
+    """Resumed at a step that is not a multiple of log_every, a time-boxed run still plans its total from the
+    measured step time, so that the learning rate decays to the deadline instead of staying near its peak."""
+    raw, dcfg = tiny(target[0])
+    tc = trainer.TrainConfig(**{**TC.__dict__, "steps": 10**6})
+    tr = trainer.Trainer(target, dcfg, raw, tc, str(tmp_path))
+    tr.start(log=lambda *_: None)
+    tr.fit(rows_of(seqs), evals=0, log_every=5, deadline=time.perf_counter() - 1, log=lambda *_: None)
+    assert tr.step == 1
+    again = trainer.Trainer(target, dcfg, raw, tc, str(tmp_path))
+    assert again.start(log=lambda *_: None) == "resumed from step 1"
+    clock = itertools.count(0.0, 0.5)  # every reading of the clock half a second later: a deterministic step time
+    monkeypatch.setattr(trainer.time, "perf_counter", lambda: next(clock))
+    fit = again.fit(rows_of(seqs), evals=0, log_every=5, deadline=60.0, log=lambda *_: None)
+    assert fit["planned_steps"] < 200 and fit["steps"] <= fit["planned_steps"], fit
+    assert again.history[-1]["lr"] < 0.2 * tc.lr, again.history[-1]

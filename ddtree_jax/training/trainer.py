@@ -189,10 +189,12 @@ class Trainer:
             pending = []
             self.record(entry)
             bar.set_postfix(loss=f"{entry['loss']:.3f}", tau=f"{entry['chain_tau']:.2f}")
+            timed = sec_per_step is not None
             if self.step - first >= 2 * log_every:  # compilation and warm-up behind
                 sec_per_step = entry["elapsed_s"] / entry["steps"]
             due = bool(next_eval) and self.step >= next_eval[0]
-            if deadline is not None and sec_per_step and (self.step - first == 2 * log_every or due):
+            # plan once the step is timed (a resumed run's log steps need not fall 2 * log_every after its first)
+            if deadline is not None and sec_per_step and (not timed or due):
                 left = len([s for s in next_eval if s > self.step]) + 1 + due  # the final evaluation too
                 total = self._plan(deadline, sec_per_step, (eval_s or (eval_guess if evaluate else 1.0)) * left)
                 bar.total = total
