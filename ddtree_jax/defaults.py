@@ -13,18 +13,9 @@ from ddtree_jax import gguf_model
 TARGET = gguf_model.SMOLLM2
 DRAFT_DIR_NAME = "smollm2-135m-dflash"
 METHOD = "ddtree"
-# The budget `generate` runs, measured for this pair at batch 1 (docs/TRAINING.md): on CPU a verify costs in
-# proportion to its tokens, so small trees win (16: 1.11x AR); on an H200, checked with the current XLA options,
-# 32 gave 1.23x AR, within 5% of the fastest (128: 1.29x; 16: 1.19x, 256: 1.10x; 64 not re-measured).
-TREE_BUDGET = {"cpu": 16, "gpu": 32}
 # In the drafter's domain (it was trained on Python documentation and code; off-domain prompts accept less,
 # e.g. 1.38 tokens per round for "Explain in a few sentences why the sky is blue.": docs/TRAINING.md)
 PROMPT = "Explain what a Python list comprehension is."
-
-
-def tree_budget(backend: str) -> int:
-    """The default pair's DDTree budget on ``backend`` (jax.default_backend()); 16 on anything but a GPU."""
-    return TREE_BUDGET.get(backend, TREE_BUDGET["cpu"])
 
 
 def draft_path() -> str:

@@ -19,6 +19,7 @@ import pytest
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "ddtree_reference")
 CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+MODEL_DIRS = ("gguf", "models")  # what the run's $DDTREE_JAX_CACHE links from the user's (gguf_model's cache layout)
 
 
 def pytest_configure(config):
@@ -45,6 +46,7 @@ def pytest_configure(config):
         jax.config.update("jax_compilation_cache_dir", config._jit_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
         jax.config.update("jax_compilation_cache_max_size", 8 << 30)
+    config._cache = session_cache()
 
 
 # Test modules, longest first (seconds on one of two busy xdist workers, 2026-12-02, after the suite-speed-2 branch's
@@ -78,6 +80,21 @@ LONGEST_FIRST = (
 )
 
 
+def session_cache() -> str:
+    """Point $DDTREE_JAX_CACHE at a fresh temporary directory for the run (removed at its end), so that nothing the
+    suite measures (costs.json: each program's seconds a round on this machine) lands in the user's cache, while the
+    downloaded and converted models (its ``gguf`` and ``models``, linked) stay where the tests look for them."""
+    from ddtree_jax import gguf_model
+
+    real = gguf_model.cache_dir()
+    path = tempfile.mkdtemp(prefix="ddtree_jax_test_cache_")
+    for name in MODEL_DIRS:
+        if os.path.isdir(os.path.join(real, name)):
+            os.symlink(os.path.join(real, name), os.path.join(path, name))
+    os.environ[gguf_model.CACHE_ENV] = path
+    return path
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order otherwise
@@ -89,6 +106,8 @@ def pytest_unconfigure(config):
         shutil.rmtree(path, ignore_errors=True)
         if os.environ.get(CACHE_ENV) == path:
             del os.environ[CACHE_ENV]
+    if getattr(config, "_cache", None) is not None:
+        shutil.rmtree(config._cache, ignore_errors=True)  # the links to the models, not the models
 
 
 def fake_device_report(script: str, out: str, devices: int) -> dict:
