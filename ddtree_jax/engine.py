@@ -246,6 +246,8 @@ class Metrics:
         Gauge("ddtree_slots", "Slots in the batch (--max-batch)", registry=r).set(engine.config.max_batch)
         self.rounds_by_form = Counter("ddtree_form_sequence_rounds", "Rounds run, summed over sequences, by the form "
                                       "they took (ar, chain, or the tree budget)", ["form"], registry=r)
+        self.steps_by_batch = Counter("ddtree_slot_batch_steps", "Steps (groups of rounds) run, by the slot batch "
+                                      "of their program", ["batch"], registry=r)
         self.expected = Gauge("ddtree_expected_acceptance_length", "The policy's expected tokens a round over the live "
                               "sequences at the form of the last step (1 for ar)", registry=r)
         self.ratio = Gauge("ddtree_acceptance_ratio", "Mean over the live sequences of accepted / predicted tokens "
@@ -277,6 +279,7 @@ class Metrics:
         rounds = int(snap.new_rounds.sum())
         self.rounds.inc(rounds)
         self.rounds_by_form.labels(program.form).inc(rounds)
+        self.steps_by_batch.labels(str(program.size)).inc()
         self.committed.inc(int(snap.new_tokens.sum()))
         expected, ratio = engine.policy.summary(live, program.form)
         self.expected.set(expected)
@@ -317,6 +320,7 @@ class Program:
     spec: decode.Spec
     fn: Callable | None = None  # the executable, once compiled
     tried: bool = False  # timed (or run unmeasured) once
+    clean: bool = False  # its cost was timed with no compilation in flight (else, or loaded from disk: timed again)
 
     @property
     def cost_key(self) -> str:
@@ -435,6 +439,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._compilers: list[threading.Thread] = []
         self._compiling: set[Program] = set()  # taken by a compile thread
+        self._in_flight = 0  # compilations running now
         self._stopping = False
         self.failure: str | None = None  # set when the loop died
         self.ready = False
@@ -622,25 +627,39 @@ class Engine:
                     return
                 program = min(todo, key=_rank)
                 self._compiling.add(program)
+                self._in_flight += 1
             try:
                 self._compile(program)
             except Exception:  # noqa: BLE001 - e.g. out of device memory for one large program
                 log.exception("compiling %s failed; going on without it", program.cost_key)
             with self._lock:
+                self._in_flight -= 1
                 self._wake.notify()  # the engine thread may time it
 
     def _pending(self) -> list[Program]:
         return [p for p in self.programs.values() if p.fn is None and p.variant in self._wanted
                 and p not in self._compiling]
 
+    def _quiet(self) -> bool:
+        """No compilation running or waiting: a timing now is not slowed by the compiler's threads. Read without the
+        lock (the engine thread calls it holding it): counters and membership tests only."""
+        return self._in_flight == 0 and not self._pending()
+
+    def _to_time(self, free: int) -> list[Program]:
+        """Compiled programs that ``free`` slots can hold and that need timing: never timed, or (when the engine is
+        quiet) timed while compilations ran, or loaded from disk, where their cost may have been inflated."""
+        quiet = self._quiet()
+        return [p for p in self.programs.values() if p.fn is not None and p.size <= free
+                and ((not p.tried and self.costs.get(p.cost_key) is None) or (quiet and not p.clean))]
+
     def _measure_ready(self) -> None:
-        """Time, on free slots turned into dummies (:func:`decode.rewind`), each compiled program whose cost is unknown and
-        whose slot batch the free slots fill (the whole batch only when every slot is free)."""
+        """Time, on free slots turned into dummies (:func:`decode.rewind`), each program of :meth:`_to_time` whose slot
+        batch the free slots fill (the whole batch only when every slot is free)."""
         free = [s for s, j in enumerate(self.slots) if j is None]
-        todo = [p for p in self.programs.values() if p.fn is not None and not p.tried and p.size <= len(free)
-                and self.costs.get(p.cost_key) is None]
+        todo = self._to_time(len(free))
         for program in todo:
             program.tried = True
+            program.clean = self._quiet()
             rows = np.asarray(free[: program.size], np.int32)
             mask = np.zeros(len(self.slots), bool)
             mask[rows] = True
@@ -793,9 +812,7 @@ class Engine:
 
     def _untimed(self) -> bool:
         """Whether :meth:`_measure_ready` has a program to time (the engine thread wakes for it when idle)."""
-        free = sum(j is None for j in self.slots)
-        return any(p.fn is not None and not p.tried and p.size <= free and self.costs.get(p.cost_key) is None
-                   for p in self.programs.values())
+        return bool(self._to_time(sum(j is None for j in self.slots)))
 
     def _step(self) -> tuple[np.ndarray, decode.Snapshot]:
         """Run ``rounds_per_step`` rounds of the chosen program (:meth:`_choose`) on the live slots; return (starts

@@ -258,6 +258,26 @@ def wait_until(predicate, timeout=300.0):
         time.sleep(0.1)
 
 
+def test_costs_timed_during_compilation_are_timed_again_when_it_is_done(target, drafter):
+    """A cost timed while the compiler's threads ran (or loaded from disk) may be inflated, and a program whose
+    cost is too high is never chosen to correct it: once no compilation runs, the idle engine times it again."""
+    cfg = engines.EngineConfig(method="ddtree", forms=("ar",), max_batch=2, max_len=MAX_LEN, batch_buckets=(1,))
+    eng = engines.Engine(target, drafter, cfg)
+    eng.start()
+    try:
+        wait_until(lambda: eng.programs_ready == 3 and not eng._untimed())
+        assert all(p.clean for p in eng.programs.values() if p.fn is not None)
+        p = eng.programs["ar", 1, "greedy"]
+        eng.costs.measured(p.cost_key, 100.0, 64)  # as if timed beside a compilation
+        with eng._lock:
+            p.clean = False
+            eng._wake.notify()
+        wait_until(lambda: p.clean)
+        assert eng.costs.get(p.cost_key) < 10.0
+    finally:
+        eng.stop()
+
+
 def test_forms_and_slot_batches_run_only_the_live_slots(target, drafter, tokenizer, reference_runs, monkeypatch):
     """Under --tree-budget auto each step runs the (form, slot batch) the policy picks among the compiled programs:
     the warm-up compiles the full batch's AR step (in the variant that serves any request), the background compiler
@@ -274,6 +294,7 @@ def test_forms_and_slot_batches_run_only_the_live_slots(target, drafter, tokeniz
     try:
         assert eng.first.fn is not None and eng.costs.get(eng.first.cost_key) is not None  # compiled and timed
         wait_until(lambda: eng.programs_ready == 5)  # the greedy ones besides the first
+        wait_until(lambda: not eng._untimed())  # every program timed with no compilation in flight
         for (form, size, _), p in eng.programs.items():
             eng.costs.measured(p.cost_key, 1e-3 * size * (2 if form == "4" else 1), 64)
         monkeypatch.setattr(eng.costs, "observe", lambda *a: None)
