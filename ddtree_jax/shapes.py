@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from ddtree_jax import cli
+
+RANDOM_PREFIX = "random:"  # --target random:SHAPE (serve, generate)
+
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
@@ -94,3 +98,33 @@ def build_params(tcfg, dcfg, dtype, seed: int = 0):
     kt, kd = jax.random.split(jax.random.key(seed))
     return jax.block_until_ready((build(params.target_shapes(tcfg, dtype), kt),
                                   build(params.draft_shapes(dcfg, dtype), kd)))
+
+
+def random_shape(target: str | None) -> str | None:
+    """--target 'random:SHAPE' -> SHAPE (checked against the known shapes; a one-line error otherwise); None for a
+    path."""
+    if target is None or not target.startswith(RANDOM_PREFIX):
+        return None
+    name = target[len(RANDOM_PREFIX):]
+    if name not in SHAPES:
+        raise cli.UsageError(f"--target {target}: unknown random shape {name!r} (choose from "
+                             f"{', '.join(RANDOM_PREFIX + k for k in SHAPES)})")
+    return name
+
+
+def random_models(name: str, dtype, draft: bool = True):
+    """(target, draft) of random weights of shape ``name`` (build_params), each a (config, params) pair on the
+    device, the draft None unless ``draft``; one line on stderr says what was built."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    tcfg, dcfg = model_configs(SHAPES[name])
+    t0 = time.perf_counter()
+    tparams, dparams = build_params(tcfg, dcfg, dtype)
+    n = [sum(x.size for x in jax.tree.leaves(t)) for t in (tparams, dparams)]
+    count = [f"{x / 1e9:.2f}B" if x >= 1e9 else f"{x / 1e6:.1f}M" for x in n]
+    cli.info(f"built random {name} weights ({jnp.dtype(dtype).name}; target {count[0]}, drafter {count[1]} "
+             f"parameters) on {jax.devices()[0].device_kind} in {time.perf_counter() - t0:.1f}s")
+    return (tcfg, tparams), ((dcfg, dparams) if draft else None)

@@ -110,6 +110,10 @@ BAD = {
     "stop_ids_malformed": (["--target", TARGET, "--prompt-ids", "1", "--stop-token-ids", "5;6"], ["--stop-token-ids"]),
     "unknown_flag": (["--target", TARGET, "--prompt-ids", "1", "--beam-width", "4"], ["--beam-width"]),
     "bad_tuning": (["--target", TARGET, "--prompt-ids", "1", "--tuning", "add_norm=xla"], ["--tuning", "add_norm"]),
+    "random_unknown_shape": (["--target", "random:qwen9", "--prompt-ids", "1"], ["unknown random shape 'qwen9'",
+                                                                                 "random:tiny"]),
+    "random_with_draft": (["--target", "random:tiny", "--draft", DRAFT, "--prompt-ids", "1"], ["drafter is random"]),
+    "random_text_prompt": (["--target", "random:tiny", "--prompt", "hi"], ["random model random:tiny", "--prompt-ids"]),
 }
 
 
@@ -231,6 +235,22 @@ def test_json_ddtree_trace_and_options(capsys, monkeypatch):
     assert seen["tuning"] == Tuning(add_norm=False, prefill_chunk=64)
     assert seen["draft_arg"] == ("draft-config", "draft-params")
     assert seen["target"] == (TARGET, "bfloat16")  # the default dtype
+
+
+@needs_decode
+def test_random_target_runs_ddtree_by_default_with_ar_s_output(capsys):
+    """--target random:SHAPE: random weights of the shape and its drafter, nothing read from disk; ddtree by default,
+    its greedy output the target's own (AR's on the same weights)."""
+    base = ["--target", "random:tiny-moe", "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--dtype", "float32",
+            "--json"]
+    runs = {}
+    for method in ("ddtree", "ar"):
+        code, out, err = run_main(capsys, *base, *(["--method", "ar"] if method == "ar" else ["--tree-budget", "4"]))
+        assert code == 0, err
+        runs[method] = json.loads(out)["results"][0]
+    assert runs["ddtree"]["acceptance_lengths"] and not runs["ar"]["acceptance_lengths"]  # ddtree ran: it drafted
+    assert runs["ddtree"]["output_ids"] == runs["ar"]["output_ids"] and runs["ar"]["num_generated"] == 8
+    assert "built random tiny-moe weights" in err and "generated_text" not in runs["ar"]
 
 
 def test_json_without_tokenizer_has_no_text(capsys, monkeypatch):

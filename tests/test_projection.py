@@ -33,6 +33,13 @@ def test_round_costs_take_the_latest_record_of_the_layout_and_name_what_is_missi
     assert projection.round_costs(records, "m", 512, 1, [])["ar"]["ms_per_round"] == 4.0
 
 
+def test_round_costs_name_what_is_missing_in_the_drafter_layout_closest_to_complete():
+    new = projection.DRAFT_LAYOUTS[0]
+    records = [{**_rec(m, b, 5.0), "draft_layout": new} for m, b in (("ar", None), ("dflash", None), ("ddtree", 64))]
+    with pytest.raises(ValueError, match="for ddtree256$"):  # not every method, as the older layout would say
+        projection.round_costs(records, "m", 512, 1, [64, 256])
+
+
 def test_round_costs_take_a_group_from_one_drafter_layout_the_first_that_has_it_all():
     """A (model, prompt, batch) group comes whole from the first drafter layout of DRAFT_LAYOUTS with every record
     (records without the field are "stacked"), never mixed: a partial newer grid leaves the older group in place."""
