@@ -9,7 +9,9 @@ One round, for a batch of sequences, all on device:
     commit  accepted K/V moved next to the prefix, tokens appended, hidden taps kept for the drafter
 
 The loop runs rounds under ``lax.while_loop`` until every sequence is done (or a round count is
-reached, so a host can stream every few rounds); no host synchronisation inside.
+reached, so a host can stream every few rounds); no host synchronisation inside. :func:`generate` runs it for a
+batch of prompts; under ``--tree-budget auto`` its groups of rounds and their timing are ``autorun.py``'s, and the
+engine's slot batch (sequences entering and leaving rows of one State) is ``slots.py``'s.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import accept, cli, costs, draft as dflash, model, policy, tree as trees
+from ddtree_jax import accept, cli, draft as dflash, model, policy, tree as trees
 from ddtree_jax import cache as kvcache, sharding
 from ddtree_jax.config import DraftConfig, ModelConfig, check_pair
 from ddtree_jax.params import (DraftParams, TargetParams, fuse_projections, input_major, output_major,
@@ -564,9 +566,10 @@ def device_final_length(state: State) -> Array:
     return jnp.minimum(cut, jnp.where(state.stop_at < NEVER, state.stop_at + 1, state.n_out))
 
 
-def _group(spec: Spec, target, drafter, state: State, starts: Array, rounds: Array, most: int):
+def group(spec: Spec, target, drafter, state: State, starts: Array, rounds: Array, most: int):
     """Up to ``rounds`` (int32, at most ``most``, static) rounds for the batch: the new state and a :class:`Snapshot`
-    whose window holds each sequence's output from ``starts`` [B] (the first undelivered index) on."""
+    whose window holds each sequence's output from ``starts`` [B] (the first undelivered index) on. Traced, not
+    jitted: :data:`run_group` jits it alone, ``slots.run_group_rows`` on some rows of a batch."""
     n_out0, rounds0, stats0 = state.n_out, state.n_rounds, state.stats
     state = run_rounds(spec, target, drafter, state, jnp.minimum(rounds, most))
     width = most * spec.path_len + 1
@@ -585,15 +588,7 @@ def _group(spec: Spec, target, drafter, state: State, starts: Array, rounds: Arr
 
 # A group of rounds and its Snapshot: the unit the engine and generate's auto loop dispatch (compiled with
 # XLA_OPTIONS through ``compiled`` or ``.lower(...).compile(XLA_OPTIONS)``).
-run_group = donating_jit(_group, static_argnums=(0, 6), donate_argnums=(3,))
-
-
-@functools.partial(donating_jit, static_argnums=(0, 7), donate_argnums=(3,))
-def run_group_rows(spec: Spec, target, drafter, state: State, rows: Array, starts: Array, rounds: Array, most: int):
-    """:func:`run_group` on the sequences ``rows`` [n] (distinct) alone, gathered out of the batch and scattered back
-    (a slot batch smaller than the engine's): the Snapshot is theirs, in ``rows``' order."""
-    sub, snap = _group(spec, target, drafter, take_rows(state, rows), starts, rounds, most)
-    return put_rows(state, rows, sub), snap
+run_group = donating_jit(group, static_argnums=(0, 6), donate_argnums=(3,))
 
 
 # ----------------------------------------------------------------------------------------- prefill
@@ -868,11 +863,6 @@ def start(spec: Spec, prompts: list[list[int]], per_row: list[GenerateOptions], 
     return state, tokens
 
 
-GROUP_ROUNDS = 8  # rounds per device call of an auto run (generate's; the engine's are --rounds-per-step)
-FIRST_GROUPS = (2, 4)  # ... except its first groups: the first informed choice comes after 2 rounds, not 8
-MEASURE_CALLS = 3  # timed calls of a new program (the median counts)
-
-
 def generate(
     target,
     prompts: list[list[int]],
@@ -895,11 +885,12 @@ def generate(
     heads repeated when the model axis exceeds them) and the batch is padded to a multiple of its data axis.
     tuning: how the decode runs on the device (its layout applied to the weights here; ``ddtree_jax.tuning``).
 
-    ``options.tree_budget="auto"`` (dflash, ddtree): groups of rounds (``GROUP_ROUNDS``, or ``stream_every`` when
-    streaming; the first ones ``FIRST_GROUPS``), each of the form a :class:`policy.Policy` (``chooser``, default a new one) picks from the statistics
-    of the groups read so far, weighed against each program's seconds per round (timed here unless known; with
-    ``persist_costs`` read from and kept in the cache directory's cost table, ``cost_table_for``). Group g + 1 is
-    dispatched before group g's statistics are read, so the device never waits for the host's choice.
+    ``options.tree_budget="auto"`` (dflash, ddtree): groups of rounds (``autorun.GROUP_ROUNDS``, or ``stream_every``
+    when streaming; the first ones ``autorun.FIRST_GROUPS``), each of the form a :class:`policy.Policy` (``chooser``,
+    default a new one) picks from the statistics of the groups read so far, weighed against each program's seconds
+    per round (timed here unless known; with ``persist_costs`` read from and kept in the cache directory's cost table,
+    ``autorun.cost_table_for``). Group g + 1 is dispatched before group g's statistics are read, so the device never
+    waits for the host's choice (:class:`autorun.AutoRun`).
 
     A decode fault (round statistics no correct program gives: ``round_statistics_problem``) raises RuntimeError.
     """
@@ -931,12 +922,14 @@ def generate(
     t0 = time.perf_counter()  # compile ahead of time so that the timings below are execution only
     prefill_fn = compiled(prefill, spec, tparams, dparams, state, tokens)
     if auto:
+        from ddtree_jax import autorun  # here: autorun builds on this module (its State, programs and run_group)
+
         def fresh():
             return start(spec, rows, per_row, options.max_new_tokens, tparams.embed.dtype, mesh)[0]
 
-        table = cost_table_for(spec, tparams.embed.dtype, persist=persist_costs)
-        run = _AutoRun(spec, options, tparams, dparams, fresh, len(prompts), stream_every if on_tokens else
-                       GROUP_ROUNDS, table, chooser)
+        table = autorun.cost_table_for(spec, tparams.embed.dtype, persist=persist_costs)
+        run = autorun.AutoRun(spec, options, tparams, dparams, fresh, len(prompts), stream_every if on_tokens else
+                              autorun.GROUP_ROUNDS, table, chooser)
     else:
         per_call = stream_every if on_tokens else options.max_new_tokens + 1  # rounds per run_rounds call
         budget_rounds = jnp.int32(per_call)
@@ -985,172 +978,3 @@ def generate(
         attention=spec.attention,
         round_forms=[round_forms(spec, state, i) for i in range(len(prompts))] if auto else None,
     )
-
-
-def cost_table_for(spec: Spec, dtype, persist: bool = True) -> costs.CostTable:
-    """The cost table of this run's model shapes, dtype, device kind, attention and mesh; with ``persist``, the
-    cache directory's (costs.default_path), else in memory."""
-    mesh = None if spec.mesh is None else tuple(spec.mesh.shape.values())
-    sig = costs.signature(spec.target, spec.draft, jnp.dtype(dtype).name, jax.devices()[0].device_kind,
-                          spec.attention, mesh)
-    return costs.CostTable(sig, costs.default_path() if persist else None)
-
-
-def variant(spec: Spec) -> str:
-    """The sampling variant of a program, as cost keys name it: "greedy", "sampling" or "filtering"."""
-    return "filtering" if spec.filtering else "sampling" if spec.sampling else "greedy"
-
-
-def measure(fn: Callable, state: State, rewind: Callable[[State], State], calls: int = MEASURE_CALLS):
-    """Seconds per round of a compiled group ``fn`` (state -> (state, Snapshot)): the median of ``calls`` timed calls
-    after an untimed one, each from ``rewind(state)`` and waited for; (seconds, or None when no round ran; the state
-    it left)."""
-    per_round = []
-    for i in range(calls + 1):
-        state = jax.block_until_ready(rewind(state))
-        t0 = time.perf_counter()
-        state, snap = fn(state)
-        ran = int(np.max(jax.device_get(snap.new_rounds)))
-        if i and ran:
-            per_round.append((time.perf_counter() - t0) / ran)
-    return (float(np.median(per_round)) if per_round else None), state
-
-
-@functools.partial(donating_jit, donate_argnums=(0,))
-def rewind(state: State, mask: Array, length: Array, limit: Array) -> State:
-    """The sequences where ``mask`` [B] is set turned into runnable dummies for timing a program: not done, both
-    caches at ``length`` [B] tokens, no stop token, the output cut at ``limit`` [B]. Their contents are dead."""
-
-    def at(x, v):
-        return jnp.where(mask, v, x)
-
-    cache = dataclasses.replace(state.cache, length=at(state.cache.length, length))
-    dcache = state.dcache if state.dcache is None else dataclasses.replace(
-        state.dcache, length=at(state.dcache.length, length))
-    return dataclasses.replace(state, cache=cache, dcache=dcache, n_out=at(state.n_out, length + 1),
-                               limit=at(state.limit, limit), stop_at=at(state.stop_at, NEVER),
-                               stop_ids=jnp.where(mask[:, None], -1, state.stop_ids), done=state.done & ~mask)
-
-
-class _AutoRun:
-    """generate's loop of groups of ``rounds`` rounds under ``tree_budget="auto"``: one compiled group per form allowed
-    at the batch (policy.allowed), each timed on a fresh state of the batch's shape (``fresh()``, its caches at the
-    prompt lengths) unless ``cost_table`` knows it already."""
-
-    def __init__(self, spec: Spec, options: GenerateOptions, tparams, dparams, fresh: Callable[[], State],
-                 n_prompts: int, rounds: int, cost_table, chooser):
-        template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), fresh())
-        self.batch = template.bonus.shape[0]
-        forms = policy.allowed(run_forms(options), self.batch, spec.draft.block_size)
-        self.spec, self.tparams, self.dparams, self.fresh = spec, tparams, dparams, fresh
-        self.n, self.rounds = n_prompts, rounds
-        self.costs = cost_table
-        self.policy = chooser or policy.Policy(forms, spec.predict)
-        starts = jax.ShapeDtypeStruct((self.batch,), jnp.int32)
-        count = jax.ShapeDtypeStruct((), jnp.int32)
-        self.fns, self.keys = {}, {}
-        for f in forms:
-            sp = spec.with_form(f, self.batch)
-            self.fns[f] = compiled(run_group, sp, tparams, dparams, template, starts, count, rounds)
-            self.keys[f] = costs.program_key(f, self.batch, variant(sp))
-        self.measure_s = 0.0
-
-    def _measure_new(self, lens: list[int]) -> None:
-        """Time the forms the table does not know, on a fresh state whose caches hold the prompts' lengths."""
-        todo = [f for f in self.fns if self.costs.get(self.keys[f]) is None]
-        if not todo:
-            return
-        t0 = time.perf_counter()
-        dummy = self.fresh()
-        everyone, length = jnp.ones((self.batch,), bool), jnp.asarray(lens, jnp.int32)
-        limit, rounds = length + self.spec.max_rounds, jnp.int32(self.rounds)
-        for f in todo:
-            fn = self.fns[f]
-            sec, dummy = measure(lambda s: fn(self.tparams, self.dparams, s, length, rounds), dummy,
-                                 lambda s: rewind(s, everyone, length, limit))
-            if sec is not None:
-                self.costs.measured(self.keys[f], sec, int(np.mean(lens)))
-        del dummy
-        self.measure_s += time.perf_counter() - t0
-
-    def decode(self, state: State, lens: list[int], on_tokens) -> State:
-        """Groups until every sequence is done: group g + 1 is dispatched before group g's Snapshot is read (its
-        window starts at group g's ends, on device), so the choice uses statistics one group old."""
-        self._measure_new(lens)
-        live = list(range(self.n))
-        for i in live:
-            self.policy.start(i)
-        emitted = np.asarray(lens)
-        starts = jnp.asarray(lens, jnp.int32)
-        inflight: collections.deque = collections.deque()
-        last = time.perf_counter()
-        sizes = [r for r in FIRST_GROUPS if r < self.rounds]
-        sizes += [self.rounds] * (-(-self.spec.max_rounds // self.rounds) + 1)  # every round commits: enough groups
-        for rounds in sizes:
-            options = {(f, self.batch): c for f, k in self.keys.items() if (c := self.costs.get(k)) is not None}
-            form, _ = self.policy.choose(live, options)
-            state, snap = self.fns[form](self.tparams, self.dparams, state, starts, jnp.int32(rounds))
-            starts = snap.end
-            inflight.append((form, snap))
-            if len(inflight) < 2:
-                continue
-            form, snap = inflight.popleft()
-            host = jax.device_get(snap)
-            now = time.perf_counter()
-            ran = int(np.max(host.new_rounds))
-            if ran:  # the device ran this group while the host waited: its time since the last read
-                self.costs.observe(self.keys[form], (now - last) / ran, int(np.mean(emitted)))
-            last = now
-            for i in live:
-                self.policy.observe(i, form, host.new_stats[i])
-            if on_tokens is not None:
-                on_tokens([host.window[i, : max(int(host.end[i]) - int(emitted[i]), 0)].tolist()
-                           for i in range(self.n)])
-            emitted = np.maximum(emitted, host.end)
-            live = [i for i in live if not host.done[i]]
-            if not live:
-                break
-        else:
-            raise RuntimeError(fault_message(self.spec, f"unfinished after {self.spec.max_rounds} rounds"))
-        self.costs.save()
-        return state
-
-
-# ----------------------------------------------------------------------------------------- slots
-
-
-def _batch_axis(path) -> int:
-    """KV arrays [L, B, ...] carry the batch on axis 1; every other State leaf on axis 0."""
-    names = [getattr(p, "name", None) for p in path]
-    return 1 if names[-1] in ("k", "v") else 0
-
-
-@functools.partial(donating_jit, donate_argnums=(0,))
-def insert(batch: State, slot: Array, one: State) -> State:
-    """Put a prefilled single-sequence state (batch 1, same shapes otherwise) into slot ``slot``."""
-
-    def put(path, big, small):
-        return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, axis=_batch_axis(path))
-
-    return jax.tree.map_with_path(put, batch, one)
-
-
-def take_rows(state: State, rows: Array) -> State:
-    """The sequences ``rows`` [n] of a batch state, as a batch of n."""
-    return jax.tree.map_with_path(lambda p, x: jnp.take(x, rows, axis=_batch_axis(p)), state)
-
-
-def put_rows(state: State, rows: Array, sub: State) -> State:
-    """``state`` with its sequences ``rows`` [n] (distinct) replaced by the batch of n ``sub``."""
-
-    def put(path, big, small):
-        index = (slice(None),) * _batch_axis(path) + (rows,)
-        return big.at[index].set(small.astype(big.dtype), unique_indices=True)
-
-    return jax.tree.map_with_path(put, state, sub)
-
-
-def empty_slots(spec: Spec, batch: int, capacity: int, out_len: int, dtype) -> State:
-    """A batch state whose every slot is done (free): the engine's starting point for serving."""
-    state = init_state(spec, [1] * batch, [GenerateOptions(max_new_tokens=1)] * batch, capacity, out_len, dtype)
-    return dataclasses.replace(state, done=jnp.ones((batch,), bool))

@@ -5,8 +5,8 @@ tokens (prompt + generated), and compiled groups of ``rounds_per_step`` rounds (
 slot batch and sampling variant) that return what the host needs. Its thread loops::
 
     cancel   requests whose client went away end; their slots are marked done on device
-    admit    waiting requests enter free slots: prefill a batch of one (decode.prefill), decode.insert it
-    time     a newly compiled program whose cost is unknown runs a few rounds on free slots (decode.rewind)
+    admit    waiting requests enter free slots: prefill a batch of one (decode.prefill), slots.insert it
+    time     a newly compiled program whose cost is unknown runs a few rounds on free slots (autorun.rewind)
     step     the chosen program (policy.Policy: the most expected tokens per second among the compiled ones) runs
              ``rounds_per_step`` rounds for the live slots (done slots are skipped on device), then one small
              device->host copy (:class:`decode.Snapshot`: each slot's new tokens, lengths, done flags, statistics)
@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import accept, costs, decode, policy, sharding
+from ddtree_jax import accept, autorun, costs, decode, policy, sharding, slots
 from ddtree_jax.tuning import Tuning
 
 Array = jax.Array
@@ -169,20 +169,6 @@ def check_batch_buckets(buckets, max_batch: int, data_parallel: int) -> None:
                          f"got {','.join(map(str, buckets))}")
     if buckets and data_parallel != 1:
         raise ValueError("batch buckets need a mesh without a data axis (DxM with D = 1)")
-
-
-@functools.partial(decode.donating_jit, donate_argnums=(0,))
-def mark_done(state: decode.State, mask: Array) -> decode.State:
-    """Finish the slots where ``mask`` [B] is set (cancelled requests): the round loop skips them."""
-    return dataclasses.replace(state, done=state.done | mask)
-
-
-@functools.partial(decode.donating_jit, donate_argnums=(0,))
-def insert_first(batch: decode.State, slot: Array, rows: decode.State) -> decode.State:
-    """decode.insert of the first sequence of a prefilled batch ``rows`` (the others are padding for a
-    data-parallel mesh, whose batch must split evenly over the data axis)."""
-    first = jax.tree.map_with_path(lambda p, x: jax.lax.slice_in_dim(x, 0, 1, axis=decode._batch_axis(p)), rows)
-    return decode.insert(batch, slot, first)
 
 
 # ----------------------------------------------------------------------------------------- layout
@@ -414,13 +400,13 @@ class Engine:
         self.eos_token_ids = tuple(dict.fromkeys(int(t) for t in eos_token_ids))
         self.mesh = mesh
         self.dtype = self.tparams.embed.dtype
-        self.costs = decode.cost_table_for(self.spec, self.dtype, persist=persist_costs)
+        self.costs = autorun.cost_table_for(self.spec, self.dtype, persist=persist_costs)
         self.policy = policy.Policy(self.forms, self.spec.predict)
         self.metrics = Metrics(self)
 
         b = config.max_batch
         self._prefill_rows = sharding.padded_batch(1, mesh)  # a data-parallel mesh prefills D rows
-        empty = functools.partial(decode.empty_slots, self.spec, b, self.layout.capacity, self.layout.out_len,
+        empty = functools.partial(slots.empty_slots, self.spec, b, self.layout.capacity, self.layout.out_len,
                                   self.dtype)
         # copies: init_state shares one buffer between n_out and prompt_len, and step donates both
         self.state = jax.tree.map(jnp.copy, sharding.create(empty, mesh))
@@ -611,7 +597,7 @@ class Engine:
             lowered = decode.run_group.lower(spec, *args, starts, count, self.config.rounds_per_step)
         else:
             rows = jax.ShapeDtypeStruct((program.size,), jnp.int32)
-            lowered = decode.run_group_rows.lower(spec, *args, rows, starts, count, self.config.rounds_per_step)
+            lowered = slots.run_group_rows.lower(spec, *args, rows, starts, count, self.config.rounds_per_step)
         t0 = time.perf_counter()
         program.fn = lowered.compile(decode.XLA_OPTIONS)
         log.info("compiled %s in %.1fs", program.cost_key, time.perf_counter() - t0)
@@ -653,7 +639,7 @@ class Engine:
                 and ((not p.tried and self.costs.get(p.cost_key) is None) or (quiet and not p.clean))]
 
     def _measure_ready(self) -> None:
-        """Time, on free slots turned into dummies (:func:`decode.rewind`), each program of :meth:`_to_time` whose slot
+        """Time, on free slots turned into dummies (:func:`autorun.rewind`), each program of :meth:`_to_time` whose slot
         batch the free slots fill (the whole batch only when every slot is free)."""
         free = [s for s, j in enumerate(self.slots) if j is None]
         todo = self._to_time(len(free))
@@ -668,9 +654,9 @@ class Engine:
                                 * self.spec.path_len - 1))
             args = (jnp.asarray(mask), jnp.full((len(self.slots),), length, jnp.int32),
                     jnp.full((len(self.slots),), self.config.max_len, jnp.int32))
-            sec, self.state = decode.measure(lambda st: self._call(program, st, rows, np.zeros(len(rows), np.int32)),
-                                             self.state, lambda st: decode.rewind(st, *args))
-            self.state = mark_done(self.state, jnp.asarray(mask))
+            sec, self.state = autorun.measure(lambda st: self._call(program, st, rows, np.zeros(len(rows), np.int32)),
+                                              self.state, lambda st: autorun.rewind(st, *args))
+            self.state = slots.mark_done(self.state, jnp.asarray(mask))
             if sec is not None:
                 self.costs.measured(program.cost_key, sec, length)
                 log.info("timed %s: %.2f ms a round", program.cost_key, 1e3 * sec)
@@ -764,7 +750,7 @@ class Engine:
         mask = np.zeros(len(self.slots), bool)
         mask[self._ended] = True
         self._ended = []
-        self.state = mark_done(self.state, jnp.asarray(mask))
+        self.state = slots.mark_done(self.state, jnp.asarray(mask))
 
     def _admit(self) -> None:
         for s in range(len(self.slots)):
@@ -802,9 +788,9 @@ class Engine:
         one = prefill(self.spec, self.tparams, self.dparams, one, toks)
         jax.block_until_ready(one.bonus)  # so that the prefill latency metric is the real one
         if rows == 1:
-            self.state = decode.insert(self.state, jnp.int32(slot), one)
+            self.state = slots.insert(self.state, jnp.int32(slot), one)
         else:
-            self.state = insert_first(self.state, jnp.int32(slot), one)
+            self.state = slots.insert_first(self.state, jnp.int32(slot), one)
         job.slot, job.emitted = slot, n
         if self.tokenizer is not None:
             job.decoder = self.tokenizer.incremental_decoder()

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax import accept, decode, policy
+from ddtree_jax import accept, autorun, decode, policy
 from ddtree_jax import tree as trees
 from tests.test_decode import tree_paths
 from tests.test_oracle import oracle
@@ -148,7 +148,7 @@ def test_any_sequence_of_forms_gives_ars_tokens_and_traces_each_rounds_own_tree(
                                         r["target_choices"]) == r["accepted_indices"]
     assert {f for seq in forced.round_forms for f in seq} == set(FORMS)
     # groups of rounds of one form: the first of FIRST_GROUPS rounds, then of GROUP_ROUNDS
-    (a, b), c = decode.FIRST_GROUPS, decode.GROUP_ROUNDS
+    (a, b), c = autorun.FIRST_GROUPS, autorun.GROUP_ROUNDS
     assert forced.round_forms[0][: a + b + c] == ["ar"] * (a + b) + ["4"] * c
 
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax import accept, decode, engine, projection, tuning
+from ddtree_jax import accept, decode, engine, projection, slots, tuning
 from ddtree_jax.params import LayerWeights
 from ddtree_jax.tuning import Tuning
 
@@ -423,5 +423,5 @@ def test_donated_state_leaves_keep_their_own_buffers(target, drafter, reference_
     state = decode.init_state(auto, [len(run["prompt"])] * 2, [opts] * 2, capacity, out_len, jnp.float32)
     n = len(jax.tree.leaves(state))
     one = jnp.zeros((1,), jnp.int32)
-    exe = decode.run_group_rows.lower(auto.with_form("ar"), tparams, dparams, state, one, one, jnp.int32(2), 2).compile()
+    exe = slots.run_group_rows.lower(auto.with_form("ar"), tparams, dparams, state, one, one, jnp.int32(2), 2).compile()
     assert output_buffers(exe) == {i: first + i for i in range(n)}

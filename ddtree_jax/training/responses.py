@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import decode
+from ddtree_jax import decode, slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +67,7 @@ class Stats:
 
 
 def _put_rows(state: decode.State, rows, sub: decode.State) -> decode.State:
-    return decode.put_rows(state, rows, sub)
+    return slots.put_rows(state, rows, sub)
 
 
 put_rows = decode.donating_jit(_put_rows, donate_argnums=(0,))
@@ -117,7 +117,7 @@ def generate(target, requests: Iterable[Request], *, batch: int, max_prompt_toke
         return decode.init_state(spec, lens, opts, capacity, out_len, dtype), jnp.asarray(tokens)
 
     t0 = time.perf_counter()
-    state = decode.empty_slots(spec, batch, capacity, out_len, dtype)
+    state = slots.empty_slots(spec, batch, capacity, out_len, dtype)
     sub, toks = new_rows([None] * refill)
     prefill = decode.compiled(decode.prefill, spec, tparams, None, sub, toks)
     rounds = decode.compiled(decode.run_rounds, spec, tparams, None, state, jnp.int32(rounds_per_sync))

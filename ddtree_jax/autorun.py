@@ -1,0 +1,159 @@
+"""The run of ``--tree-budget auto`` on the host: timing compiled programs, and generate's loop of groups.
+
+Each form a run may take (policy.allowed at its slot batch) is one compiled group of rounds (``decode.run_group``).
+A program whose seconds per round the cost table (costs.py) does not know is timed here, on dummy sequences
+(:func:`rewind`, :func:`measure`); the engine times its programs with the same two functions. :class:`AutoRun` is
+``decode.generate``'s loop under auto: groups dispatched one ahead of the host's reading, each of the form a
+:class:`policy.Policy` picks from the statistics read so far.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax import costs, policy
+from ddtree_jax.decode import (NEVER, GenerateOptions, Spec, State, compiled, donating_jit, fault_message,
+                               run_forms, run_group)
+
+Array = jax.Array
+
+GROUP_ROUNDS = 8  # rounds per device call of an auto run (generate's; the engine's are --rounds-per-step)
+FIRST_GROUPS = (2, 4)  # ... except its first groups: the first informed choice comes after 2 rounds, not 8
+MEASURE_CALLS = 3  # timed calls of a new program (the median counts)
+
+
+def cost_table_for(spec: Spec, dtype, persist: bool = True) -> costs.CostTable:
+    """The cost table of this run's model shapes, dtype, device kind, attention and mesh; with ``persist``, the
+    cache directory's (costs.default_path), else in memory."""
+    mesh = None if spec.mesh is None else tuple(spec.mesh.shape.values())
+    sig = costs.signature(spec.target, spec.draft, jnp.dtype(dtype).name, jax.devices()[0].device_kind,
+                          spec.attention, mesh)
+    return costs.CostTable(sig, costs.default_path() if persist else None)
+
+
+def variant(spec: Spec) -> str:
+    """The sampling variant of a program, as cost keys name it: "greedy", "sampling" or "filtering"."""
+    return "filtering" if spec.filtering else "sampling" if spec.sampling else "greedy"
+
+
+def measure(fn: Callable, state: State, rewind: Callable[[State], State], calls: int = MEASURE_CALLS):
+    """Seconds per round of a compiled group ``fn`` (state -> (state, Snapshot)): the median of ``calls`` timed calls
+    after an untimed one, each from ``rewind(state)`` and waited for; (seconds, or None when no round ran; the state
+    it left)."""
+    per_round = []
+    for i in range(calls + 1):
+        state = jax.block_until_ready(rewind(state))
+        t0 = time.perf_counter()
+        state, snap = fn(state)
+        ran = int(np.max(jax.device_get(snap.new_rounds)))
+        if i and ran:
+            per_round.append((time.perf_counter() - t0) / ran)
+    return (float(np.median(per_round)) if per_round else None), state
+
+
+@functools.partial(donating_jit, donate_argnums=(0,))
+def rewind(state: State, mask: Array, length: Array, limit: Array) -> State:
+    """The sequences where ``mask`` [B] is set turned into runnable dummies for timing a program: not done, both
+    caches at ``length`` [B] tokens, no stop token, the output cut at ``limit`` [B]. Their contents are dead."""
+
+    def at(x, v):
+        return jnp.where(mask, v, x)
+
+    cache = dataclasses.replace(state.cache, length=at(state.cache.length, length))
+    dcache = state.dcache if state.dcache is None else dataclasses.replace(
+        state.dcache, length=at(state.dcache.length, length))
+    return dataclasses.replace(state, cache=cache, dcache=dcache, n_out=at(state.n_out, length + 1),
+                               limit=at(state.limit, limit), stop_at=at(state.stop_at, NEVER),
+                               stop_ids=jnp.where(mask[:, None], -1, state.stop_ids), done=state.done & ~mask)
+
+
+class AutoRun:
+    """generate's loop of groups of ``rounds`` rounds under ``tree_budget="auto"``: one compiled group per form allowed
+    at the batch (policy.allowed), each timed on a fresh state of the batch's shape (``fresh()``, its caches at the
+    prompt lengths) unless ``cost_table`` knows it already."""
+
+    def __init__(self, spec: Spec, options: GenerateOptions, tparams, dparams, fresh: Callable[[], State],
+                 n_prompts: int, rounds: int, cost_table, chooser):
+        template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), fresh())
+        self.batch = template.bonus.shape[0]
+        forms = policy.allowed(run_forms(options), self.batch, spec.draft.block_size)
+        self.spec, self.tparams, self.dparams, self.fresh = spec, tparams, dparams, fresh
+        self.n, self.rounds = n_prompts, rounds
+        self.costs = cost_table
+        self.policy = chooser or policy.Policy(forms, spec.predict)
+        starts = jax.ShapeDtypeStruct((self.batch,), jnp.int32)
+        count = jax.ShapeDtypeStruct((), jnp.int32)
+        self.fns, self.keys = {}, {}
+        for f in forms:
+            sp = spec.with_form(f, self.batch)
+            self.fns[f] = compiled(run_group, sp, tparams, dparams, template, starts, count, rounds)
+            self.keys[f] = costs.program_key(f, self.batch, variant(sp))
+        self.measure_s = 0.0
+
+    def _measure_new(self, lens: list[int]) -> None:
+        """Time the forms the table does not know, on a fresh state whose caches hold the prompts' lengths."""
+        todo = [f for f in self.fns if self.costs.get(self.keys[f]) is None]
+        if not todo:
+            return
+        t0 = time.perf_counter()
+        dummy = self.fresh()
+        everyone, length = jnp.ones((self.batch,), bool), jnp.asarray(lens, jnp.int32)
+        limit, rounds = length + self.spec.max_rounds, jnp.int32(self.rounds)
+        for f in todo:
+            fn = self.fns[f]
+            sec, dummy = measure(lambda s: fn(self.tparams, self.dparams, s, length, rounds), dummy,
+                                 lambda s: rewind(s, everyone, length, limit))
+            if sec is not None:
+                self.costs.measured(self.keys[f], sec, int(np.mean(lens)))
+        del dummy
+        self.measure_s += time.perf_counter() - t0
+
+    def decode(self, state: State, lens: list[int], on_tokens) -> State:
+        """Groups until every sequence is done: group g + 1 is dispatched before group g's Snapshot is read (its
+        window starts at group g's ends, on device), so the choice uses statistics one group old."""
+        self._measure_new(lens)
+        live = list(range(self.n))
+        for i in live:
+            self.policy.start(i)
+        emitted = np.asarray(lens)
+        starts = jnp.asarray(lens, jnp.int32)
+        inflight: collections.deque = collections.deque()
+        last = time.perf_counter()
+        sizes = [r for r in FIRST_GROUPS if r < self.rounds]
+        sizes += [self.rounds] * (-(-self.spec.max_rounds // self.rounds) + 1)  # every round commits: enough groups
+        for rounds in sizes:
+            options = {(f, self.batch): c for f, k in self.keys.items() if (c := self.costs.get(k)) is not None}
+            form, _ = self.policy.choose(live, options)
+            state, snap = self.fns[form](self.tparams, self.dparams, state, starts, jnp.int32(rounds))
+            starts = snap.end
+            inflight.append((form, snap))
+            if len(inflight) < 2:
+                continue
+            form, snap = inflight.popleft()
+            host = jax.device_get(snap)
+            now = time.perf_counter()
+            ran = int(np.max(host.new_rounds))
+            if ran:  # the device ran this group while the host waited: its time since the last read
+                self.costs.observe(self.keys[form], (now - last) / ran, int(np.mean(emitted)))
+            last = now
+            for i in live:
+                self.policy.observe(i, form, host.new_stats[i])
+            if on_tokens is not None:
+                on_tokens([host.window[i, : max(int(host.end[i]) - int(emitted[i]), 0)].tolist()
+                           for i in range(self.n)])
+            emitted = np.maximum(emitted, host.end)
+            live = [i for i in live if not host.done[i]]
+            if not live:
+                break
+        else:
+            raise RuntimeError(fault_message(self.spec, f"unfinished after {self.spec.max_rounds} rounds"))
+        self.costs.save()
+        return state
