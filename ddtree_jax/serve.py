@@ -6,7 +6,7 @@ Endpoints (the convention of vLLM and SGLang, callable with the official ``opena
     POST /v1/chat/completions   messages rendered with the model's chat template
     GET  /v1/models             the one served model
     GET  /health                200 when ready, 503 while compiling or after a failure
-    GET  /metrics               Prometheus text (see engine.Metrics)
+    GET  /metrics               Prometheus text (see metrics.Metrics)
 
 ``stream: true`` answers with server-sent events, ``data: {json}\\n\\n`` per chunk and ``data: [DONE]``
 at the end. Errors are OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``): 400 for a bad

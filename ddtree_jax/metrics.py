@@ -1,0 +1,98 @@
+"""The serving engine's Prometheus metrics: requests, tokens, rounds by form, latencies, the policy's view."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from ddtree_jax import decode
+
+if TYPE_CHECKING:  # annotations only: the engine imports this module
+    from ddtree_jax.engine import Engine, Program
+
+
+class Metrics:
+    """Prometheus metrics of one engine, in their own registry (serve.py exposes them on /metrics). Gauges read the
+    engine's queue, slots and programs when scraped; the engine thread counts steps, deliveries and requests."""
+
+    def __init__(self, engine: "Engine"):
+        import prometheus_client
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        prometheus_client.disable_created_metrics()  # no *_created series: they only clutter /metrics
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("ddtree_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
+        self.rejected = Counter("ddtree_requests_rejected", "Requests refused at submission", ["reason"], registry=r)
+        self.prompt_tokens = Counter("ddtree_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generated_tokens = Counter("ddtree_generated_tokens", "Tokens delivered to requests", registry=r)
+        self.rounds = Counter("ddtree_sequence_rounds", "Speculative rounds run, summed over sequences", registry=r)
+        self.committed = Counter("ddtree_committed_tokens", "Tokens committed by rounds (accepted path + bonus)",
+                                 registry=r)
+        Gauge("ddtree_mean_acceptance_length", "Committed tokens per sequence round since start (1 for ar)",
+              registry=r).set_function(lambda: self._ratio(self.committed, self.rounds))
+        Gauge("ddtree_tokens_per_second", "Delivered tokens per second over the last 10 s",
+              registry=r).set_function(self.tokens_per_second)
+        Gauge("ddtree_queue_length", "Requests waiting for a slot", registry=r).set_function(
+            lambda: engine.queue_length)
+        Gauge("ddtree_active_slots", "Slots decoding a request", registry=r).set_function(lambda: engine.active_slots)
+        Gauge("ddtree_slots", "Slots in the batch (--max-batch)", registry=r).set(engine.config.max_batch)
+        self.rounds_by_form = Counter("ddtree_form_sequence_rounds", "Rounds run, summed over sequences, by the form "
+                                      "they took (ar, chain, or the tree budget)", ["form"], registry=r)
+        self.steps_by_batch = Counter("ddtree_slot_batch_steps", "Steps (groups of rounds) run, by the slot batch "
+                                      "of their program", ["batch"], registry=r)
+        self.expected = Gauge("ddtree_expected_acceptance_length", "The policy's expected tokens a round over the live "
+                              "sequences at the form of the last step (1 for ar)", registry=r)
+        self.ratio = Gauge("ddtree_acceptance_ratio", "Mean over the live sequences of accepted / predicted tokens "
+                           "beyond the root (the policy's correction of the drafter)", registry=r)
+        Gauge("ddtree_programs_compiled", "Programs compiled (form x slot batch x sampling variant)",
+              registry=r).set_function(lambda: engine.programs_ready)
+        Gauge("ddtree_programs", "Programs the background compiler works towards", registry=r).set_function(
+            lambda: engine.programs_wanted)
+        lat = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+        self.round_latency = Histogram("ddtree_round_latency_seconds", "Wall time of one round of the batch "
+                                       "(device step / rounds it ran)", buckets=lat, registry=r)
+        self.prefill_latency = Histogram("ddtree_prefill_latency_seconds", "Admission of one request "
+                                         "(prefill + insert)", buckets=lat + (5.0, 10.0), registry=r)
+        slow = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+        self.ttft = Histogram("ddtree_time_to_first_token_seconds", "Submission to first delivered token",
+                              buckets=slow, registry=r)
+        self.latency = Histogram("ddtree_request_latency_seconds", "Submission to finish", buckets=slow, registry=r)
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        self._lock = threading.Lock()
+        self._started = time.perf_counter()
+
+    @staticmethod
+    def _ratio(num, den) -> float:
+        d = den._value.get()
+        return num._value.get() / d if d else 0.0
+
+    def stepped(self, engine: "Engine", program: "Program", live: list[int], snap: decode.Snapshot) -> None:
+        """Count a step of ``program`` (engine thread)."""
+        rounds = int(snap.new_rounds.sum())
+        self.rounds.inc(rounds)
+        self.rounds_by_form.labels(program.form).inc(rounds)
+        self.steps_by_batch.labels(str(program.size)).inc()
+        self.committed.inc(int(snap.new_tokens.sum()))
+        expected, ratio = engine.policy.summary(live, program.form)
+        self.expected.set(expected)
+        self.ratio.set(ratio)
+
+    def delivered(self, n: int) -> None:
+        if not n:
+            return
+        self.generated_tokens.inc(n)
+        now = time.perf_counter()
+        with self._lock:
+            self._recent.append((now, n))
+            while self._recent and self._recent[0][0] < now - 10.0:
+                self._recent.popleft()
+
+    def tokens_per_second(self) -> float:
+        now = time.perf_counter()
+        with self._lock:
+            while self._recent and self._recent[0][0] < now - 10.0:
+                self._recent.popleft()
+            total = sum(n for _, n in self._recent)
+        return total / max(min(10.0, now - self._started), 1e-3)
