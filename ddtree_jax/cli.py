@@ -25,7 +25,7 @@ EXIT_INTERNAL = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 DEBUG_ENV = "DDTREE_JAX_DEBUG"
-# --attention of every command (decode.resolve_attention): the Pallas kernels, the kernels with the attention
+# --attention of every command (kernels.resolve_attention): the Pallas kernels, the kernels with the attention
 # reading each layer's K/V in place from the stacked cache, the XLA path, or auto (Pallas on a GPU where it works)
 ATTENTIONS = ("auto", "pallas", "pallas-inplace", "xla")
 DTYPES = ("bfloat16", "float32")  # --dtype of every command: weights and matmul operands

@@ -1,7 +1,7 @@
 """Random inputs of the shapes DDTree gives the kernels: trees (random, chain, star), their ancestor masks,
 tree-attention problems, tree walks and a layer's q|k|v rows with caches (``qkv_write``). Shared by the kernels'
 validation and benchmarks (bench_kernels), the tests, and the once-per-process GPU probe
-(``ddtree_jax.decode.pallas_kernels_work``)."""
+(``ddtree_jax.kernels.pallas_kernels_work``)."""
 
 from __future__ import annotations
 

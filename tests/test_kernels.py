@@ -321,11 +321,11 @@ def test_random_trees_respect_depth():
 
 
 def test_the_gpu_probe_passes_in_the_interpreter():
-    """decode.kernel_mismatch, behind --attention auto on a GPU: both kernels (in the Mosaic GPU interpreter here)
+    """kernels.kernel_mismatch, behind --attention auto on a GPU: both kernels (in the Mosaic GPU interpreter here)
     match their references on its problems, and its walks go deep (it checks more than the root)."""
-    from ddtree_jax import decode
+    from ddtree_jax import kernels
 
-    assert decode.kernel_mismatch("pallas-interpret") is None
+    assert kernels.kernel_mismatch("pallas-interpret") is None
     tok, par, tgt = accept_inputs(np.random.default_rng(0), 8, 65, "random", 15)
     assert int(np.max(np.asarray(ta.tree_accept_reference(tok, par, tgt, max_depth=15)[1]))) >= 4
 
@@ -333,29 +333,29 @@ def test_the_gpu_probe_passes_in_the_interpreter():
 def test_the_in_place_probe_passes_and_catches_a_wrong_layer(monkeypatch):
     """The probe behind auto's choice of 'pallas-inplace' passes in the interpreter, and it fails when the kernel
     reads another layer of the stacked cache than the one asked for, or when qkv_write writes another layer."""
-    from ddtree_jax import decode
+    from ddtree_jax import kernels
     from pallas_kernels import qkv_write as qw
 
-    assert decode.kernel_mismatch("pallas-inplace-interpret") is None
+    assert kernels.kernel_mismatch("pallas-inplace-interpret") is None
     right = tat.tree_attention
     monkeypatch.setattr(tat, "tree_attention", lambda *a, layer=None, **kw: right(*a, layer=layer + 1, **kw))
-    assert "pallas-inplace" in decode.kernel_mismatch("pallas-inplace-interpret")
+    assert "pallas-inplace" in kernels.kernel_mismatch("pallas-inplace-interpret")
     monkeypatch.undo()
     right_qkv = qw.qkv_write
     monkeypatch.setattr(qw, "qkv_write", lambda *a, **kw: right_qkv(*a[:7], a[7] - 1, *a[8:], **kw))
-    assert "qkv_write" in decode.kernel_mismatch("pallas-inplace-interpret")
+    assert "qkv_write" in kernels.kernel_mismatch("pallas-inplace-interpret")
 
 
 def test_auto_prefers_in_place_then_sliced_then_xla_on_a_gpu(monkeypatch):
-    from ddtree_jax import decode
+    from ddtree_jax import kernels
 
-    monkeypatch.setattr(decode.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(kernels.jax, "default_backend", lambda: "gpu")
     for works, want in [({"pallas-inplace", "pallas"}, "pallas-inplace"), ({"pallas"}, "pallas"), (set(), "xla")]:
-        monkeypatch.setattr(decode, "pallas_kernels_work", lambda impl, works=works: impl in works)
-        assert decode.resolve_attention("auto") == want
-    monkeypatch.setattr(decode.jax, "default_backend", lambda: "cpu")
-    assert decode.resolve_attention("auto") == "xla"
-    assert decode.resolve_attention("pallas-inplace") == "pallas-inplace-interpret"
+        monkeypatch.setattr(kernels, "pallas_kernels_work", lambda impl, works=works: impl in works)
+        assert kernels.resolve_attention("auto") == want
+    monkeypatch.setattr(kernels.jax, "default_backend", lambda: "cpu")
+    assert kernels.resolve_attention("auto") == "xla"
+    assert kernels.resolve_attention("pallas-inplace") == "pallas-inplace-interpret"
 
 
 # the tiny shape with two target layers: enough to tell the layers of a stacked cache or weight apart (the Pallas
