@@ -197,9 +197,11 @@ class Policy:
         if unknown:
             return unknown[0]
         best = max(options, key=lambda k: (self.total(seqs, k[0]) / options[k], -options[k]))
-        if best[0] != AR or not speculative:
+        if best[0] != AR:
             self.probe_every, self._ar_groups, self._probed = FIRST_PROBE_EVERY, 0, False
             return best
+        if not speculative:  # nothing to probe now (e.g. no speculative program timed at this slot batch yet): the
+            return best  # wait between probes stays what the probes so far earned
         if self._probed:  # the last probe changed nothing
             self.probe_every, self._probed = min(2 * self.probe_every, MAX_PROBE_EVERY), False
         self._ar_groups += 1

@@ -107,6 +107,23 @@ def test_falls_back_to_ar_when_the_drafter_is_useless_and_probes_less_and_less()
         assert spent / (len(choices) * COSTS["ar"]) < 1.02
 
 
+def test_steps_with_nothing_to_probe_keep_the_wait_between_probes():
+    """A step whose slot batch has only AR timed (nothing speculative to choose) is no evidence for speculation:
+    the wait the useless probes earned stays."""
+    pred = curve(0.02)
+    p = policy.Policy(FORMS, TREES)
+    p.start(0)
+    p.observe(0, "16", stats(8, 1.0, pred[0], 1.01, pred))
+    for _ in range(40):
+        form, _ = p.choose([0], options())
+        if form != "ar":
+            p.observe(0, form, stats(4, 1.0, 1.01, 1.01, pred))
+    earned = p.probe_every
+    assert earned > policy.FIRST_PROBE_EVERY
+    assert p.choose([0], {("ar", 1): COSTS["ar"]}) == ("ar", 1)
+    assert p.probe_every == earned
+
+
 def test_returns_to_speculation_when_a_probe_shows_acceptance():
     pred = curve(6.0)
     p = policy.Policy(FORMS, TREES)
