@@ -1079,8 +1079,8 @@ LAYOUT_CHOICES = tuple(x for x in LAYOUTS if x != "auto")  # --layout, --draft-l
 
 
 def build_parser() -> cli.ArgumentParser:
-    here = os.path.dirname(os.path.abspath(__file__))
-    fixtures_default = os.path.join(os.path.dirname(here), "tests", "fixtures", "ddtree_reference")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    fixtures_default = os.path.join(repo, "tests", "fixtures", "ddtree_reference")
     p = cli.ArgumentParser(prog="python -m ddtree_jax.bench", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="mode", required=True, parser_class=cli.ArgumentParser)
@@ -1392,7 +1392,3 @@ def _main(argv: Sequence[str] | None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     return cli.run(_main, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
