@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import bench, moe, projection, shapes
+from ddtree_jax.bench.records import now
 from pallas_kernels import grouped_matmul as gmm
 
 PAPER_MODEL = "qwen3-coder-30b-a3b"  # the paper's pair this script measures (benchmarks/paper_tau.json)
@@ -247,7 +248,7 @@ def main(argv=None) -> int:
         ROWS, TOKENS, KERNEL = (1, 8, 40), (1, 9), "pallas-interpret"
     t_start = time.time()
     os.makedirs(args.out, exist_ok=True)
-    result: dict = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": bench._now(),
+    result: dict = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": now(),
                     "command": " ".join(sys.argv), "gather_max_pairs": moe.GATHER_MAX_PAIRS}
     path = os.path.join(args.out, "moe_h200.json")
 

@@ -40,23 +40,22 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import datetime
 import functools
 import gzip
 import json
-import math
 import os
 import platform
-import re
-import shlex
 import statistics
 import sys
 import time
 from typing import Any, Callable, Sequence
 
 from ddtree_jax import cli, projection, tables
+from ddtree_jax.bench.analysis import hlo_summary, profile_summary, weight_shape_strings
+from ddtree_jax.bench.records import ARGV, command, fmt_breakdown, log, now, print_table, write_json
+from ddtree_jax.bench.timing import J, Timer, aot, loop_us, make_spec, make_state, reset, sync
 from ddtree_jax.shapes import SHAPES, Shape, build_params, model_configs
-from ddtree_jax.tuning import LAYOUTS, Tuning
+from ddtree_jax.tuning import LAYOUTS
 
 PEER = {  # the official PyTorch DDTree code on the same H200, Qwen3-8B shapes, prompt 512, random weights
     "ar_ms": 78.5,
@@ -65,15 +64,6 @@ PEER = {  # the official PyTorch DDTree code on the same H200, Qwen3-8B shapes, 
     "host_tree_build_ms_range": [0.7, 1.2],
 }
 TARGETS = {"ar_over_roofline": 1.15, "ddtree64_over_ar": 1.25, "ddtree256_over_ar": 1.5, "tree_build_256_us": 50.0}
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-def _log(msg: str) -> None:
-    sys.stderr.write(f"[{time.strftime('%H:%M:%S')}] {msg}\n")
-    sys.stderr.flush()
 
 
 # =============================================================================================== fixtures
@@ -127,15 +117,15 @@ def _fixtures(args) -> int:
                 "rounds": rounds, "mean_acceptance_length": (sum(acc) / len(acc)) if acc else None,
                 "tokens_per_round": sum(res.num_generated) / len(group) / max(rounds, 1),
                 "matches_reference": parity, "attention": res.attention, "compile_s": compile_s,
-                "mesh": args.mesh, "device": jax.devices()[0].device_kind, "date": _now(), "command": _command(),
+                "mesh": args.mesh, "device": jax.devices()[0].device_kind, "date": now(), "command": command(),
             }
             records.append(rec)
-            _log(f"{method:6s} budget={budget} batch={len(group)}: {rec['ms_per_round']:.2f} ms/round, "
+            log(f"{method:6s} budget={budget} batch={len(group)}: {rec['ms_per_round']:.2f} ms/round, "
                  f"acceptance {rec['mean_acceptance_length']}, parity {parity}")
-    _print_table(records, ["method", "budget", "batch", "prompt_len", "ms_per_round", "mean_acceptance_length",
+    print_table(records, ["method", "budget", "batch", "prompt_len", "ms_per_round", "mean_acceptance_length",
                            "tokens_per_round", "matches_reference"])
     if args.json:
-        _write_json(args.json, records)
+        write_json(args.json, records)
     if not all(r["matches_reference"] for r in records):
         cli.warn("some outputs differ from the reference AR output")
         return 1
@@ -146,159 +136,6 @@ def _nbytes(tree) -> int:
     import jax
 
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
-# =============================================================================================== state + stages
-def _jitted():
-    """The compiled-once helpers (built lazily so that importing this module does not import jax)."""
-    import jax
-    import jax.numpy as jnp
-
-    from ddtree_jax import cache as kvcache, decode
-
-    @functools.partial(decode.donating_jit, static_argnums=(2, 3), donate_argnums=(0,))
-    def randomize(state, key, prompt_len: int, vocab: int):
-        ks = jax.random.split(key, 6)
-
-        def rnd(k, x):
-            return jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype)
-
-        full = jnp.full_like(state.cache.length, prompt_len)
-        cache = kvcache.KVCache(rnd(ks[0], state.cache.k), rnd(ks[1], state.cache.v), full)
-        dcache = state.dcache
-        if dcache is not None:
-            dcache = kvcache.KVCache(rnd(ks[2], dcache.k), rnd(ks[3], dcache.v), full)
-        context = None if state.context is None else rnd(ks[4], state.context)
-        bonus = jax.random.randint(ks[5], state.bonus.shape, 0, vocab - 1, jnp.int32)
-        return dataclasses.replace(state, cache=cache, dcache=dcache, context=context,
-                                   context_count=jnp.ones_like(state.context_count), bonus=bonus,
-                                   n_out=state.prompt_len + 1)
-
-    @functools.partial(decode.donating_jit, static_argnums=(0,), donate_argnums=(3,))
-    def stage_draft(spec, tp, dp, state):
-        logits, dcache = decode.draft_logits(spec, tp, dp, state)
-        return logits, dataclasses.replace(state, dcache=dcache)
-
-    @functools.partial(jax.jit, static_argnums=(0,))
-    def stage_tree(spec, logits):
-        return decode.build_tree(spec, logits)[0]
-
-    @functools.partial(decode.donating_jit, static_argnums=(0,), donate_argnums=(2,))
-    def stage_verify(spec, tp, state, tree):
-        logits, cache, taps, tokens, depths = decode.verify(spec, tp, state, tree)
-        return (logits, taps, tokens, depths), dataclasses.replace(state, cache=cache)
-
-    @functools.partial(decode.donating_jit, static_argnums=(0,), donate_argnums=(1,))
-    def stage_accept(spec, state, tree, outs):
-        logits, taps, tokens, depths = outs
-        return decode.accept_commit(spec, state, tree, state.dcache, logits, state.cache, taps, tokens, depths)
-
-    return dict(randomize=randomize, stage_draft=stage_draft, stage_tree=stage_tree, stage_verify=stage_verify,
-                stage_accept=stage_accept)
-
-
-_J: dict = {}
-
-
-def J(name: str):
-    if not _J:
-        _J.update(_jitted())
-    return _J[name]
-
-
-def reset(state, prompt_len: int):
-    """Back to the freshly prefilled lengths (every timing run starts from the same prefix)."""
-    import jax.numpy as jnp
-
-    b = state.bonus.shape[0]
-    cache = dataclasses.replace(state.cache, length=jnp.full((b,), prompt_len, jnp.int32))
-    dcache = state.dcache  # its own length array: a donated call must not see one buffer twice
-    if dcache is not None:
-        dcache = dataclasses.replace(dcache, length=jnp.full((b,), prompt_len, jnp.int32))
-    return dataclasses.replace(state, cache=cache, dcache=dcache, n_rounds=jnp.zeros((b,), jnp.int32),
-                               done=jnp.zeros((b,), bool), n_out=jnp.full((b,), prompt_len + 1, jnp.int32))
-
-
-def make_spec(tcfg, dcfg, method: str, budget: int, attention: str, mesh=None, *, temperature: float = 0.0,
-              top_p: float = 1.0, top_k: int = 0, tuning: Tuning = Tuning()):
-    """decode.make_spec for one grid point (greedy unless a temperature is given) under ``tuning``."""
-    from ddtree_jax import decode
-
-    opts = decode.GenerateOptions(method=method, max_new_tokens=256, tree_budget=max(budget, 1), attention=attention,
-                                  temperature=temperature, top_p=top_p, top_k=top_k)
-    return decode.make_spec(tcfg, dcfg if method != "ar" else None, opts, tuning, mesh=mesh)
-
-
-def make_state(spec, vocab: int, batch: int, prompt_len: int, capacity: int, out_len: int, dtype, seed: int = 1, *,
-               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0):
-    """A batch of random prompts' caches for ``spec`` (the sequences greedy unless a temperature is given; sequence
-    i samples with seed i)."""
-    import jax
-
-    from ddtree_jax import decode
-
-    opts = [decode.GenerateOptions(method=spec.method, max_new_tokens=256, temperature=temperature, top_p=top_p,
-                                   top_k=top_k, seed=i) for i in range(batch)]
-    state = decode.init_state(spec, [prompt_len] * batch, opts, capacity, out_len, dtype)
-    return J("randomize")(state, jax.random.key(seed), prompt_len, vocab)
-
-
-def loop_us(fn, xs) -> float:
-    """Device microseconds per call of ``fn`` over the leading axis of ``xs`` (K distinct inputs): the K calls in
-    one jitted ``fori_loop`` (static trip count), median of 5 timings, / K. The loop's own cost is included
-    (time ``lambda x: x[..., :1]`` for it)."""
-    import jax
-    import jax.numpy as jnp
-
-    def body(i, acc):
-        leaves = jax.tree.leaves(fn(jax.tree.map(lambda a: a[i], xs)))
-        return acc + sum(x.reshape(-1)[-1].astype(jnp.int32) for x in leaves)
-
-    n = jax.tree.leaves(xs)[0].shape[0]
-    f = jax.jit(lambda xs: jax.lax.fori_loop(0, n, body, jnp.int32(0)))
-    f(xs).block_until_ready()
-    ts = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        f(xs).block_until_ready()
-        ts.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(ts) / n
-
-
-def _sync(x):
-    import jax
-
-    return jax.block_until_ready(x)
-
-
-class Timer:
-    """Median over repeats of (wall time of k chained calls) / k, each repeat from a reset state."""
-
-    def __init__(self, repeats: int):
-        self.repeats = repeats
-
-    def chain(self, step: Callable, state, k: int, prompt_len: int):
-        """step(state) -> (state, out); returns (ms per call, state)."""
-        times = []
-        for _ in range(self.repeats):
-            state = _sync(reset(state, prompt_len))
-            t0 = time.perf_counter()
-            out = None
-            for _ in range(k):
-                state, out = step(state)
-            _sync((state, out))
-            times.append(1e3 * (time.perf_counter() - t0) / k)
-        return statistics.median(times), state, times
-
-
-def aot(jitted, *args):
-    """Lower and compile once (ahead of time) with decode.XLA_OPTIONS, as decode.generate does; returns
-    (compiled, seconds)."""
-    from ddtree_jax import decode
-
-    t0 = time.perf_counter()
-    compiled = jitted.lower(*args).compile(decode.XLA_OPTIONS)
-    return compiled, time.perf_counter() - t0
 
 
 # =============================================================================================== ceilings
@@ -340,139 +177,6 @@ def measure_ceilings(quick: bool) -> dict:
             "matmul_tflops": 2 * m**3 / mm_ms / 1e9, "matmul_n": m}
 
 
-# =============================================================================================== analysis
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[([\d,]*)\](?:\{[^}]*\})?\s+([\w\-]+)\(")
-_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s64": 8, "u64": 8, "pred": 1, "s8": 1, "u8": 1,
-          "f64": 8, "s16": 2, "u16": 2}
-
-
-def hlo_summary(text: str, weight_shapes: set[str] | None = None, top: int = 20) -> dict:
-    """What a compiled module does that a round should not: host transfers, conditionals (XLA's GPU runtime
-    copies a data-dependent predicate to the host and waits for it), and big buffers made by copies / slices
-    (for example a weight or a whole cache copied every step)."""
-    host = {pat: len(re.findall(pat, text)) for pat in
-            (r"\binfeed\(", r"\boutfeed\(", r"\bsend\(", r"\brecv\(", r"\bsend-done\(", r"\brecv-done\(")}
-    targets: dict[str, int] = {}
-    for t in re.findall(r'custom_call_target="([^"]+)"', text):
-        targets[t] = targets.get(t, 0) + 1
-    callbacks = {t: c for t, c in targets.items() if "callback" in t.lower() or "host" in t.lower()}
-    big, copies, weight_like = [], [], []
-    for line in text.splitlines():
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        name, dt, dims, op = m.groups()
-        if op in ("parameter", "get-tuple-element", "bitcast", "tuple", "constant"):
-            continue
-        size = math.prod(int(d) for d in dims.split(",") if d) * _BYTES.get(dt, 4)
-        meta = re.search(r'op_name="([^"]+)"', line)
-        entry = {"name": name, "op": op, "shape": f"{dt}[{dims}]", "bytes": size,
-                 "op_name": meta.group(1)[-120:] if meta else ""}
-        if "calls=" in line:
-            entry["calls"] = re.search(r"calls=%?([\w.\-]+)", line).group(1)
-        if size >= (8 << 20):
-            big.append(entry)
-        if op in ("copy", "copy-start") and size >= (1 << 20):
-            copies.append(entry)
-        bare = ",".join(d for d in dims.split(",") if d) if dims else ""
-        while bare.startswith("1,"):
-            bare = bare[2:]
-        if weight_shapes and op in ("fusion", "fusion-done", "copy", "copy-done", "dynamic-slice", "slice") \
-                and f"{dt}[{bare}]" in weight_shapes:
-            weight_like.append(entry)
-    big.sort(key=lambda e: -e["bytes"])
-    async_slices = len(re.findall(r"fusion-start\(.*dynamic_slice", text))
-    return {
-        "host_transfer_ops": host, "host_callbacks": callbacks, "custom_call_targets": targets,
-        "while_loops": len(re.findall(r"\swhile\(", text)), "fusions": len(re.findall(r"\sfusion\(", text)),
-        "conditionals": len(re.findall(r"\sconditional\(", text)),  # on GPU the host reads each one's predicate
-        "copies_over_1MiB": copies[:top], "n_copies_over_1MiB": len(copies),
-        "largest_buffers": big[:top], "weight_shaped_outputs": weight_like[:top],
-        "n_weight_shaped_outputs": len(weight_like), "async_dynamic_slice_copies": async_slices,
-        "hlo_chars": len(text),
-    }
-
-
-def weight_shape_strings(tp, dp) -> set[str]:
-    """'bf16[4096,12288]'-style strings of one layer's weight matrices (a per-layer copy would show them)."""
-    import jax
-
-    out = set()
-    for layers in (tp.layers, dp.layers):
-        stacked = not isinstance(layers, (tuple, list))
-        for x in jax.tree.leaves(layers if stacked else layers[0]):
-            dims = x.shape[1:] if stacked else x.shape
-            if len(dims) >= 2:
-                out.add(f"{_dtname(x.dtype)}[{','.join(str(d) for d in dims)}]")
-    for x in (tp.lm_head, tp.embed):
-        if x is not None:
-            out.add(f"{_dtname(x.dtype)}[{','.join(str(d) for d in x.shape)}]")
-    return out
-
-
-def _dtname(dt) -> str:
-    return {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}.get(str(dt), str(dt))
-
-
-def busy_and_gaps(spans: list[tuple[int, int]]) -> tuple[int, list[int]]:
-    """Kernel intervals (start, end) sorted by start -> (time some interval covers, the idle gaps between them)."""
-    busy, gaps, (cur_s, cur_e) = 0, [], spans[0]
-    for s, e in spans[1:]:
-        if s > cur_e:
-            busy += cur_e - cur_s
-            gaps.append(s - cur_e)
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    return busy + cur_e - cur_s, gaps
-
-
-def profile_summary(path: str, top: int = 25) -> dict:
-    """Summarise a jax.profiler xplane.pb: device kernels by total time, busy vs span, gaps, memcpys."""
-    import jax
-
-    pd = jax.profiler.ProfileData.from_file(path)
-    out: dict[str, Any] = {"planes": []}
-    for plane in pd.planes:
-        lines = list(plane.lines)
-        out["planes"].append({"name": plane.name, "lines": [ln.name for ln in lines][:12]})
-        if not plane.name.startswith("/device:"):
-            continue
-        kernels: dict[str, list[float]] = {}
-        spans = []
-        memcpy: dict[str, int] = {}
-        modules = []
-        for ln in lines:
-            evs = list(ln.events)
-            if ln.name.startswith("XLA Modules"):
-                modules += [(e.name, e.duration_ns / 1e3) for e in evs]
-            if not ln.name.startswith("Stream"):
-                continue
-            for e in evs:
-                nm = e.name
-                low = nm.lower()
-                if "memcpy" in low or "memset" in low:
-                    key = next((d for d in ("dtoh", "d2h", "htod", "h2d", "dtod", "d2d", "memset") if d in low), low[:20])
-                    memcpy[key] = memcpy.get(key, 0) + 1
-                kernels.setdefault(nm, []).append(e.duration_ns / 1e3)
-                spans.append((e.start_ns, e.start_ns + e.duration_ns))
-        if not spans:
-            continue
-        spans.sort()
-        busy, gaps = busy_and_gaps(spans)
-        gaps = [g / 1e3 for g in gaps]
-        total = sorted(((sum(v), len(v), k) for k, v in kernels.items()), reverse=True)
-        out[plane.name] = {
-            "span_us": (spans[-1][1] - spans[0][0]) / 1e3, "busy_us": busy / 1e3,
-            "n_events": len(spans), "gaps_over_5us": sum(g > 5 for g in gaps),
-            "gap_us_over_5us": sum(g for g in gaps if g > 5), "largest_gaps_us": sorted(gaps)[-8:],
-            "memcpy_counts": memcpy,
-            "top_kernels": [{"name": k[:140], "total_us": t, "count": c} for t, c, k in total[:top]],
-            "modules": [{"name": n[:80], "us": d} for n, d in modules[:40]],
-        }
-    return out
-
-
 # =============================================================================================== models mode
 class Bench:
     def __init__(self, args):
@@ -485,8 +189,8 @@ class Bench:
         self.device = jax.devices()[0].device_kind
         self.records: list[dict] = []
         self.details: dict[str, Any] = {"meta": {
-            "date": _now(), "device": self.device, "backend": jax.default_backend(), "jax": jax.__version__,
-            "python": platform.python_version(), "command": _command(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "date": now(), "device": self.device, "backend": jax.default_backend(), "jax": jax.__version__,
+            "python": platform.python_version(), "command": command(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
         }, "items": []}
         self.timer = Timer(args.repeats)
         self.out = args.out
@@ -497,15 +201,15 @@ class Bench:
         return self.args.time_budget_s - (time.time() - self.t_start)
 
     def flush(self):
-        _write_json(os.path.join(self.out, self.args.results_name), self.records)
-        _write_json(os.path.join(self.out, "bench_details.json"), self.details)
+        write_json(os.path.join(self.out, self.args.results_name), self.records)
+        write_json(os.path.join(self.out, "bench_details.json"), self.details)
 
     def item(self, name: str, fn: Callable, *a, min_left: float = 0.0, **kw):
         if self.left() < min_left:
-            _log(f"skip {name}: {self.left():.0f}s left")
+            log(f"skip {name}: {self.left():.0f}s left")
             self.details["items"].append({"name": name, "skipped": True})
             return None
-        _log(f"start {name} ({self.left():.0f}s left)")
+        log(f"start {name} ({self.left():.0f}s left)")
         t0 = time.time()
         try:
             res = fn(*a, **kw)
@@ -545,16 +249,16 @@ class Bench:
                         for m in ("ar", "dflash", "ddtree")}
         tp_ar = (decode.device_layout(tp, layout=self.layouts["ar"])
                  if "ar" in args.methods and self.layouts["ar"] != self.layouts["ddtree"] else None)
-        tp, dp = _sync((decode.device_layout(tp, layout=self.layouts["ddtree"]),
+        tp, dp = sync((decode.device_layout(tp, layout=self.layouts["ddtree"]),
                         decode.device_layout(dp, layout=args.draft_layout)))
-        tp_ar = _sync(tp_ar) if tp_ar is not None else tp
+        tp_ar = sync(tp_ar) if tp_ar is not None else tp
         info = {"layout": self.layouts["ddtree"], "ar_layout": self.layouts["ar"], "draft_layout": args.draft_layout,
             "build_s": time.time() - t0, "target_bytes": _nbytes(tp), "draft_bytes": _nbytes(dp),
             "target_layer_bytes": _nbytes(tp.layers), "lm_head_bytes": _nbytes(tp.lm_head),
             "embed_bytes": _nbytes(tp.embed),
         }
         self.details.setdefault("models", {})[shape.name] = info
-        _log(f"{shape.name}: built in {info['build_s']:.1f}s, target {info['target_bytes'] / 1e9:.2f} GB, "
+        log(f"{shape.name}: built in {info['build_s']:.1f}s, target {info['target_bytes'] / 1e9:.2f} GB, "
              f"drafter {info['draft_bytes'] / 1e9:.2f} GB")
         self.ctx = dict(shape=shape, tcfg=tcfg, dcfg=dcfg, tp=tp, tp_ar=tp_ar, dp=dp,
                         wshapes=weight_shape_strings(tp, dp))
@@ -619,7 +323,7 @@ class Bench:
         i32 = jnp.int32
         compiled, cs = aot(decode.run_rounds, spec, tp, dpp, state, i32(n))
         info["compile_s"]["run_rounds"] = cs
-        state = _sync(compiled(tp, dpp, reset(state, prompt_len), i32(2)))  # warm
+        state = sync(compiled(tp, dpp, reset(state, prompt_len), i32(2)))  # warm
 
         def rounds_step(st):
             st = compiled(tp, dpp, st, i32(n))
@@ -631,17 +335,17 @@ class Bench:
         rec["ms_per_round"] = ms
         info["ms_per_round_repeats"] = [t / n for t in all_ms]
         info["mean_acceptance_length"] = float(hist.mean()) if method != "ar" else None
-        rec.update({"date": _now(), "command": _command(), "device": self.device, "details": info})
+        rec.update({"date": now(), "command": command(), "device": self.device, "details": info})
         self.records.append(rec)  # recorded now (and completed below): a timeout later keeps this number
         self.flush()
-        _log(f"  rounds: {ms:.3f} ms/round (compile {cs:.1f}s)")
+        log(f"  rounds: {ms:.3f} ms/round (compile {cs:.1f}s)")
         routed = None  # an MoE target's experts touched per layer by one more round (moe_cost; one device)
         if tcfg.num_experts and self.mesh is None:
             from ddtree_jax import moe_cost
 
             routed = info["experts"] = moe_cost.routed(spec, tp, dpp, state)
             rec["distinct_experts"] = routed["mean"]
-            _log(f"  experts touched per layer: {routed['mean']:.1f} ({routed['min']}-{routed['max']}; uniform "
+            log(f"  experts touched per layer: {routed['mean']:.1f} ({routed['min']}-{routed['max']}; uniform "
                  f"routing of {routed['tokens']} rows: {routed['uniform']:.1f})")
         if extras and args.hlo:
             text = compiled.as_text()
@@ -698,10 +402,10 @@ class Bench:
             if "one_call_vs_separate" in heavy:
                 info["one_call_vs_separate"] = heavy["one_call_vs_separate"]
         rec.update({"roofline_ms": rec.get("roofline_ms"), "breakdown_ms": rec.get("breakdown_ms"),
-                    "date": _now(), "command": _command(), "device": self.device, "attention": spec.attention,
+                    "date": now(), "command": command(), "device": self.device, "attention": spec.attention,
                     "layout": self.layouts[method], "draft_layout": args.draft_layout,  # what projection filters on
                     "mean_acceptance_length": info["mean_acceptance_length"], "details": info})
-        _log(f"  -> {ms:.3f} ms/round" + (f", breakdown {_fmt(rec.get('breakdown_ms'))}" if args.breakdown else "")
+        log(f"  -> {ms:.3f} ms/round" + (f", breakdown {fmt_breakdown(rec.get('breakdown_ms'))}" if args.breakdown else "")
              + (f", ratio to AR {rec['ratio_to_ar']:.3f}" if rec.get("ratio_to_ar") else "")
              + (f", roofline {rec['roofline_ms']:.3f} ms" if rec.get("roofline_ms") else ""))
         del state
@@ -755,7 +459,7 @@ class Bench:
                 t0 = time.perf_counter()
                 compiled = decode.run_rounds.lower(spec, tp, dp, state, jnp.int32(n)).compile(options)
                 cs = time.perf_counter() - t0
-                state = _sync(compiled(tp, dp, reset(state, prompt_len), jnp.int32(2)))
+                state = sync(compiled(tp, dp, reset(state, prompt_len), jnp.int32(2)))
 
                 def step(st, compiled=compiled):
                     st = compiled(tp, dp, st, jnp.int32(n))
@@ -766,7 +470,7 @@ class Bench:
                 out[name] = {"options": options, "ms_per_round": ms / n, "compile_s": cs,
                              "n_weight_shaped_outputs": hlo["n_weight_shaped_outputs"],
                              "n_copies_over_1MiB": hlo["n_copies_over_1MiB"], "fusions": hlo["fusions"]}
-                _log(f"  ab {name}: {ms / n:.3f} ms/round (base {base_ms:.3f})")
+                log(f"  ab {name}: {ms / n:.3f} ms/round (base {base_ms:.3f})")
             except Exception as e:  # noqa: BLE001
                 out[name] = {"options": options, "error": repr(e)[:500]}
         return out, state
@@ -780,7 +484,7 @@ class Bench:
         for mode in ("one_call", "separate_async", "separate_blocking"):
             times = []
             for _ in range(self.args.repeats):
-                state = _sync(reset(state, prompt_len))
+                state = sync(reset(state, prompt_len))
                 t0 = time.perf_counter()
                 if mode == "one_call":
                     state = compiled(tp, dp, state, jnp.int32(n))
@@ -788,8 +492,8 @@ class Bench:
                     for _ in range(n):
                         state = compiled(tp, dp, state, one)
                         if mode == "separate_blocking":
-                            _sync(state.n_rounds)
-                _sync(state)
+                            sync(state.n_rounds)
+                sync(state)
                 times.append(1e3 * (time.perf_counter() - t0) / n)
             res[f"{mode}_ms_per_round"] = statistics.median(times)
         res["host_overhead_per_call_ms"] = res["separate_blocking_ms_per_round"] - res["one_call_ms_per_round"]
@@ -804,9 +508,9 @@ class Bench:
         import jax.numpy as jnp
 
         d = os.path.join("/tmp", f"ddtree_prof_{tag}_{os.getpid()}")
-        state = _sync(reset(state, prompt_len))
+        state = sync(reset(state, prompt_len))
         with jax.profiler.trace(d):
-            state = _sync(compiled(tp, dp, state, jnp.int32(self.args.profile_rounds)))
+            state = sync(compiled(tp, dp, state, jnp.int32(self.args.profile_rounds)))
         files = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True))
         if not files:
             return {"error": "no trace written"}, state
@@ -910,18 +614,12 @@ class Bench:
                     np.array_equal(np.asarray(getattr(got[0], f)), np.asarray(getattr(other, f)))
                     for other in got[1:] for f in ("tokens", "depths", "parents", "bits")))
                 res[f"b{b}_budget{budget}"] = row
-                _log(f"  tree b{b} budget {budget}: " + ", ".join(
+                log(f"  tree b{b} budget {budget}: " + ", ".join(
                     f"{kk_}={v:.1f}" if isinstance(v, float) else f"{kk_}={v}" for kk_, v in row.items()))
                 self.details.setdefault("tree_micro", {})[shape.name] = res
                 self.flush()
             del xs
         return res
-
-
-def _fmt(d) -> str:
-    if not d:
-        return "-"
-    return " ".join(f"{k}={v:.3f}" for k, v in d.items() if isinstance(v, (int, float)))
 
 
 def _models(args) -> int:
@@ -952,15 +650,15 @@ def _models(args) -> int:
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     bench = Bench(args)
-    _log(f"device {bench.device}, backend {jax.default_backend()}, budget {args.time_budget_s:.0f}s")
+    log(f"device {bench.device}, backend {jax.default_backend()}, budget {args.time_budget_s:.0f}s")
     bench.details["ceilings"] = bench.item("ceilings", measure_ceilings, args.quick) or {}
-    _log(f"ceilings: {bench.details['ceilings']}")
+    log(f"ceilings: {bench.details['ceilings']}")
     for m in args.models:
         bench.item(f"model {m}", bench.run_model, SHAPES[m])
     bench.details["meta"]["total_s"] = time.time() - bench.t_start
     bench.flush()
     moe = ["distinct_experts"] if any("distinct_experts" in r for r in bench.records) else []
-    _print_table(bench.records, ["model", "method", "budget", "batch", "prompt_len", "ms_per_round", "roofline_ms",
+    print_table(bench.records, ["model", "method", "budget", "batch", "prompt_len", "ms_per_round", "roofline_ms",
                                  "ratio_to_roofline", "ratio_to_ar", "floor_ms", *moe], breakdown=True)
     return 0
 
@@ -973,55 +671,6 @@ def _kernels(rest: list[str]) -> int:
         raise cli.UsageError(f"pallas_kernels.bench_kernels is not available here ({e})") from None
     code = bench_kernels.main(rest)
     return 0 if code is None else int(code)
-
-
-# =============================================================================================== output
-def _command() -> str:
-    return "python -m ddtree_jax.bench " + " ".join(shlex.quote(a) for a in _ARGV)
-
-
-_ARGV: list[str] = []
-
-
-def _write_json(path: str, obj) -> None:
-    d = os.path.dirname(path)
-    if d:
-        os.makedirs(d, exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, default=_jsonable)
-    os.replace(tmp, path)
-
-
-def _jsonable(x):
-    try:
-        import numpy as np
-
-        if isinstance(x, np.generic):
-            return x.item()
-        if isinstance(x, np.ndarray):
-            return x.tolist()
-    except ImportError:
-        pass
-    return str(x)
-
-
-def _print_table(records: list[dict], cols: list[str], breakdown: bool = False) -> None:
-    rows = []
-    for r in records:
-        row = []
-        for c in cols:
-            v = r.get(c)
-            row.append(f"{v:.3f}" if isinstance(v, float) else "-" if v is None else str(v))
-        if breakdown:
-            row.append(_fmt(r.get("breakdown_ms")))
-        rows.append(row)
-    head = cols + (["breakdown_ms"] if breakdown else [])
-    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
-    print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
-    for row in rows:
-        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
-    sys.stdout.flush()
 
 
 # =============================================================================================== CLI
@@ -1280,7 +929,7 @@ def _pair(args) -> int:
     for name, row in table.items():
         ar = table["ar"]["tokens_per_s"]
         row["speedup"] = row["tokens_per_s"] / ar if ar and row["tokens_per_s"] else None
-    out = {"date": _now(), "command": _command(), "device": jax.devices()[0].device_kind,
+    out = {"date": now(), "command": command(), "device": jax.devices()[0].device_kind,
            "backend": jax.default_backend(), "target": target_path, "draft": draft_path, "dtype": args.dtype,
            "prompts": len(prompts), "batch": len(prompts) if args.batched else 1,
            "max_new_tokens": args.max_new_tokens, "attention": args.attention, "methods": table}
@@ -1297,7 +946,7 @@ def _pair(args) -> int:
     if "ddtree-auto" in table:
         print("ddtree-auto's rounds: " + ", ".join(f"{f} x{n}" for f, n in table["ddtree-auto"]["forms"].items()))
     if args.json:
-        _write_json(args.json, out)
+        write_json(args.json, out)
     return 0
 
 
@@ -1359,7 +1008,7 @@ def _project(args) -> int:
     print(f"A projection, not a measurement: tau (the paper's, temperature {args.temperature}) x AR ms / round ms "
           f"from {args.results}; the paper's ddtree tau is at its best budget per dataset.")
     if args.json:
-        _write_json(args.json, out)
+        write_json(args.json, out)
     return 0
 
 
@@ -1375,7 +1024,7 @@ def _table(args) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    _ARGV[:] = argv
+    ARGV[:] = argv
     if argv and argv[0] == "kernels":
         return _kernels(argv[1:])
     args = build_parser().parse_args(argv)
