@@ -38,99 +38,20 @@ token; the timings do not depend on that (every shape is static), the acceptance
 from __future__ import annotations
 
 import argparse
-import collections
-import dataclasses
-import json
 import os
-import statistics
 import sys
-import time
 from typing import Sequence
 
-from ddtree_jax import cli, projection, tables
-from ddtree_jax.bench import models
-from ddtree_jax.bench.records import ARGV, command, log, now, print_table, write_json
+from ddtree_jax import cli, projection
+from ddtree_jax.bench import fixtures, models, pair, recorded, records
 from ddtree_jax.shapes import SHAPES
 from ddtree_jax.tuning import LAYOUTS
 
-
-# =============================================================================================== fixtures
-def _fixtures(args) -> int:
-    import jax
-    import jax.numpy as jnp
-
-    from ddtree_jax import decode, weights
-
-    root = args.fixtures
-    cli.existing_dir("--fixtures", root)
-    target = weights.load_target(os.path.join(root, "target"), dtype=jnp.float32)
-    draft = weights.load_draft(os.path.join(root, "draft"), dtype=jnp.float32)
-    with open(os.path.join(root, "generate.json")) as f:
-        runs = json.load(f)["runs"][: args.prompts]
-    mesh = None
-    if args.mesh:  # the weights placed once (decode.generate would place them again on every call)
-        from ddtree_jax import sharding
-
-        mesh = sharding.make_mesh(args.mesh)
-        target, draft = sharding.shard_model(target, mesh), sharding.shard_model(draft, mesh)
-    configs = []
-    for m in args.methods:
-        if m == "ddtree":
-            configs += [("ddtree", b) for b in args.budgets]
-        else:
-            configs.append((m, None))
-    groups = [[r] for r in runs] + ([runs] if args.batched and len(runs) > 1 else [])
-    records = []
-    for method, budget in configs:
-        for group in groups:
-            n = min(r["max_new_tokens"] for r in group) if args.max_new_tokens is None else args.max_new_tokens
-            opts = decode.GenerateOptions(method=method, max_new_tokens=n, tree_budget=budget or 1)
-            prompts = [r["prompt"] for r in group]
-            dr = draft if method != "ar" else None
-            t0 = time.perf_counter()
-            decode.generate(target, prompts, opts, draft=dr, mesh=mesh, tuning=args.tuning)  # compiles
-            compile_s = time.perf_counter() - t0
-            per_round, res = [], None
-            for _ in range(args.repeats):
-                res = decode.generate(target, prompts, opts, draft=dr, mesh=mesh, tuning=args.tuning)
-                rounds = max(len(a) for a in res.acceptance_lengths) if method != "ar" else max(res.num_generated)
-                per_round.append(1e3 * res.decode_s / max(rounds, 1))
-            acc = [a for seq in res.acceptance_lengths for a in seq]
-            parity = all(out == r["ar"][: len(out)] and len(out) == len(r["prompt"]) + n
-                         for out, r in zip(res.output_ids, group))
-            rec = {
-                "model": "fixture-tiny", "method": method, "budget": budget, "batch": len(group),
-                "prompt_len": max(len(p) for p in prompts), "max_new_tokens": n,
-                "ms_per_round": statistics.median(per_round),
-                "rounds": rounds, "mean_acceptance_length": (sum(acc) / len(acc)) if acc else None,
-                "tokens_per_round": sum(res.num_generated) / len(group) / max(rounds, 1),
-                "matches_reference": parity, "attention": res.attention, "compile_s": compile_s,
-                "mesh": args.mesh, "device": jax.devices()[0].device_kind, "date": now(), "command": command(),
-            }
-            records.append(rec)
-            log(f"{method:6s} budget={budget} batch={len(group)}: {rec['ms_per_round']:.2f} ms/round, "
-                 f"acceptance {rec['mean_acceptance_length']}, parity {parity}")
-    print_table(records, ["method", "budget", "batch", "prompt_len", "ms_per_round", "mean_acceptance_length",
-                           "tokens_per_round", "matches_reference"])
-    if args.json:
-        write_json(args.json, records)
-    if not all(r["matches_reference"] for r in records):
-        cli.warn("some outputs differ from the reference AR output")
-        return 1
-    return 0
+# The command line and its dispatch. Each subcommand runs in its own module (fixtures, models, pair; project and table
+# in recorded); what they share: timing (caches, stages, timers), analysis (HLO, traces), roofline (ceilings, floors),
+# tree_micro (tree-build micro-benchmarks), records (logs, JSON, tables).
 
 
-# =============================================================================================== kernels
-def _kernels(rest: list[str]) -> int:
-    try:
-        from pallas_kernels import bench_kernels
-    except ImportError as e:
-        raise cli.UsageError(f"pallas_kernels.bench_kernels is not available here ({e})") from None
-    code = bench_kernels.main(rest)
-    return 0 if code is None else int(code)
-
-
-# =============================================================================================== CLI
 def _ints(text: str) -> list[int]:
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
@@ -332,169 +253,32 @@ def build_parser() -> cli.ArgumentParser:
     return p
 
 
-# =============================================================================================== pair
-def _pair(args) -> int:
-    """training.evaluate.benchmark on held-out prompts, one at a time (batch 1) or as one batch; per method the mean
-    acceptance length over all rounds and the mean decode tokens/s, compilation excluded."""
-    import jax
-    import jax.numpy as jnp
-
-    from ddtree_jax import decode, defaults, weights
-    from ddtree_jax.tokenizer import load_tokenizer
-    from ddtree_jax.training import evaluate, prompts as curated
-
-    target_path = defaults.target_path() if args.target == "default" else cli.existing_dir("--target", args.target)
-    draft_path = cli.existing_dir("--draft", args.draft or defaults.draft_path())
-    dtype = jnp.dtype(args.dtype)
-    # laid out once for the backend here, for the rounds (device_layout is idempotent: each dflash / ddtree call below
-    # then has nothing to do; on GPU each ar call turns the target output-major again, before its timed decode), not
-    # once per prompt
-    target, draft = ((cfg, decode.device_layout(p)) for cfg, p in (weights.load_target(target_path, dtype),
-                                                                  weights.load_draft(draft_path, dtype)))
-    tok = load_tokenizer(target_path)
-    if tok is None:
-        raise cli.UsageError(f"{target_path} has no tokenizer: the held-out prompts are text")
-    held_out = [curated.chat_ids(tok, m) for m in curated.held_out_set("python")]
-    prompts = held_out[: args.prompts]
-    stop = tuple(dict.fromkeys(tok.eos_token_ids + target[0].eos_token_ids))
-    groups = [prompts] if args.batched else [[p] for p in prompts]
-    fixed = [b for b in args.budgets if b != decode.AUTO]
-    runs = [evaluate.benchmark(target, draft, g, budgets=fixed, max_new_tokens=args.max_new_tokens,
-                               stop_ids=stop, attention=args.attention, check=args.check, log=lambda m: None)
-            for g in groups]
-    if decode.AUTO in args.budgets:
-        for run, g in zip(runs, groups):
-            run["ddtree-auto"] = _auto_run(target, draft, g, args, stop, run["ar"]["tokens_per_s"])
-    table = {}
-    for name in runs[0]:
-        acc = [r[name]["mean_acceptance_length"] for r in runs if r[name]["mean_acceptance_length"] is not None]
-        tps = [r[name]["tokens_per_s"] for r in runs if r[name]["tokens_per_s"]]
-        mins = [r[name]["min_acceptance_length"] for r in runs if r[name]["min_acceptance_length"] is not None]
-        table[name] = {"mean_acceptance_length": statistics.fmean(acc) if acc else None,
-                       "min_acceptance_length": min(mins) if mins else None,  # >= 1: generate checks it
-                       "tokens_per_s": statistics.fmean(tps) if tps else None,
-                       "attention": sorted({r[name]["attention"] for r in runs})}
-        if name == "ddtree-auto":  # the forms its rounds took, over every prompt
-            table[name]["forms"] = dict(sum((collections.Counter(r[name]["forms"]) for r in runs),
-                                            collections.Counter()).most_common())
-        if args.check and name != "ar":
-            firsts = [r[name]["first_divergence"] for r in runs if r[name]["first_divergence"] is not None]
-            table[name].update({k: sum(r[name][k] for r in runs) for k in ("same_as_ar", "walk_mismatches",
-                                                                             "traced_rounds")})
-            table[name]["first_divergence"] = min(firsts, default=None)
-            table[name]["traced_same_as_untraced"] = all(r[name]["traced_same_as_untraced"] for r in runs)
-    for name, row in table.items():
-        ar = table["ar"]["tokens_per_s"]
-        row["speedup"] = row["tokens_per_s"] / ar if ar and row["tokens_per_s"] else None
-    out = {"date": now(), "command": command(), "device": jax.devices()[0].device_kind,
-           "backend": jax.default_backend(), "target": target_path, "draft": draft_path, "dtype": args.dtype,
-           "prompts": len(prompts), "batch": len(prompts) if args.batched else 1,
-           "max_new_tokens": args.max_new_tokens, "attention": args.attention, "methods": table}
-    extra = f" {'min':>4} {'same-as-ar':>10} {'diverges at':>11} {'walk mismatches':>15}" if args.check else ""
-    print(f"{'method':<12} {'acceptance':>10} {'tok/s':>8} {'vs ar':>6}{extra}")
-    for name, row in table.items():
-        acc = "-" if row["mean_acceptance_length"] is None or name == "ar" else f"{row['mean_acceptance_length']:.2f}"
-        line = f"{name:<12} {acc:>10} {row['tokens_per_s']:>8.1f} {row['speedup']:>5.2f}x"
-        if args.check and name != "ar":
-            div = "-" if row["first_divergence"] is None else str(row["first_divergence"])
-            line += (f" {row['min_acceptance_length']:>4} {row['same_as_ar']:>4}/{len(prompts):<5} {div:>11} "
-                     f"{row['walk_mismatches']:>6}/{row['traced_rounds']:<8}")
-        print(line)
-    if "ddtree-auto" in table:
-        print("ddtree-auto's rounds: " + ", ".join(f"{f} x{n}" for f, n in table["ddtree-auto"]["forms"].items()))
-    if args.json:
-        write_json(args.json, out)
-    return 0
-
-
-def _auto_run(target, draft, prompts, args, stop, ar_tokens_per_s) -> dict:
-    """``bench pair``'s ddtree under --tree-budget auto (the cost table of the cache directory, kept there): what
-    training.evaluate.benchmark records of a fixed budget, and the forms the rounds took ({form: rounds})."""
-    from ddtree_jax import accept, decode
-
-    opts = decode.GenerateOptions(method="ddtree", tree_budget=decode.AUTO, max_new_tokens=args.max_new_tokens,
-                                  stop_token_ids=stop, attention=args.attention, forms=args.forms or ())
-    res = decode.generate(target, prompts, opts, draft=draft, persist_costs=True)
-    acc = [a for seq in res.acceptance_lengths for a in seq]
-    tps = sum(res.num_generated) / res.decode_s if res.decode_s > 0 else None
-    row = {"mean_acceptance_length": statistics.fmean(acc) if acc else None,
-           "min_acceptance_length": min(acc) if acc else None, "rounds": len(acc), "tokens_per_s": tps,
-           "attention": res.attention,
-           "forms": dict(collections.Counter(f for seq in res.round_forms for f in seq).most_common())}
-    if tps and ar_tokens_per_s:
-        row["speedup"] = tps / ar_tokens_per_s
-    if args.check:  # as training.evaluate.benchmark's check: AR's tokens, and every traced round's walk replayed
-        ar_ids = decode.generate(target, prompts, dataclasses.replace(opts, method="ar")).output_ids
-        firsts = [next((i - len(p) for i, (x, y) in enumerate(zip(mine, theirs)) if i >= len(p) and x != y),
-                       None if len(mine) == len(theirs) else min(len(mine), len(theirs)) - len(p))
-                  for p, mine, theirs in zip(prompts, res.output_ids, ar_ids)]
-        traced = decode.generate(target, prompts, dataclasses.replace(opts, trace=True), draft=draft,
-                                 persist_costs=True)
-        rounds = [r for seq in traced.rounds for r in seq]
-        row.update(same_as_ar=sum(f is None for f in firsts), traced_rounds=len(rounds),
-                   first_divergence=min((f for f in firsts if f is not None), default=None),
-                   walk_mismatches=sum(accept.walk_host(r["tree"]["node_token_ids"], r["tree"]["parents"],
-                                                        r["target_choices"]) != r["accepted_indices"] for r in rounds),
-                   traced_same_as_untraced=traced.output_ids == res.output_ids)
-    return row
-
-
-def _load_records(path: str) -> list[dict]:
-    records = projection.load_json(path, "the results file")
-    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
-        raise cli.UsageError(f"{path} is not a JSON list of records (the output of `bench models`)")
-    return records
-
-
-def _project(args) -> int:
-    """Print the projection tables (markdown) of ddtree_jax.projection for each model; --json writes the rows."""
-    temps = projection.load_tau(args.tau)
-    if args.temperature not in temps:
-        raise cli.UsageError(f"--temperature {args.temperature} is not in {args.tau} (has {', '.join(temps)})")
-    records = _load_records(args.results)
-    out = []
-    for model in args.models:
-        if model not in temps[args.temperature]:
-            raise cli.UsageError(f"{args.tau} has no {model} (has {', '.join(temps[args.temperature])})")
-        costs = projection.round_costs(records, model, args.prompt, args.batch, args.budgets)
-        rows = projection.project(temps[args.temperature][model], costs, args.budgets)
-        print(projection.markdown(model, costs, rows, args.budgets) + "\n")
-        out.append({"model": model, "temperature": args.temperature, "prompt_len": args.prompt, "batch": args.batch,
-                    "round_ms": {k: r["ms_per_round"] for k, r in costs.items()},
-                    "round_dates": {k: r["date"] for k, r in costs.items()}, "rows": rows})
-    print(f"A projection, not a measurement: tau (the paper's, temperature {args.temperature}) x AR ms / round ms "
-          f"from {args.results}; the paper's ddtree tau is at its best budget per dataset.")
-    if args.json:
-        write_json(args.json, out)
-    return 0
-
-
-def _table(args) -> int:
-    """Print the grid table of each model, the breakdown table and the peer ratios (ddtree_jax.tables)."""
-    records = _load_records(args.results)
-    for model in args.models:
-        print(tables.grid(records, model, args.prompts, args.batches, args.budgets) + "\n")
-    print(tables.breakdown(records, args.models, args.prompts, args.batches, args.budgets))
-    print("\nAgainst the official PyTorch code (qwen3-8b, prompt 512, batch 1): " + tables.peer(records))
-    return 0
+def _kernels(rest: list[str]) -> int:
+    try:
+        from pallas_kernels import bench_kernels
+    except ImportError as e:
+        raise cli.UsageError(f"pallas_kernels.bench_kernels is not available here ({e})") from None
+    code = bench_kernels.main(rest)
+    return 0 if code is None else int(code)
 
 
 def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ARGV[:] = argv
+    records.ARGV[:] = argv
     if argv and argv[0] == "kernels":
         return _kernels(argv[1:])
     args = build_parser().parse_args(argv)
     if args.mode == "fixtures":
-        return _fixtures(args)
+        return fixtures.run(args)
     if args.mode == "pair":
-        return _pair(args)
+        return pair.run(args)
     if args.mode == "table":
-        return _table(args)
+        return recorded.table(args)
     if args.mode == "project":
-        return _project(args)
+        return recorded.project(args)
     return models.run(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m ddtree_jax.bench ARGV``: the exit status (2 and a one-line error for bad input)."""
     return cli.run(_main, argv)
