@@ -43,7 +43,7 @@ def run(args) -> int:
             for g in groups]
     if decode.AUTO in args.budgets:
         for run, g in zip(runs, groups):
-            run["ddtree-auto"] = auto_run(target, draft, g, args, stop, run["ar"]["tokens_per_s"])
+            run["ddtree-auto"] = _auto_run(target, draft, g, args, stop, run["ar"]["tokens_per_s"])
     table = {}
     for name in runs[0]:
         acc = [r[name]["mean_acceptance_length"] for r in runs if r[name]["mean_acceptance_length"] is not None]
@@ -86,7 +86,7 @@ def run(args) -> int:
     return 0
 
 
-def auto_run(target, draft, prompts, args, stop, ar_tokens_per_s) -> dict:
+def _auto_run(target, draft, prompts, args, stop, ar_tokens_per_s) -> dict:
     """``bench pair``'s ddtree under --tree-budget auto (the cost table of the cache directory, kept there): what
     training.evaluate.benchmark records of a fixed budget, and the forms the rounds took ({form: rounds})."""
     from ddtree_jax import accept, decode
