@@ -270,9 +270,10 @@ class Bench:
                     "date": now(), "command": command(), "device": self.device, "attention": spec.attention,
                     "layout": self.layouts[method], "draft_layout": args.draft_layout,  # what projection filters on
                     "mean_acceptance_length": info["mean_acceptance_length"], "details": info})
-        log(f"  -> {ms:.3f} ms/round" + (f", breakdown {fmt_breakdown(rec.get('breakdown_ms'))}" if args.breakdown else "")
-             + (f", ratio to AR {rec['ratio_to_ar']:.3f}" if rec.get("ratio_to_ar") else "")
-             + (f", roofline {rec['roofline_ms']:.3f} ms" if rec.get("roofline_ms") else ""))
+        log(f"  -> {ms:.3f} ms/round"
+            + (f", breakdown {fmt_breakdown(rec.get('breakdown_ms'))}" if args.breakdown else "")
+            + (f", ratio to AR {rec['ratio_to_ar']:.3f}" if rec.get("ratio_to_ar") else "")
+            + (f", roofline {rec['roofline_ms']:.3f} ms" if rec.get("roofline_ms") else ""))
         del state
 
     def breakdown(self, spec, tp, dp, state, prompt_len, batch):
