@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import bench, cli, decode, tuning
+from ddtree_jax.bench import analysis, records, timing
 from ddtree_jax.shapes import SHAPES, build_params, model_configs
 
 
@@ -122,9 +123,9 @@ def main() -> None:
     tcfg, dcfg = model_configs(shape)
     tp0, dp0 = build_params(tcfg, dcfg, jnp.bfloat16)
     sample = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    spec = bench.make_spec(tcfg, dcfg, args.method, args.budget, "auto", **sample)
+    spec = timing.make_spec(tcfg, dcfg, args.method, args.budget, "auto", **sample)
     _, capacity, out_len = decode.layout(spec, [args.prompt] * args.batch, 256)
-    state = bench.make_state(spec, shape.vocab, args.batch, args.prompt, capacity, out_len, jnp.bfloat16, **sample)
+    state = timing.make_state(spec, shape.vocab, args.batch, args.prompt, capacity, out_len, jnp.bfloat16, **sample)
     n = jnp.int32(args.rounds)
     laid: dict[tuple, object] = {}
 
@@ -152,7 +153,7 @@ def main() -> None:
             os.makedirs(args.hlo, exist_ok=True)
             with gzip.open(os.path.join(args.hlo, f"{name}.hlo.txt.gz"), "wt") as f:
                 f.write(compiled.as_text())
-        state = jax.block_until_ready(compiled(tp, dp, bench.reset(state, args.prompt), jnp.int32(2)))  # warm
+        state = jax.block_until_ready(compiled(tp, dp, timing.reset(state, args.prompt), jnp.int32(2)))  # warm
         runs[name] = dict(compiled=compiled, tp=tp, dp=dp, layout=tl, draft_layout=dl, options=opts,
                           tuning=dataclasses.asdict(vspec.tuning), sampling=vspec.sampling, filtering=vspec.filtering,
                           constants=fields["constants"], compile_s=cs, ms=[])
@@ -163,14 +164,14 @@ def main() -> None:
     for i in range(args.pairs):
         for name in names if i % 2 == 0 else names[::-1]:
             r = runs[name]
-            state = jax.block_until_ready(bench.reset(state, args.prompt))
+            state = jax.block_until_ready(timing.reset(state, args.prompt))
             t0 = time.perf_counter()
             state = jax.block_until_ready(r["compiled"](r["tp"], r["dp"], state, n))
             r["ms"].append(1e3 * (time.perf_counter() - t0) / args.rounds)
 
     # every variant once more from one saved state: the tokens and acceptance lengths it gives (a variant that
     # should not change the math must give the first's exactly)
-    start = jax.tree.map(jnp.copy, jax.block_until_ready(bench.reset(state, args.prompt)))
+    start = jax.tree.map(jnp.copy, jax.block_until_ready(timing.reset(state, args.prompt)))
     tokens = {}
     for name in names:
         r = runs[name]
@@ -180,7 +181,7 @@ def main() -> None:
     base = runs[names[0]]["ms"]
     out = {"model": args.model, "method": args.method, "budget": args.budget if args.method == "ddtree" else None,
            "prompt_len": args.prompt, "batch": args.batch, "rounds_per_call": args.rounds, "pairs": args.pairs,
-           **sample, "device": jax.devices()[0].device_kind, "date": bench._now(), "variants": {}}
+           **sample, "device": jax.devices()[0].device_kind, "date": records.now(), "variants": {}}
     for name in names:
         r = runs[name]
         diffs = [m - b for m, b in zip(r["ms"], base)]
@@ -201,11 +202,11 @@ def main() -> None:
         for name in names:
             r = runs[name]
             d = f"{args.profile}/{name}"
-            state = jax.block_until_ready(bench.reset(state, args.prompt))
+            state = jax.block_until_ready(timing.reset(state, args.prompt))
             with jax.profiler.trace(d):
                 state = jax.block_until_ready(r["compiled"](r["tp"], r["dp"], state, jnp.int32(5)))
             path = sorted(glob.glob(f"{d}/**/*.xplane.pb", recursive=True))[-1]
-            out["profiles"][name] = bench.profile_summary(path, top=60)
+            out["profiles"][name] = analysis.profile_summary(path, top=60)
             print(f"{name}: profile {path}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -41,6 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import bench, moe, projection, shapes
+from ddtree_jax.bench.records import now
+from ddtree_jax.bench.roofline import measure_ceilings
 from pallas_kernels import grouped_matmul as gmm
 
 PAPER_MODEL = "qwen3-coder-30b-a3b"  # the paper's pair this script measures (benchmarks/paper_tau.json)
@@ -247,7 +249,7 @@ def main(argv=None) -> int:
         ROWS, TOKENS, KERNEL = (1, 8, 40), (1, 9), "pallas-interpret"
     t_start = time.time()
     os.makedirs(args.out, exist_ok=True)
-    result: dict = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": bench._now(),
+    result: dict = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": now(),
                     "command": " ".join(sys.argv), "gather_max_pairs": moe.GATHER_MAX_PAIRS}
     path = os.path.join(args.out, "moe_h200.json")
 
@@ -272,7 +274,7 @@ def main(argv=None) -> int:
     weights = jax.block_until_ready((
         (0.02 * jax.random.normal(kg, (E, 2 * F, D), jnp.float32)).astype(jnp.bfloat16),
         (0.02 * jax.random.normal(kd, (E, D, F), jnp.float32)).astype(jnp.bfloat16)))
-    ceilings = part("ceilings", bench.measure_ceilings, args.quick)
+    ceilings = part("ceilings", measure_ceilings, args.quick)
     bw = ceilings.get("copy_gbps") or 4.1e3
     chk = part("check", check, weights, kc)
     fm = part("forms", forms, weights, kf, bw)

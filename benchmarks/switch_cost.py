@@ -47,7 +47,8 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from ddtree_jax import bench, decode, policy, shapes
+    from ddtree_jax import decode, policy, shapes
+    from ddtree_jax.bench import timing
 
     forms = policy.parse_forms(args.forms.split(","))
     if args.form not in forms:
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
     index = forms.index(args.form)
     capacity = decode.round_up(args.prompt_len + opts.max_new_tokens + base.scratch_slots, 64)
     out_len = decode.round_up(args.prompt_len + opts.max_new_tokens + base.path_len + 1, 64)
-    state = bench.make_state(base, tcfg.vocab_size, args.batch, args.prompt_len, capacity, out_len, dtype)
+    state = timing.make_state(base, tcfg.vocab_size, args.batch, args.prompt_len, capacity, out_len, dtype)
 
     @jax.jit
     def switch_rounds(target, drafter, state, which, n):
@@ -83,15 +84,15 @@ def main(argv=None) -> int:
               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv)}
     which = jnp.int32(index)
     programs = {  # (compiled program, how to call it on a state)
-        "plain": (bench.aot(decode.run_rounds, specs[index], tparams, dparams, state, n),
+        "plain": (timing.aot(decode.run_rounds, specs[index], tparams, dparams, state, n),
                   lambda exe, s: exe(tparams, dparams, s, n)),
-        "switch": (bench.aot(switch_rounds, tparams, dparams, state, which, n),
+        "switch": (timing.aot(switch_rounds, tparams, dparams, state, which, n),
                    lambda exe, s: exe(tparams, dparams, s, which, n)),
     }
     for name, ((exe, seconds), call) in programs.items():
         times = []
         for _ in range(args.repeats + 1):  # the first call untimed
-            state = jax.block_until_ready(bench.reset(state, args.prompt_len))
+            state = jax.block_until_ready(timing.reset(state, args.prompt_len))
             t0 = time.perf_counter()
             state = jax.block_until_ready(call(exe, state))
             ran = int(jnp.max(state.n_rounds))

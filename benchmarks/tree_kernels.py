@@ -1,6 +1,6 @@
 """The tree build's Pallas kernels against XLA's forms, on random Qwen3-vocabulary draft logits [B, 15, 151936]:
 exactness first (the kernels' top-k against ``lax.top_k``, f32 and bf16 logits; the ancestor bits and whole trees
-against the XLA forms), then microseconds per call (``bench.loop_us``: 16 distinct inputs in one jitted loop, the
+against the XLA forms), then microseconds per call (``bench.timing.loop_us``: 16 distinct inputs in one jitted loop, the
 loop's own cost, "empty_loop_us", included in every figure).
 
     PYTHONPATH=. python benchmarks/tree_kernels.py OUT.json [--budgets 64,256,512] [--batches 1] [--warps 4,8,16]
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import tree as trees
-from ddtree_jax.bench import loop_us
+from ddtree_jax.bench.timing import loop_us
 from pallas_kernels import best_first as best_first_kernel, vocab_top_k
 
 DEPTHS = 15

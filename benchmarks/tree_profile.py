@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import tree as trees
-from ddtree_jax.bench import busy_and_gaps
+from ddtree_jax.bench.analysis import busy_and_gaps
 
 DEPTHS = 15
 R = 8

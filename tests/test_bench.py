@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ddtree_jax import bench, decode, projection
+from ddtree_jax.bench import analysis
 
 
 def test_fixtures_mode_smoke(tmp_path, capsys):
@@ -223,15 +224,15 @@ def test_the_round_loop_has_no_host_round_trip(target, drafter):
         return jax.pure_callback(lambda a: a, jax.ShapeDtypeStruct((3,), jnp.float32), x) + 1
 
     probe = jax.jit(with_callback).lower(jnp.ones(3, jnp.float32)).compile().as_text()
-    assert bench.hlo_summary(probe)["host_callbacks"]
+    assert analysis.hlo_summary(probe)["host_callbacks"]
     branch = jax.jit(lambda x: jax.lax.cond(x.sum() > 0, jnp.sin, jnp.cos, x)).lower(jnp.ones(3, jnp.float32))
-    assert bench.hlo_summary(branch.compile().as_text())["conditionals"] == 1
+    assert analysis.hlo_summary(branch.compile().as_text())["conditionals"] == 1
     options = decode.GenerateOptions(method="ddtree", tree_budget=8, max_new_tokens=8)
     spec = decode.make_spec(target[0], drafter[0], options)
     _, capacity, out_len = decode.layout(spec, [5], 8)
     state = decode.init_state(spec, [5], [options], capacity, out_len, jnp.float32)
     text = decode.run_rounds.lower(spec, target[1], drafter[1], state, jnp.int32(4)).compile().as_text()
-    hlo = bench.hlo_summary(text)
+    hlo = analysis.hlo_summary(text)
     assert not any(hlo["host_transfer_ops"].values()) and not hlo["host_callbacks"], hlo
     assert hlo["while_loops"] >= 1  # the rounds run as one device loop
     assert not spec.sampling and hlo["conditionals"] == 0, hlo["conditionals"]
@@ -241,12 +242,12 @@ def test_the_round_loop_has_no_host_round_trip(target, drafter):
     for flags in ({"sampling": True, "filtering": False}, {"sampling": True, "filtering": True}):
         program = decode.run_rounds.lower(dataclasses.replace(spec, **flags), target[1], drafter[1], state,
                                           jnp.int32(4)).compile().as_text()
-        h = bench.hlo_summary(program)
+        h = analysis.hlo_summary(program)
         assert h["conditionals"] == 0 and not any(h["host_transfer_ops"].values()) and not h["host_callbacks"], flags
         assert program.count(" xor(") > text.count(" xor("), flags  # it samples (threefry's xors)
 
 
 def test_busy_time_merges_overlapping_kernels():
     """The profile summaries' busy time: overlapping kernels counted once, the idle gaps between them listed."""
-    assert bench.busy_and_gaps([(0, 10), (5, 12), (12, 14), (20, 25)]) == (19, [6])
-    assert bench.busy_and_gaps([(0, 10), (2, 3)]) == (10, [])
+    assert analysis.busy_and_gaps([(0, 10), (5, 12), (12, 14), (20, 25)]) == (19, [6])
+    assert analysis.busy_and_gaps([(0, 10), (2, 3)]) == (10, [])

@@ -1,0 +1,118 @@
+"""``bench pair``: a trained pair (default: the default pair) on the shipped held-out Python prompts, one at a
+time or as one batch: mean acceptance length and decode tokens/s of ar, dflash and ddtree at fixed budgets and
+under --tree-budget auto, optionally checked against ar's tokens and a host replay of every round's walk."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import statistics
+
+from ddtree_jax import cli
+from ddtree_jax.bench.records import command, now, write_json
+
+
+def run(args) -> int:
+    """training.evaluate.benchmark on held-out prompts, one at a time (batch 1) or as one batch; per method the mean
+    acceptance length over all rounds and the mean decode tokens/s, compilation excluded."""
+    import jax
+    import jax.numpy as jnp
+
+    from ddtree_jax import decode, defaults, weights
+    from ddtree_jax.tokenizer import load_tokenizer
+    from ddtree_jax.training import evaluate, prompts as curated
+
+    target_path = defaults.target_path() if args.target == "default" else cli.existing_dir("--target", args.target)
+    draft_path = cli.existing_dir("--draft", args.draft or defaults.draft_path())
+    dtype = jnp.dtype(args.dtype)
+    # laid out once for the backend here, for the rounds (device_layout is idempotent: each dflash / ddtree call below
+    # then has nothing to do; on GPU each ar call turns the target output-major again, before its timed decode), not
+    # once per prompt
+    target, draft = ((cfg, decode.device_layout(p)) for cfg, p in (weights.load_target(target_path, dtype),
+                                                                  weights.load_draft(draft_path, dtype)))
+    tok = load_tokenizer(target_path)
+    if tok is None:
+        raise cli.UsageError(f"{target_path} has no tokenizer: the held-out prompts are text")
+    held_out = [curated.chat_ids(tok, m) for m in curated.held_out_set("python")]
+    prompts = held_out[: args.prompts]
+    stop = tuple(dict.fromkeys(tok.eos_token_ids + target[0].eos_token_ids))
+    groups = [prompts] if args.batched else [[p] for p in prompts]
+    fixed = [b for b in args.budgets if b != decode.AUTO]
+    runs = [evaluate.benchmark(target, draft, g, budgets=fixed, max_new_tokens=args.max_new_tokens,
+                               stop_ids=stop, attention=args.attention, check=args.check, log=lambda m: None)
+            for g in groups]
+    if decode.AUTO in args.budgets:
+        for run, g in zip(runs, groups):
+            run["ddtree-auto"] = _auto_run(target, draft, g, args, stop, run["ar"]["tokens_per_s"])
+    table = {}
+    for name in runs[0]:
+        acc = [r[name]["mean_acceptance_length"] for r in runs if r[name]["mean_acceptance_length"] is not None]
+        tps = [r[name]["tokens_per_s"] for r in runs if r[name]["tokens_per_s"]]
+        mins = [r[name]["min_acceptance_length"] for r in runs if r[name]["min_acceptance_length"] is not None]
+        table[name] = {"mean_acceptance_length": statistics.fmean(acc) if acc else None,
+                       "min_acceptance_length": min(mins) if mins else None,  # >= 1: generate checks it
+                       "tokens_per_s": statistics.fmean(tps) if tps else None,
+                       "attention": sorted({r[name]["attention"] for r in runs})}
+        if name == "ddtree-auto":  # the forms its rounds took, over every prompt
+            table[name]["forms"] = dict(sum((collections.Counter(r[name]["forms"]) for r in runs),
+                                            collections.Counter()).most_common())
+        if args.check and name != "ar":
+            firsts = [r[name]["first_divergence"] for r in runs if r[name]["first_divergence"] is not None]
+            table[name].update({k: sum(r[name][k] for r in runs) for k in ("same_as_ar", "walk_mismatches",
+                                                                             "traced_rounds")})
+            table[name]["first_divergence"] = min(firsts, default=None)
+            table[name]["traced_same_as_untraced"] = all(r[name]["traced_same_as_untraced"] for r in runs)
+    for name, row in table.items():
+        ar = table["ar"]["tokens_per_s"]
+        row["speedup"] = row["tokens_per_s"] / ar if ar and row["tokens_per_s"] else None
+    out = {"date": now(), "command": command(), "device": jax.devices()[0].device_kind,
+           "backend": jax.default_backend(), "target": target_path, "draft": draft_path, "dtype": args.dtype,
+           "prompts": len(prompts), "batch": len(prompts) if args.batched else 1,
+           "max_new_tokens": args.max_new_tokens, "attention": args.attention, "methods": table}
+    extra = f" {'min':>4} {'same-as-ar':>10} {'diverges at':>11} {'walk mismatches':>15}" if args.check else ""
+    print(f"{'method':<12} {'acceptance':>10} {'tok/s':>8} {'vs ar':>6}{extra}")
+    for name, row in table.items():
+        acc = "-" if row["mean_acceptance_length"] is None or name == "ar" else f"{row['mean_acceptance_length']:.2f}"
+        line = f"{name:<12} {acc:>10} {row['tokens_per_s']:>8.1f} {row['speedup']:>5.2f}x"
+        if args.check and name != "ar":
+            div = "-" if row["first_divergence"] is None else str(row["first_divergence"])
+            line += (f" {row['min_acceptance_length']:>4} {row['same_as_ar']:>4}/{len(prompts):<5} {div:>11} "
+                     f"{row['walk_mismatches']:>6}/{row['traced_rounds']:<8}")
+        print(line)
+    if "ddtree-auto" in table:
+        print("ddtree-auto's rounds: " + ", ".join(f"{f} x{n}" for f, n in table["ddtree-auto"]["forms"].items()))
+    if args.json:
+        write_json(args.json, out)
+    return 0
+
+
+def _auto_run(target, draft, prompts, args, stop, ar_tokens_per_s) -> dict:
+    """``bench pair``'s ddtree under --tree-budget auto (the cost table of the cache directory, kept there): what
+    training.evaluate.benchmark records of a fixed budget, and the forms the rounds took ({form: rounds})."""
+    from ddtree_jax import accept, decode
+
+    opts = decode.GenerateOptions(method="ddtree", tree_budget=decode.AUTO, max_new_tokens=args.max_new_tokens,
+                                  stop_token_ids=stop, attention=args.attention, forms=args.forms or ())
+    res = decode.generate(target, prompts, opts, draft=draft, persist_costs=True)
+    acc = [a for seq in res.acceptance_lengths for a in seq]
+    tps = sum(res.num_generated) / res.decode_s if res.decode_s > 0 else None
+    row = {"mean_acceptance_length": statistics.fmean(acc) if acc else None,
+           "min_acceptance_length": min(acc) if acc else None, "rounds": len(acc), "tokens_per_s": tps,
+           "attention": res.attention,
+           "forms": dict(collections.Counter(f for seq in res.round_forms for f in seq).most_common())}
+    if tps and ar_tokens_per_s:
+        row["speedup"] = tps / ar_tokens_per_s
+    if args.check:  # as training.evaluate.benchmark's check: AR's tokens, and every traced round's walk replayed
+        ar_ids = decode.generate(target, prompts, dataclasses.replace(opts, method="ar")).output_ids
+        firsts = [next((i - len(p) for i, (x, y) in enumerate(zip(mine, theirs)) if i >= len(p) and x != y),
+                       None if len(mine) == len(theirs) else min(len(mine), len(theirs)) - len(p))
+                  for p, mine, theirs in zip(prompts, res.output_ids, ar_ids)]
+        traced = decode.generate(target, prompts, dataclasses.replace(opts, trace=True), draft=draft,
+                                 persist_costs=True)
+        rounds = [r for seq in traced.rounds for r in seq]
+        row.update(same_as_ar=sum(f is None for f in firsts), traced_rounds=len(rounds),
+                   first_divergence=min((f for f in firsts if f is not None), default=None),
+                   walk_mismatches=sum(accept.walk_host(r["tree"]["node_token_ids"], r["tree"]["parents"],
+                                                        r["target_choices"]) != r["accepted_indices"] for r in rounds),
+                   traced_same_as_untraced=traced.output_ids == res.output_ids)
+    return row
