@@ -599,7 +599,8 @@ STAGES = {"smoke": stage_smoke, "validate": stage_validate, "sweep": stage_sweep
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m pallas_kernels.bench_kernels", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stages", default="smoke,validate,sweep,bench,accept",
                     help=f"comma-separated stages, run in order, of {','.join(STAGES)} (default: %(default)s)")
     ap.add_argument("--out", default=".", help="directory for kernels_<stage>.json (default: the current one)")
