@@ -127,6 +127,7 @@ class Policy:
         self.probe_every = FIRST_PROBE_EVERY
         self._ar_groups = 0
         self._probed = False  # a probe's statistics arrived since the last choice
+        self._probe_out = False  # a probe was chosen and its statistics have not arrived (they come a group late)
 
     # ---------------------------------------------------------------- sequences
     def start(self, seq) -> None:
@@ -159,8 +160,8 @@ class Policy:
                 old = est.preds.get(f)
                 est.preds[f] = p if old is None or first else old + weight * (p - old)
             est.observed = True
-        if form != AR:
-            self._probed = True
+        if form != AR and self._probe_out:  # a probe's, not those of speculation that ran before AR won
+            self._probed, self._probe_out = True, False
 
     # ---------------------------------------------------------------- expectations
     def pred(self, est: Estimate, form: str) -> float | None:
@@ -198,7 +199,7 @@ class Policy:
             return unknown[0]
         best = max(options, key=lambda k: (self.total(seqs, k[0]) / options[k], -options[k]))
         if best[0] != AR:
-            self.probe_every, self._ar_groups, self._probed = FIRST_PROBE_EVERY, 0, False
+            self.probe_every, self._ar_groups, self._probed, self._probe_out = FIRST_PROBE_EVERY, 0, False, False
             return best
         if not speculative:  # nothing to probe now (e.g. no speculative program timed at this slot batch yet): the
             return best  # wait between probes stays what the probes so far earned
@@ -206,7 +207,7 @@ class Policy:
             self.probe_every, self._probed = min(2 * self.probe_every, MAX_PROBE_EVERY), False
         self._ar_groups += 1
         if self._ar_groups >= self.probe_every:
-            self._ar_groups = 0
+            self._ar_groups, self._probe_out = 0, True
             return speculative[0][1]
         return best
 

@@ -107,6 +107,23 @@ def test_falls_back_to_ar_when_the_drafter_is_useless_and_probes_less_and_less()
         assert spent / (len(choices) * COSTS["ar"]) < 1.02
 
 
+def test_speculation_before_ar_won_is_not_a_failed_probe():
+    """Statistics arrive a group late: when AR starts winning, the last speculative group's statistics are still to
+    come. They are not a probe's, so they do not double the wait: the probe comes when FIRST_PROBE_EVERY AR groups
+    have run since AR took over."""
+    pred = curve(6.0)
+    p = policy.Policy(FORMS, TREES)
+    p.start(0)
+    p.observe(0, "16", stats(8, pred[0], pred[0], 1.3, pred))  # speculation pays: accepted as predicted
+    assert p.choose([0], options())[0] not in ("ar", "chain")
+    p.observe(0, "16", stats(32, 1.0, pred[0], 1.3, pred))  # the text turned unpredictable: nothing accepted
+    assert p.choose([0], options())[0] == "ar"
+    p.observe(0, "16", stats(8, 1.0, pred[0], 1.3, pred))  # the group dispatched before AR won, read late
+    choices = [p.choose([0], options())[0] for _ in range(policy.FIRST_PROBE_EVERY - 1)]  # the AR groups counted
+    assert choices[:-1] == ["ar"] * (policy.FIRST_PROBE_EVERY - 2) and choices[-1] != "ar", choices  # from the first
+    assert p.probe_every == policy.FIRST_PROBE_EVERY
+
+
 def test_steps_with_nothing_to_probe_keep_the_wait_between_probes():
     """A step whose slot batch has only AR timed (nothing speculative to choose) is no evidence for speculation:
     the wait the useless probes earned stays."""
