@@ -88,9 +88,9 @@ def session_cache() -> str:
 
     real = gguf_model.cache_dir()
     path = tempfile.mkdtemp(prefix="ddtree_jax_test_cache_")
-    for name in MODEL_DIRS:
-        if os.path.isdir(os.path.join(real, name)):
-            os.symlink(os.path.join(real, name), os.path.join(path, name))
+    for name in MODEL_DIRS:  # made when missing, so that a model fetched by one worker serves the others and later runs
+        os.makedirs(os.path.join(real, name), exist_ok=True)
+        os.symlink(os.path.join(real, name), os.path.join(path, name))
     os.environ[gguf_model.CACHE_ENV] = path
     return path
 
