@@ -256,7 +256,8 @@ class Engine:
     (the full batch's AR step, or the fixed form, in the most general variant: it serves any request); a background
     thread compiles the others (greedy ones first, a sampling variant once a request needs it), never stalling the
     engine thread, which runs the best ready program: the (form, slot batch) :class:`policy.Policy` picks from the
-    rounds' statistics and the programs' costs, timed once each on free slots (or, under load, by one real step).
+    rounds' statistics and the programs' costs, timed on free slots (or, under load, by one real step), and again once
+    no compilation runs if they were timed beside one or loaded from disk.
     """
 
     def __init__(self, target, draft, config: EngineConfig, *, tokenizer=None,
