@@ -18,7 +18,7 @@ case "$PART" in
   8b)
     python3 benchmarks/load_bench.py "$OUT/load_8b" --target random:qwen3-8b --methods ar,dflash,ddtree \
       --max-batch 32 --concurrency 1,2,4,8,16,32,64 --requests-per-client 2 --min-requests 4 --max-tokens 64 \
-      --prompt-len 128 --wait-compiled 200 --restart ddtree --time-limit 500
+      --prompt-len 128 --wait-compiled 200 --restart ddtree --time-limit 400
     ;;
   pair)
     timeout 200 python3 -m ddtree_jax.bench pair --prompts 8 --max-new-tokens 128 \
