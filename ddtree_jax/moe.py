@@ -10,14 +10,17 @@ The expert matrices are output-major (``params.LayerWeights``: ``experts_gate_up
 an expert it is not routed to. Two forms, chosen by the (token, slot) pairs at trace time, the same math:
 
 - gather (up to ``GATHER_MAX_PAIRS`` pairs, or ``Tuning.moe_gather_pairs``: AR steps at small batches): each pair's
-  expert matrices taken inside a row reduction (f32 products summed over the contiguous input axis), which XLA fuses
-  into one pass that reads only the routed experts (``model.linear``'s one-row form, per pair).
+  token times its expert's gate|up, and its swiglu output times its expert's down, as a batched GEMV that reads only
+  the routed experts: ``pallas_kernels.expert_gemv`` with the layer kernels (a 'pallas*' attention and
+  ``Tuning.expert_gemv``: on GPU once :func:`kernel_works` passed, else interpreted), otherwise XLA's form (the
+  matrices taken inside a row reduction, f32 products summed over the contiguous input axis, which XLA fuses into one
+  pass: ``model.linear``'s one-row form, per pair).
 - grouped (more pairs: trees, chains, prefill, batches): the pairs sorted by expert (a stable argsort of the flattened
   ids), group sizes by counting, the sorted rows through a grouped matmul for gate|up and one for down, each pair's
   result scaled by its weight and gathered back to its token (a gather, not a scatter-add: deterministic). The grouped
   matmul is ``pallas_kernels.grouped_matmul`` (each touched expert read once, the others never) with the layer kernels
-  (a 'pallas*' attention and ``Tuning.grouped_matmul``: on GPU once :func:`grouped_kernel_works` passed, else
-  interpreted), otherwise XLA's ``jax.lax.ragged_dot_general`` (exact, but it reads every expert: the fallback).
+  (a 'pallas*' attention and ``Tuning.grouped_matmul``: on GPU once :func:`kernel_works` passed, else interpreted),
+  otherwise XLA's ``jax.lax.ragged_dot_general`` (exact, but it reads every expert: the fallback).
 
 Stacked weights are read in place: the kernel and the gather index the [L x E, ...] view of the whole stack at
 layer x E + expert, so no layer's experts are sliced out (XLA copies a slice that a custom call reads).
@@ -43,6 +46,7 @@ from ddtree_jax import sharding
 from ddtree_jax.config import ModelConfig
 from ddtree_jax.params import LayerWeights
 from ddtree_jax.tuning import Tuning
+from pallas_kernels import expert_gemv as eg
 from pallas_kernels import grouped_matmul as gmm
 
 Array = jax.Array
@@ -67,12 +71,14 @@ def _swiglu(gate_up: Array, dtype) -> Array:
     return (jax.nn.silu(gate) * up).astype(dtype)
 
 
-def _gather_form(x: Array, ids: Array, gate_up: Array, down: Array) -> Array:
-    """x [N, D], ids [N, k] into the [G, 2F, D] / [G, D, F] views -> each pair's expert output f32 [N, k, D]."""
-    f32 = jnp.float32
-    gu = jnp.sum(jnp.take(gate_up, ids, axis=0).astype(f32) * x[:, None, None, :].astype(f32), axis=-1)  # [N, k, 2F]
-    h = _swiglu(gu, x.dtype)
-    return jnp.sum(jnp.take(down, ids, axis=0).astype(f32) * h[:, :, None, :].astype(f32), axis=-1)
+def _gather_form(x: Array, ids: Array, gate_up: Array, down: Array, gemv) -> Array:
+    """x [N, D], ids [N, k] -> each pair's expert output f32 [N, k, D]. ``gemv(rows, w, ids, out_dtype)``: row p times
+    the matrix ids[p] of w (the layer's experts of the [G, 2F, D] / [G, D, F] views; :func:`gemv_fn`)."""
+    n, k = ids.shape
+    flat = ids.reshape(-1)  # [N k]
+    rows = jnp.broadcast_to(x[:, None, :], (n, k, x.shape[-1])).reshape(n * k, -1)  # each pair's token [N k, D]
+    h = _swiglu(gemv(rows, gate_up, flat, jnp.float32), x.dtype)  # [N k, F]
+    return gemv(h, down, flat, jnp.float32).reshape(n, k, -1)
 
 
 def _grouped_form(x: Array, ids: Array, groups: int, gate_up: Array, down: Array, matmul) -> Array:
@@ -99,13 +105,20 @@ def _ragged(rows: Array, w: Array, sizes: Array, offset, out_dtype) -> Array:
     return jax.lax.ragged_dot_general(rows, w, sizes, dims, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
+def _kernel_runs(impl: str, switch: bool, name: str, supported: bool) -> bool:
+    """Whether the Pallas kernel ``name`` runs: with the layer kernels (a 'pallas*' attention), its ``Tuning`` switch
+    on, on shapes it supports, and on GPU once :func:`kernel_works` (with '-interpret': in the Pallas interpreter)."""
+    return (impl.startswith("pallas") and switch and supported
+            and (impl.endswith("-interpret") or kernel_works(name)))
+
+
 def grouped_matmul_fn(impl: str, x: Array, w: Array, tuning: Tuning = Tuning()):
-    """The grouped matmul ``(rows, w, sizes, offset, out_dtype)`` for the attention implementation ``impl``: the Pallas
-    kernel with the layer kernels ('pallas*' and ``tuning.grouped_matmul``, 16-bit weights the kernel takes; on GPU
-    once :func:`grouped_kernel_works`, '-interpret' in the Pallas interpreter), else XLA's ragged dot."""
-    interpret = impl.endswith("-interpret")
-    if (impl.startswith("pallas") and tuning.grouped_matmul and gmm.supports(x, w)
-            and (interpret or grouped_kernel_works())):
+    """The grouped matmul ``(rows, w, sizes, offset, out_dtype)`` for the attention implementation ``impl``:
+    ``pallas_kernels.grouped_matmul`` where :func:`_kernel_runs` (``tuning.grouped_matmul``, 16-bit weights the kernel
+    takes), else XLA's ragged dot."""
+    if _kernel_runs(impl, tuning.grouped_matmul, "grouped_matmul", gmm.supports(x, w)):
+        interpret = impl.endswith("-interpret")
+
         def kernel(rows, mat, sizes, offset, out_dtype):
             return gmm.grouped_matmul(rows, mat, sizes, offset, out_dtype=out_dtype, interpret=interpret)
 
@@ -113,37 +126,56 @@ def grouped_matmul_fn(impl: str, x: Array, w: Array, tuning: Tuning = Tuning()):
     return _ragged
 
 
+def gemv_fn(impl: str, tuning: Tuning = Tuning()):
+    """The gather form's batched GEMV ``(rows [P, K], w [W, N, K], ids [P], offset, out_dtype) -> [P, N]`` for the
+    attention implementation ``impl``: ``pallas_kernels.expert_gemv`` where :func:`_kernel_runs`
+    (``tuning.expert_gemv``, 16-bit weights the kernel takes; chosen per matrix), else XLA's form (its reference)."""
+    def gemv(rows, w, ids, offset, out_dtype):
+        if _kernel_runs(impl, tuning.expert_gemv, "expert_gemv", eg.supports(rows, w)):
+            return eg.expert_gemv(rows, w, ids, offset, out_dtype=out_dtype, interpret=impl.endswith("-interpret"))
+        return eg.reference(rows, w, ids, offset, out_dtype)
+
+    return gemv
+
+
 @functools.lru_cache(maxsize=None)
-def grouped_kernel_works() -> bool:
-    """Whether ``pallas_kernels.grouped_matmul`` compiles here and matches its reference (:func:`kernel_mismatch`).
-    Checked once per process, when a layer first asks; False: XLA's ragged dot, with a warning. A layer asks while it
-    is traced, so the check runs on a thread of its own: jax's tracing state is per thread, and there the check's
-    arrays are computed, not staged into the layer's program."""
+def kernel_works(name: str) -> bool:
+    """Whether the Pallas kernel ``name`` ('grouped_matmul' or 'expert_gemv') compiles here and matches its reference
+    (:func:`kernel_mismatch`). Checked once per process and kernel, when a layer first asks; False: XLA's form, with a
+    warning. A layer asks while it is traced, so the check runs on a thread of its own: jax's tracing state is per
+    thread, and there the check's arrays are computed, not staged into the layer's program."""
     import concurrent.futures
     import warnings
 
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            problem = pool.submit(kernel_mismatch).result()
+            problem = pool.submit(kernel_mismatch, name).result()
     except Exception as e:  # noqa: BLE001 - any failure means: do not use the kernel
         problem = str(e)
     if problem:
-        warnings.warn(f"Pallas grouped matmul unavailable here ({problem[:300]}): MoE layers use XLA's ragged dot")
+        warnings.warn(f"Pallas {name} unavailable here ({problem[:300]}): MoE layers use XLA's form instead")
     return not problem
 
 
-def kernel_mismatch(interpret: bool = False) -> str | None:
-    """Run ``pallas_kernels.grouped_matmul`` once on a ragged bf16 problem (empty groups, a group over several tiles,
-    rows past the groups, an offset into the matrices) and compare it with its reference: a description of the
-    mismatch, or None. Not while tracing (see :func:`grouped_kernel_works`)."""
+def kernel_mismatch(name: str, interpret: bool = False) -> str | None:
+    """Run the Pallas kernel ``name`` once on a bf16 problem and compare it with its reference: a description of the
+    mismatch, or None. grouped_matmul: ragged groups (empty ones, one over several tiles, rows past the groups);
+    expert_gemv: pairs sharing an expert, one pair over several output blocks and chunks. Both at an offset into the
+    matrices. Not while tracing (see :func:`kernel_works`)."""
     import numpy as np
 
     rng = np.random.default_rng(0)
-    sizes = jnp.asarray([3, 0, 0, 40, 1, 0, 7, 0], jnp.int32)
     x = jnp.asarray(rng.normal(size=(60, 256)), jnp.bfloat16)
     w = jnp.asarray(rng.normal(size=(12, 128, 256)) / 16, jnp.bfloat16)
-    run = jax.jit(functools.partial(gmm.grouped_matmul, out_dtype=jnp.float32, block_rows=16, interpret=interpret))
-    got, want = run(x, w, sizes, jnp.int32(3)), gmm.reference(x, w, sizes, 3, jnp.float32)
+    if name == "grouped_matmul":
+        sizes = jnp.asarray([3, 0, 0, 40, 1, 0, 7, 0], jnp.int32)
+        run = jax.jit(functools.partial(gmm.grouped_matmul, out_dtype=jnp.float32, block_rows=16, interpret=interpret))
+        got, want = run(x, w, sizes, jnp.int32(3)), gmm.reference(x, w, sizes, 3, jnp.float32)
+    else:
+        ids = jnp.asarray([4, 0, 8, 4, 2], jnp.int32)
+        run = jax.jit(functools.partial(eg.expert_gemv, out_dtype=jnp.float32, block_n=32, block_d=64,
+                                        interpret=interpret))
+        got, want = run(x[:5], w, ids, jnp.int32(3)), eg.reference(x[:5], w, ids, 3, jnp.float32)
     err, scale = float(jnp.max(jnp.abs(got - want))), float(jnp.max(jnp.abs(want)))
     return None if err < 2e-2 * scale else f"off by {err:.3g} from its reference (largest value {scale:.3g})"
 
@@ -174,7 +206,9 @@ def _experts(x: Array, router: Array, gate_up: Array, down: Array, offset, first
     local = ids - first
     mine = (local >= 0) & (local < experts)
     if ids.size <= (tuning.moe_gather_pairs or GATHER_MAX_PAIRS):
-        y = _gather_form(x, offset + jnp.clip(local, 0, experts - 1), gate_up, down)
+        gemv = gemv_fn(impl, tuning)
+        y = _gather_form(x, jnp.clip(local, 0, experts - 1), gate_up, down,
+                         lambda rows, w, ids, dtype: gemv(rows, w, ids, offset, dtype))
     else:
         matmul = grouped_matmul_fn(impl, x, gate_up, tuning)
         y = _grouped_form(x, jnp.where(mine, local, experts), experts, gate_up, down,
@@ -192,8 +226,8 @@ def block(x: Array, w: LayerWeights, cfg: ModelConfig, impl: str = "xla", stacke
     """The sparse MoE MLP of one layer: x [B, T, D] (the normed residual, in the weights' dtype) -> f32 [B, T, D].
     w: the layer's weights (``router`` [D, E], ``experts_gate_up`` [E, 2F, D], ``experts_down`` [E, D, F]);
     ``stacked`` / ``layer``: every layer's weights ([L, E, ...]) and this layer's index (may be traced), whose experts
-    are then read in place. ``impl`` (the attention implementation) and ``tuning`` pick the form and the grouped matmul
-    (:func:`grouped_matmul_fn`). Expert parallel under a mesh whose model axis splits the experts (module doc)."""
+    are then read in place. ``impl`` (the attention implementation) and ``tuning`` pick the form and its kernels
+    (:func:`gemv_fn`, :func:`grouped_matmul_fn`). Expert parallel under a mesh whose model axis splits the experts (module doc)."""
     b, t, d = x.shape
     e = w.router.shape[-1]
     src = w if stacked is None else stacked
