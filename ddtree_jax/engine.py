@@ -25,7 +25,7 @@ prompt), so the engine compiles one prefill per bucket and one insert. On a mesh
 split over the data axis and the model over the model axis; decode's jitted functions take the mesh from the Spec.
 
 Requests talk to the engine through a *sink*: a callable that receives :class:`Event` objects, from the
-engine thread. ``serve.py`` turns them into asyncio queue items; :meth:`Engine.generate` collects them
+engine thread. ``http_server.py`` turns them into asyncio queue items; :meth:`Engine.generate` collects them
 for blocking use. Every accepted request ends with exactly one event whose ``finish_reason`` is set
 (``stop``, ``length``, ``cancelled`` or ``error``).
 """

@@ -14,8 +14,8 @@ if TYPE_CHECKING:  # annotations only: the engine imports this module
 
 
 class Metrics:
-    """Prometheus metrics of one engine, in their own registry (serve.py exposes them on /metrics). Gauges read the
-    engine's queue, slots and programs when scraped; the engine thread counts steps, deliveries and requests."""
+    """Prometheus metrics of one engine, in their own registry (http_server.py exposes them on /metrics). Gauges read
+    the engine's queue, slots and programs when scraped; the engine thread counts steps, deliveries and requests."""
 
     def __init__(self, engine: "Engine"):
         import prometheus_client
