@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def random_rows(batch: int, seq_len: int, vocab: int, seed: int = 0):
     """[batch, seq_len] packed rows (``dataset.pack``) of random sequences: prompts of 1/64 .. 1/4 of a row, responses
-    of 1/32 .. 1/2 (about 67% response tokens, as the recipe's data), random tokens."""
+    of 1/32 .. 1/2 (about two thirds response tokens, as the recipe's data), random tokens."""
     import numpy as np
 
     from ddtree_jax.training import dataset
@@ -111,7 +111,7 @@ class Profile:
     """The items measured so far (written after each one, so a run cut short keeps them)."""
 
     def __init__(self, args, meta: dict):
-        self.args, self.items = args, []
+        self.args, self.items, self.compiled = args, [], {}
         self.record = {"meta": meta, "items": self.items}
         self.path = os.path.join(args.out, "train_step_profile.json")
 
@@ -123,6 +123,7 @@ class Profile:
         t0 = time.perf_counter()
         compiled = jitted.lower(*args).compile()
         compile_s = time.perf_counter() - t0
+        self.compiled[name] = compiled
         times = []
         for i in range(self.args.warmup + self.args.repeats):
             t0 = time.perf_counter()
@@ -136,6 +137,8 @@ class Profile:
         item = {"name": name, "ms": round(ms, 3), "ms_all": [round(1e3 * t, 3) for t in times], **c,
                 "tflops_per_s": round(c["flops"] / ms / 1e9, 2), "gb_per_s": round(c["bytes"] / ms / 1e6, 1),
                 "compile_s": round(compile_s, 1), **info}
+        if "model_flops" in info:  # the figure the trainer's record reports (objective.flops_per_row)
+            item["model_tflops_per_s"] = round(info["model_flops"] / ms / 1e9, 1)
         self.items.append(item)
         write_json(self.path, self.record)
         log(f"{name}: {ms:.2f} ms, {c['flops'] / 1e9:.1f} GFLOP, {c['bytes'] / 1e9:.2f} GB")
@@ -217,7 +220,7 @@ def run(args) -> dict:
         prof.time(f"step {label}", step_fn, (params, opt, tparams, vbatch, key, lr), thread=thread,
                   model_flops=flops, rows=vb, seq_len=vt, anchors=obj.anchors, group=obj.group, loss=obj.loss)
         if label == "recipe":
-            recipe_fns, recipe_state = (step_fn, loss_fn), (thread, state)
+            traced = (thread, state)  # the recipe step's state, for --trace
             prof.time("loss_fwd recipe", loss_fn, (master, tparams, batch, key))
 
     # 5. one anchor group's pieces
@@ -265,8 +268,8 @@ def run(args) -> dict:
                          "groups": round(groups * per_group, 3), "step": ms["step recipe"]}
 
     if args.trace:
-        step_fn, _ = recipe_fns
-        thread, state = recipe_state
+        step_fn = prof.compiled["step recipe"]
+        thread, state = traced
         args_ = thread((state["params"], state["opt"]))
         with jax.profiler.trace(args.trace):
             for _ in range(3):
@@ -289,7 +292,7 @@ def main(argv=None) -> int:
         raise cli.UsageError("--seq-len must be at least 64")
     record = run(args)
     rows = [{**i, "gflop": i["flops"] / 1e9, "gb": i["bytes"] / 1e9} for i in record["items"]]
-    print_table(rows, ["name", "ms", "gflop", "gb", "tflops_per_s", "gb_per_s", "temp_mib"])
+    print_table(rows, ["name", "ms", "gflop", "gb", "tflops_per_s", "gb_per_s", "temp_mib", "model_tflops_per_s"])
     m = record["meta"]
     print(f"CE forms: nll max |diff| {m['ce_forms']['nll_max_abs_diff']:.3g}, grad max |diff| "
           f"{m['ce_forms']['grad_max_abs_diff']:.3g}; model GFLOP a recipe step {m['model_flops_per_step'] / 1e9:.1f}; "
