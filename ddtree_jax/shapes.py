@@ -28,6 +28,10 @@ class Shape:
     experts: int = 0
     experts_per_token: int = 0
     expert_intermediate: int = 0
+    # The target's family: "llama" has no q/k norms; ``tied``: its output layer is the embedding's transpose
+    arch: str = "qwen3"
+    tied: bool = False
+    rope_theta: float = 1e6
 
 
 SHAPES = {
@@ -44,18 +48,22 @@ SHAPES = {
                                  taps=(1, 12, 23, 34, 45), experts=128, experts_per_token=8, expert_intermediate=768),
     "tiny-moe": Shape("tiny-moe", 128, 256, layers=4, heads=4, kv_heads=2, head_dim=64, vocab=2048, draft_layers=2,
                       block=8, taps=(0, 2), experts=16, experts_per_token=4, expert_intermediate=64),
+    # SmolLM2-135M-Instruct, the default pair's target, with the drafter train_draft makes for it by default
+    "smollm2-135m": Shape("smollm2-135m", 576, 1536, layers=30, heads=9, kv_heads=3, head_dim=64, vocab=49152,
+                          draft_layers=2, taps=(1, 10, 18, 27), arch="llama", tied=True, rope_theta=1e5),
 }
 
 
 def model_configs(shape: Shape):
     from ddtree_jax.config import DraftConfig, ModelConfig, RopeConfig
 
-    def mc(layers: int, **moe) -> ModelConfig:
+    def mc(layers: int, arch: str = "qwen3", tied: bool = False, **moe) -> ModelConfig:
         return ModelConfig(
-            arch="qwen3_moe" if moe else "qwen3", vocab_size=shape.vocab, hidden_size=shape.hidden,
+            arch="qwen3_moe" if moe else arch, vocab_size=shape.vocab, hidden_size=shape.hidden,
             intermediate_size=shape.intermediate, num_layers=layers, num_heads=shape.heads,
-            num_kv_heads=shape.kv_heads, head_dim=shape.head_dim, rms_norm_eps=1e-6, rope=RopeConfig(theta=1e6),
-            tie_word_embeddings=False, qk_norm=True, max_position_embeddings=40960, **moe,
+            num_kv_heads=shape.kv_heads, head_dim=shape.head_dim, rms_norm_eps=1e-6,
+            rope=RopeConfig(theta=shape.rope_theta), tie_word_embeddings=tied, qk_norm=arch != "llama",
+            max_position_embeddings=40960, **moe,
         )
 
     dcfg = DraftConfig(layers=mc(shape.draft_layers), block_size=shape.block, mask_token_id=shape.vocab - 1,
@@ -63,7 +71,7 @@ def model_configs(shape: Shape):
                        layer_types=("full_attention",) * shape.draft_layers)
     moe = dict(num_experts=shape.experts, experts_per_token=shape.experts_per_token,
                moe_intermediate_size=shape.expert_intermediate, norm_topk_prob=True) if shape.experts else {}
-    return mc(shape.layers, **moe), dcfg
+    return mc(shape.layers, shape.arch, shape.tied, **moe), dcfg
 
 
 LEAF_BYTES = 1 << 30  # a layer stack whose f32 draw is larger is drawn one layer at a time

@@ -151,3 +151,21 @@ def test_memory_at_2048_tokens_and_512_anchors_is_bounded():
     dense_scores = a * dcfg.block_size * t * dcfg.layers.num_heads * 4
     grouped = temp(32)
     assert grouped < dense_scores / 2, (grouped, dense_scores)
+
+
+def test_label_nll_equals_the_log_softmax_form_with_its_gradient():
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(0, 4, (3, 5, 300)).astype(np.float32))
+    labels = jnp.asarray(rng.integers(0, 300, (3, 5)).astype(np.int32))
+    w = jnp.asarray(rng.uniform(0, 1, (3, 5)).astype(np.float32))
+
+    def log_softmax_form(x):
+        return -jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), labels[..., None], axis=-1)[..., 0]
+
+    def logsumexp_form(x):
+        return O.label_nll(x, labels)
+
+    assert logsumexp_form(logits).shape == (3, 5)
+    np.testing.assert_allclose(logsumexp_form(logits), log_softmax_form(logits), rtol=1e-6, atol=1e-5)
+    grads = [jax.grad(lambda x, f=f: jnp.sum(f(x) * w))(logits) for f in (logsumexp_form, log_softmax_form)]
+    np.testing.assert_allclose(grads[0], grads[1], rtol=1e-5, atol=1e-6)

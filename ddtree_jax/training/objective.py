@@ -183,6 +183,13 @@ def block_hidden(params: DraftParams, cfg: DraftConfig, embed: Array, kv: tuple[
 # ---------------------------------------------------------------------------------------------- the loss
 
 
+def label_nll(logits: Array, labels: Array) -> Array:
+    """-log softmax(logits)[label]: logits [..., V] f32, labels [...] int -> [...] f32, as logsumexp minus the
+    label's logit (the [..., V] log-probabilities are never formed)."""
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return lse - jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+
+
 @dataclasses.dataclass(frozen=True)
 class Objective:
     """Static settings of the loss: anchors per row, anchors per group, the decay, hard labels or KL."""
@@ -229,13 +236,13 @@ def draft_loss(params: DraftParams, cfg: DraftConfig, tparams: TargetParams, fea
         live = ok[..., None] & (label_at < t) & same_seq & gather(batch.supervised)
         labels = gather(batch.tokens)
         logits = jnp.einsum("bgkd,dv->bgkv", hidden.astype(head.dtype), head, preferred_element_type=jnp.float32)
-        logq = jax.nn.log_softmax(logits, axis=-1)
         if obj.loss == "kl":  # the target's distribution of the token at a+k comes from its hidden state at a+k-1
+            logq = jax.nn.log_softmax(logits, axis=-1)
             prev = jnp.take_along_axis(final, (at - 1)[..., None], axis=1)  # [B, G*(bs-1), D]
             logp = jax.nn.log_softmax(model.logits(tparams, prev).reshape(logq.shape), axis=-1)
             per = jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)
         else:
-            per = -jnp.take_along_axis(logq, labels[..., None], axis=-1)[..., 0]
+            per = label_nll(logits, labels)
         w = w_depth * live
         correct = (jnp.argmax(logits, axis=-1) == labels) & live
         run = jnp.cumprod((correct | ~live).astype(jnp.float32), axis=-1) * live  # the greedy chain's accepted slots
