@@ -5,6 +5,7 @@ predictions, and whatever forms run, greedy output is AR's and sampled output AR
 import dataclasses
 import functools
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -82,8 +83,8 @@ def _copy(state):
 
 def test_ar_steps_keep_the_drafters_context(target, drafter, reference_runs):
     """Three AR steps of a speculative run commit what three chain rounds commit (the fixture drafter's first chain
-    rounds accept the root alone): the same tokens, the same draft cache up to its length, the same pending
-    context, hence the same draft logits for the next round, and the same tokens after it."""
+    rounds accept the root alone): the same tokens, the same draft cache up to its length (every committed token),
+    hence the same draft logits for the next round, and the same tokens after it."""
     (tcfg, tparams), (dcfg, dparams) = target, drafter
     run = reference_runs[0]
     assert run["dflash"]["acceptance_lengths"][:4] == [1, 1, 1, 1]
@@ -104,12 +105,9 @@ def test_ar_steps_keep_the_drafters_context(target, drafter, reference_runs):
     assert np.asarray(by_chain.forms[0, :3]).tolist() == [-1, -1, -1]
     assert float(by_chain.stats[0, policy.ROUNDS]) == 3
     length = int(by_ar.dcache.length[0])
-    assert length == int(by_chain.dcache.length[0]) == n + 2
+    assert length == int(by_chain.dcache.length[0]) == int(by_ar.cache.length[0]) == n + 3
     for a, b in ((by_ar.dcache.k, by_chain.dcache.k), (by_ar.dcache.v, by_chain.dcache.v)):
         np.testing.assert_allclose(a[:, :, :length], b[:, :, :length], rtol=1e-5, atol=1e-5)
-    count = int(by_ar.context_count[0])
-    assert count == int(by_chain.context_count[0]) == 1
-    np.testing.assert_allclose(by_ar.context[:, :count], by_chain.context[:, :count], rtol=1e-5, atol=1e-5)
     draft = jax.jit(lambda s: decode.draft_logits(spec, tparams, dparams, s)[0])
     np.testing.assert_allclose(draft(by_ar), draft(by_chain), rtol=1e-4, atol=1e-4)
     one = jnp.int32(1)
@@ -117,6 +115,31 @@ def test_ar_steps_keep_the_drafters_context(target, drafter, reference_runs):
     a, b = after(tparams, dparams, by_ar, one), after(tparams, dparams, by_chain, one)
     np.testing.assert_array_equal(a.out, b.out)
     np.testing.assert_array_equal(a.accept_hist[0, 3], b.accept_hist[0, 3])
+
+
+def test_an_ar_step_hands_the_drafter_one_position(target, drafter):
+    """The AR form of a speculative run, compiled as the engine compiles its group of rounds, takes one position
+    along the path, as AR's own step: its optimized HLO holds no tap features of path_len rows (the drafter's input
+    projection and K/V over block_size rows of which one is real) and no copy of either KV cache; its Snapshot's window
+    is AR's (a token a round)."""
+    (tcfg, tparams), (dcfg, dparams) = target, drafter
+    b, most = 2, 3
+    opts = decode.GenerateOptions(method="ddtree", max_new_tokens=16)
+    spec = decode.make_spec(tcfg, dcfg, opts, batch=b).with_form("ar", b)
+    state, _ = decode.start(spec, [[1, 2, 3]] * b, [opts] * b, opts.max_new_tokens, tparams.embed.dtype)
+    starts = jnp.zeros((b,), jnp.int32)
+    exe = decode.run_group.lower(spec, tparams, dparams, state, starts, jnp.int32(most), most).compile()
+    hlo = exe.as_text()
+    p, features = spec.path_len, dcfg.num_taps * tcfg.hidden_size
+    dl = dcfg.layers
+    assert p > 1 and re.search(rf"\[{b},1,{features}\]|\[{b},{features}\]", hlo)  # the one position's taps
+    for rows in (rf"\[{b},{p},{features}\]", rf"\[{b * p},{features}\]", rf"\[{dl.num_layers},{b},{p},"):
+        assert not re.search(rows, hlo), rows
+    for kv in (state.cache.k, state.dcache.k):
+        whole = "[" + ",".join(map(str, kv.shape)) + "]"
+        assert not [line for line in hlo.splitlines() if " copy(" in line and whole in line.split(" copy(")[0]]
+    snap = jax.eval_shape(lambda s: decode.group(spec, tparams, dparams, s, starts, jnp.int32(most), most)[1], state)
+    assert snap.window.shape == (b, most + 1)
 
 
 @pytest.fixture(scope="module")
