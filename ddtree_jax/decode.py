@@ -350,18 +350,33 @@ def verify(spec: Spec, target: TargetParams, state: State, tree: trees.Tree):
 
 
 def round_step(spec: Spec, target: TargetParams, drafter: DraftParams | None, state: State) -> State:
+    """One round, its accepted path handed to the drafter at once (:func:`hand_over`)."""
+    return hand_over(spec, drafter, *commit_round(spec, target, drafter, state))
+
+
+def commit_round(spec: Spec, target: TargetParams, drafter: DraftParams | None, state: State):
+    """One round up to its commit (draft, tree, verify, accept + commit): (state, context, count) as
+    :func:`accept_commit` returns them, the drafter's cache not yet holding the committed tokens."""
     tree, dcache, pred = draft_step(spec, target, drafter, state)
     logits, cache, taps, tokens, depths = verify(spec, target, state, tree)
-    return accept_commit(spec, drafter, state, tree, dcache, logits, cache, taps, tokens, depths, pred)
+    return accept_commit(spec, state, tree, dcache, logits, cache, taps, tokens, depths, pred)
 
 
-def accept_commit(spec: Spec, drafter: DraftParams | None, state: State, tree: trees.Tree, dcache, logits, cache,
-                  taps, tokens, depths, pred: Array | None = None) -> State:
-    """The accept + commit stage: the target's choice at every node, the walk, the KV compaction, the accepted
-    path's taps appended to the drafter's context (``dflash.extend``: both caches then hold the same committed
-    tokens) and the bookkeeping (outputs, stop tokens, statistics). ``depths`` [B, 1+N] (the root's 0) place each
-    node's sampling key (accept.node_keys); ``pred`` the round's predictions (auto). Positions along the path:
-    ``spec.commit_len`` (one for an AR step)."""
+def hand_over(spec: Spec, drafter: DraftParams | None, state: State, context: Array | None, count: Array) -> State:
+    """Append the tap features of the last ``count`` [B] committed tokens, context [B, C, taps*D] (C >= count), to the
+    drafter's cache (``dflash.extend``): both caches then hold the same tokens. No-op without a drafter."""
+    if spec.draft is None:
+        return state
+    return dataclasses.replace(state, dcache=dflash.extend(drafter, spec.draft, state.dcache, context, count))
+
+
+def accept_commit(spec: Spec, state: State, tree: trees.Tree, dcache, logits, cache, taps, tokens, depths,
+                  pred: Array | None = None) -> tuple[State, Array | None, Array]:
+    """The accept + commit stage: the target's choice at every node, the walk, the KV compaction and the bookkeeping
+    (outputs, stop tokens, statistics). ``depths`` [B, 1+N] (the root's 0) place each node's sampling key
+    (accept.node_keys); ``pred`` the round's predictions (auto). Positions along the path: ``spec.commit_len`` (one
+    for an AR step). Returns (state, context: the accepted path's tap features [B, commit_len, taps*D] (None without
+    a drafter), count [B]: tokens committed), for :func:`hand_over`."""
     active = ~state.done
     b = state.bonus.shape[0]
     width = spec.commit_len
@@ -372,8 +387,6 @@ def accept_commit(spec: Spec, drafter: DraftParams | None, state: State, tree: t
 
     count = jnp.where(active, length, 0)
     cache = kvcache.compact(cache, path, count)
-    if spec.draft is not None:
-        dcache = dflash.extend(drafter, spec.draft, dcache, jnp.take_along_axis(taps, path[:, :, None], axis=1), count)
     emitted = jnp.take_along_axis(tokens, path, axis=1)
     emitted = jnp.concatenate([emitted[:, 1:], bonus[:, None]], axis=1)  # [B, width]: path tokens after the root
     emitted = jnp.where(jnp.arange(width)[None] < (length - 1)[:, None], emitted, bonus[:, None])
@@ -401,6 +414,7 @@ def accept_commit(spec: Spec, drafter: DraftParams | None, state: State, tree: t
             row = jnp.concatenate([jnp.ones((b, 1)), length[:, None].astype(jnp.float32), pred], axis=1)
             stats = stats + jnp.where(active[:, None], row, 0.0)
 
+    context = None if spec.draft is None else jnp.take_along_axis(taps, path[:, :, None], axis=1)
     return dataclasses.replace(
         state,
         cache=cache,
@@ -415,7 +429,7 @@ def accept_commit(spec: Spec, drafter: DraftParams | None, state: State, tree: t
         trace=trace,
         forms=forms,
         stats=stats,
-    )
+    ), context, count
 
 
 def _pad_nodes(x: Array, width: int) -> Array:
@@ -461,7 +475,8 @@ donating_jit = functools.partial(jax.jit, keep_unused=True)
 @functools.partial(donating_jit, static_argnums=(0,), donate_argnums=(3,))
 @sharding.on_spec_mesh(batched=(3,))
 def run_rounds(spec: Spec, target: TargetParams, drafter: DraftParams | None, state: State, max_rounds: Array):
-    """Run rounds until every sequence is done or ``max_rounds`` more rounds have run."""
+    """Run rounds until every sequence is done or ``max_rounds`` more rounds have run. AR steps of a speculative run
+    (tree "root" with a drafter) hand the drafter their tokens ``path_len`` steps at a time (:func:`_ar_steps`)."""
 
     def cond(carry):
         state, i = carry
@@ -469,10 +484,33 @@ def run_rounds(spec: Spec, target: TargetParams, drafter: DraftParams | None, st
 
     def body(carry):
         state, i = carry
+        if spec.tree == "root" and spec.draft is not None:
+            return _ar_steps(spec, target, drafter, state, max_rounds - i)
         return round_step(spec, target, drafter, state), i + 1
 
     state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
     return state
+
+
+def _ar_steps(spec: Spec, target: TargetParams, drafter: DraftParams, state: State, most: Array):
+    """Up to ``spec.path_len`` AR steps (at most ``most``, while a sequence runs), then one :func:`hand_over` of their
+    tokens' tap features, collected in a buffer [B, path_len, taps*D]: the drafter's input projection and K/V
+    products read their weights once for up to path_len steps, not once a step. The same features at the same
+    positions as a hand-over a step: the drafter's context stays complete. (state, steps run)."""
+    b, rows = state.bonus.shape[0], spec.path_len
+    buffer = jnp.zeros((b, rows, spec.draft.num_taps * spec.target.hidden_size), state.dcache.k.dtype)
+
+    def cond(carry):
+        state, _, _, j = carry
+        return jnp.any(~state.done) & (j < jnp.minimum(rows, most))
+
+    def body(carry):  # a sequence's steps commit one token each until it is done: its rows are a prefix
+        state, buffer, n, j = carry
+        state, context, count = commit_round(spec, target, drafter, state)
+        return state, jax.lax.dynamic_update_slice_in_dim(buffer, context.astype(buffer.dtype), j, 1), n + count, j + 1
+
+    state, buffer, n, steps = jax.lax.while_loop(cond, body, (state, buffer, jnp.zeros((b,), jnp.int32), jnp.int32(0)))
+    return hand_over(spec, drafter, state, buffer, n), steps
 
 
 @jax.tree_util.register_dataclass

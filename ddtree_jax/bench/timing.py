@@ -53,7 +53,9 @@ def _jitted():
     @functools.partial(decode.donating_jit, static_argnums=(0,), donate_argnums=(2,))
     def stage_accept(spec, dp, state, tree, outs):
         logits, taps, tokens, depths = outs
-        return decode.accept_commit(spec, dp, state, tree, state.dcache, logits, state.cache, taps, tokens, depths)
+        state, context, count = decode.accept_commit(spec, state, tree, state.dcache, logits, state.cache, taps,
+                                                     tokens, depths)
+        return decode.hand_over(spec, dp, state, context, count)  # the drafter's context extension: this stage's
 
     return dict(randomize=randomize, stage_draft=stage_draft, stage_tree=stage_tree, stage_verify=stage_verify,
                 stage_accept=stage_accept)
