@@ -195,11 +195,12 @@ class Policy:
         cost over AR's, at least 1), one group probes the cheapest speculative form."""
         if not options:
             raise ValueError("no program to choose from")
+        totals = {form: self.total(seqs, form) for form in {f for f, _ in options}}  # once per form, not per batch
         speculative = sorted(((c, k) for k, c in options.items() if k[0] != AR), key=lambda x: x[0])
-        unknown = [k for c, k in speculative if self.total(seqs, k[0]) is None]
+        unknown = [k for c, k in speculative if totals[k[0]] is None]
         if unknown:
             return unknown[0]
-        best = max(options, key=lambda k: (self.total(seqs, k[0]) / options[k], -options[k]))
+        best = max(options, key=lambda k: (totals[k[0]] / options[k], -options[k]))
         if best[0] != AR:
             self.probe_every, self._ar_groups, self._probed, self._probe_out = FIRST_PROBE_EVERY, 0, False, False
             return best
