@@ -284,8 +284,8 @@ def draft_logits(spec: Spec, target: TargetParams, drafter: DraftParams, state: 
     """The draft stage (dflash/ddtree): (draft logits [B, bs-1, V], the drafter cache with the block's K/V written
     in its scratch slots past the committed length)."""
     if spec.proposer is not None:
-        return spec.proposer(drafter, spec.draft, target, state.dcache, state.bonus, attention=spec.attention), \
-            state.dcache
+        logits = spec.proposer(drafter, spec.draft, target, state.dcache, state.bonus, attention=spec.attention)
+        return logits, state.dcache
     # Keep the cache the drafter wrote its block into (scratch slots only): no copy of the draft cache.
     return dflash.propose(drafter, spec.draft, target, state.dcache, state.bonus, attention=spec.attention,
                           tuning=spec.tuning, return_cache=True)
@@ -320,9 +320,9 @@ def predictions(spec: Spec, top1: Array, scores: Array | None) -> Array:
 
 
 def draft_step(spec: Spec, target: TargetParams, drafter: DraftParams | None, state: State):
-    """draft + tree: (tree, drafter cache, predictions or None). An AR step (tree "root") drafts nothing; its commit
-    still hands the drafter its token's context (:func:`accept_commit`), so a later round drafts as if every round
-    had been speculative."""
+    """draft + tree: (tree, drafter cache, predictions or None). An AR step (tree "root") drafts nothing; its token's
+    context still reaches the drafter (:func:`hand_over`; a chunk of steps at a time, :func:`_ar_steps`), so a later
+    round drafts as if every round had been speculative."""
     b = state.bonus.shape[0]
     if spec.tree == "root":
         return trees.root_only(b), state.dcache, None

@@ -55,7 +55,7 @@ def _jitted():
         logits, taps, tokens, depths = outs
         state, context, count = decode.accept_commit(spec, state, tree, state.dcache, logits, state.cache, taps,
                                                      tokens, depths)
-        return decode.hand_over(spec, dp, state, context, count)  # the drafter's context extension: this stage's
+        return decode.hand_over(spec, dp, state, context, count)  # the drafter's extension counts in this stage
 
     return dict(randomize=randomize, stage_draft=stage_draft, stage_tree=stage_tree, stage_verify=stage_verify,
                 stage_accept=stage_accept)
