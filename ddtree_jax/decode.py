@@ -6,7 +6,7 @@ One round, for a batch of sequences, all on device:
     tree    DDTree's best-first tree (ddtree), the argmax chain (dflash) or the bare root (ar)
     verify  one target forward over [root + tree nodes] with the ancestor-only mask
     accept  the target's choice at every node, then the walk down the agreeing path
-    commit  accepted K/V moved next to the prefix, tokens appended, hidden taps kept for the drafter
+    commit  accepted K/V moved next to the prefix, their hidden taps appended to the drafter's context, tokens appended
 
 The loop runs rounds under ``lax.while_loop`` until every sequence is done (or a round count is
 reached, so a host can stream every few rounds); no host synchronisation inside. :func:`generate` runs it for a
@@ -81,7 +81,7 @@ class Spec:
     """Everything static about one compiled program of a decoding run: what the jitted functions specialise on.
 
     ``method`` says whether there is a drafter (ar: none); ``tree`` what one round verifies: "root" (an AR step;
-    with a drafter it still extends the drafter's context, so drafting may resume in any later round), "chain"
+    with a drafter it still hands the drafter its token's context, so drafting may resume in any later round), "chain"
     (DFlash's argmax chain) or "best_first" (DDTree's tree of ``budget`` nodes). Under ``--tree-budget auto``
     (``auto``) every program of a run shares one State layout (``room``: scratch slots and trace rows for the largest
     form) and records, per round, its form and the drafter's predictions (``State.forms``, ``State.stats``)."""
@@ -137,6 +137,13 @@ class Spec:
     @property
     def path_len(self) -> int:
         return self.max_depth + 1
+
+    @property
+    def commit_len(self) -> int:
+        """Tokens one round of this program may commit: the accepted path (``path_len``), or the root alone for an
+        AR step (tree "root"), whose walk, output write, KV move and drafter context then take one position, not
+        ``path_len``."""
+        return 1 if self.tree == "root" else self.path_len
 
     @property
     def taps(self) -> tuple[int, ...]:
@@ -250,9 +257,7 @@ class State:
     """Per-batch decoding state; every leaf but the caches has the batch on axis 0."""
 
     cache: kvcache.KVCache  # target; length = committed tokens
-    dcache: kvcache.KVCache | None  # drafter context K/V (None for ar)
-    context: Array | None  # [B, P, taps*D] hidden taps of the last accepted path, the drafter's next context
-    context_count: Array  # [B] valid rows of context
+    dcache: kvcache.KVCache | None  # drafter context K/V of the same committed tokens (None for ar)
     bonus: Array  # [B] last emitted token: the root of the next tree, not yet in the cache
     out: Array  # [B, S_out] prompt + generated tokens
     n_out: Array  # [B] tokens in out
@@ -276,13 +281,13 @@ class State:
 
 
 def draft_logits(spec: Spec, target: TargetParams, drafter: DraftParams, state: State):
-    """The draft stage (dflash/ddtree): (draft logits [B, bs-1, V], drafter cache with the last
-    accepted context appended; its slots past the committed length are scratch)."""
-    dcache = dflash.extend(drafter, spec.draft, state.dcache, state.context, state.context_count)
+    """The draft stage (dflash/ddtree): (draft logits [B, bs-1, V], the drafter cache with the block's K/V written
+    in its scratch slots past the committed length)."""
     if spec.proposer is not None:
-        return spec.proposer(drafter, spec.draft, target, dcache, state.bonus, attention=spec.attention), dcache
+        logits = spec.proposer(drafter, spec.draft, target, state.dcache, state.bonus, attention=spec.attention)
+        return logits, state.dcache
     # Keep the cache the drafter wrote its block into (scratch slots only): no copy of the draft cache.
-    return dflash.propose(drafter, spec.draft, target, dcache, state.bonus, attention=spec.attention,
+    return dflash.propose(drafter, spec.draft, target, state.dcache, state.bonus, attention=spec.attention,
                           tuning=spec.tuning, return_cache=True)
 
 
@@ -315,15 +320,12 @@ def predictions(spec: Spec, top1: Array, scores: Array | None) -> Array:
 
 
 def draft_step(spec: Spec, target: TargetParams, drafter: DraftParams | None, state: State):
-    """draft + tree: (tree, drafter cache with the last accepted context appended, predictions or None). An AR step
-    (tree "root") with a drafter appends the context without drafting, so that the drafter's context stays
-    complete: a later round drafts as if every round had been speculative."""
+    """draft + tree: (tree, drafter cache, predictions or None). An AR step (tree "root") drafts nothing; its token's
+    context still reaches the drafter (:func:`hand_over`; a chunk of steps at a time, :func:`_ar_steps`), so a later
+    round drafts as if every round had been speculative."""
     b = state.bonus.shape[0]
     if spec.tree == "root":
-        dcache = state.dcache
-        if spec.draft is not None:
-            dcache = dflash.extend(drafter, spec.draft, state.dcache, state.context, state.context_count)
-        return trees.root_only(b), dcache, None
+        return trees.root_only(b), state.dcache, None
     logits, dcache = draft_logits(spec, target, drafter, state)
     tree, pred = build_tree(spec, logits)
     return tree, dcache, pred
@@ -348,31 +350,49 @@ def verify(spec: Spec, target: TargetParams, state: State, tree: trees.Tree):
 
 
 def round_step(spec: Spec, target: TargetParams, drafter: DraftParams | None, state: State) -> State:
+    """One round, its accepted path handed to the drafter at once (:func:`hand_over`)."""
+    return hand_over(spec, drafter, *commit_round(spec, target, drafter, state))
+
+
+def commit_round(spec: Spec, target: TargetParams, drafter: DraftParams | None, state: State):
+    """One round up to its commit (draft, tree, verify, accept + commit): (state, context, count) as
+    :func:`accept_commit` returns them, the drafter's cache not yet holding the committed tokens."""
     tree, dcache, pred = draft_step(spec, target, drafter, state)
     logits, cache, taps, tokens, depths = verify(spec, target, state, tree)
     return accept_commit(spec, state, tree, dcache, logits, cache, taps, tokens, depths, pred)
 
 
+def hand_over(spec: Spec, drafter: DraftParams | None, state: State, context: Array | None, count: Array) -> State:
+    """Append the tap features of the last ``count`` [B] committed tokens, context [B, C, taps*D] (C >= count), to the
+    drafter's cache (``dflash.extend``): both caches then hold the same tokens. No-op without a drafter."""
+    if spec.draft is None:
+        return state
+    return dataclasses.replace(state, dcache=dflash.extend(drafter, spec.draft, state.dcache, context, count))
+
+
 def accept_commit(spec: Spec, state: State, tree: trees.Tree, dcache, logits, cache, taps, tokens, depths,
-                  pred: Array | None = None) -> State:
-    """The accept + commit stage: the target's choice at every node, the walk, the KV compaction and
-    the bookkeeping (outputs, stop tokens, statistics, the drafter's next context). ``depths`` [B, 1+N] (the
-    root's 0) place each node's sampling key (accept.node_keys); ``pred`` the round's predictions (auto)."""
+                  pred: Array | None = None) -> tuple[State, Array | None, Array]:
+    """The accept + commit stage: the target's choice at every node, the walk, the KV compaction and the bookkeeping
+    (outputs, stop tokens, statistics). ``depths`` [B, 1+N] (the root's 0) place each node's sampling key
+    (accept.node_keys); ``pred`` the round's predictions (auto). Positions along the path: ``spec.commit_len`` (one
+    for an AR step). Returns (state, context: the accepted path's tap features [B, commit_len, taps*D] (None without
+    a drafter), count [B]: tokens committed), for :func:`hand_over`."""
     active = ~state.done
     b = state.bonus.shape[0]
+    width = spec.commit_len
 
     keys = accept.node_keys(state.keys, state.cache.length[:, None] + depths)
     choice = accept.choose(logits, keys, state.temperature, state.top_p, state.top_k, spec.sampling, spec.filtering)
-    path, length, bonus = accept.walk(tree, choice, spec.max_depth, impl=spec.attention)
+    path, length, bonus = accept.walk(tree, choice, width - 1, impl=spec.attention)
 
     count = jnp.where(active, length, 0)
     cache = kvcache.compact(cache, path, count)
     emitted = jnp.take_along_axis(tokens, path, axis=1)
-    emitted = jnp.concatenate([emitted[:, 1:], bonus[:, None]], axis=1)  # [B, P]: path tokens after the root
-    emitted = jnp.where(jnp.arange(spec.path_len)[None] < (length - 1)[:, None], emitted, bonus[:, None])
+    emitted = jnp.concatenate([emitted[:, 1:], bonus[:, None]], axis=1)  # [B, width]: path tokens after the root
+    emitted = jnp.where(jnp.arange(width)[None] < (length - 1)[:, None], emitted, bonus[:, None])
     rows = jnp.arange(b)[:, None]
-    cols = state.n_out[:, None] + jnp.arange(spec.path_len)[None]
-    cols = jnp.where((jnp.arange(spec.path_len)[None] < count[:, None]), cols, state.out.shape[1])
+    cols = state.n_out[:, None] + jnp.arange(width)[None]
+    cols = jnp.where((jnp.arange(width)[None] < count[:, None]), cols, state.out.shape[1])
     out = state.out.at[rows, cols].set(emitted, mode="drop")
     n_out = state.n_out + count
 
@@ -385,8 +405,8 @@ def accept_commit(spec: Spec, state: State, tree: trees.Tree, dcache, logits, ca
     if spec.trace:
         new = {"tokens": tree.tokens, "depths": tree.depths, "parents": tree.parents, "path": path, "length": length,
                "choice": choice}
-        trace = {k: v.at[jnp.arange(b), at].set(_pad_nodes(new[k], v.shape[2]) if v.ndim == 3 and k != "path"
-                                                else new[k], mode="drop") for k, v in state.trace.items()}
+        trace = {k: v.at[jnp.arange(b), at].set(_pad_nodes(new[k], v.shape[2]) if v.ndim == 3 else new[k],
+                                                mode="drop") for k, v in state.trace.items()}
     forms, stats = state.forms, state.stats
     if spec.auto:
         forms = forms.at[jnp.arange(b), at].set(policy.code(spec.form), mode="drop")
@@ -394,15 +414,11 @@ def accept_commit(spec: Spec, state: State, tree: trees.Tree, dcache, logits, ca
             row = jnp.concatenate([jnp.ones((b, 1)), length[:, None].astype(jnp.float32), pred], axis=1)
             stats = stats + jnp.where(active[:, None], row, 0.0)
 
-    context = None
-    if spec.draft is not None:
-        context = jnp.take_along_axis(taps, path[:, :, None], axis=1)
+    context = None if spec.draft is None else jnp.take_along_axis(taps, path[:, :, None], axis=1)
     return dataclasses.replace(
         state,
         cache=cache,
         dcache=dcache,
-        context=context,
-        context_count=count,
         bonus=jnp.where(active, bonus, state.bonus),
         out=out,
         n_out=n_out,
@@ -413,11 +429,12 @@ def accept_commit(spec: Spec, state: State, tree: trees.Tree, dcache, logits, ca
         trace=trace,
         forms=forms,
         stats=stats,
-    )
+    ), context, count
 
 
 def _pad_nodes(x: Array, width: int) -> Array:
-    """x [B, n] padded with zeros to [B, width] (a smaller form's tree in a trace sized for the run's largest)."""
+    """x [B, n] padded with zeros to [B, width] (a smaller form's tree, or an AR step's one-position path, in a
+    trace sized for the run's largest)."""
     return jnp.pad(x, [(0, 0), (0, width - x.shape[1])])
 
 
@@ -458,7 +475,8 @@ donating_jit = functools.partial(jax.jit, keep_unused=True)
 @functools.partial(donating_jit, static_argnums=(0,), donate_argnums=(3,))
 @sharding.on_spec_mesh(batched=(3,))
 def run_rounds(spec: Spec, target: TargetParams, drafter: DraftParams | None, state: State, max_rounds: Array):
-    """Run rounds until every sequence is done or ``max_rounds`` more rounds have run."""
+    """Run rounds until every sequence is done or ``max_rounds`` more rounds have run. AR steps of a speculative run
+    (tree "root" with a drafter) hand the drafter their tokens ``path_len`` steps at a time (:func:`_ar_steps`)."""
 
     def cond(carry):
         state, i = carry
@@ -466,10 +484,33 @@ def run_rounds(spec: Spec, target: TargetParams, drafter: DraftParams | None, st
 
     def body(carry):
         state, i = carry
+        if spec.tree == "root" and spec.draft is not None:
+            return _ar_steps(spec, target, drafter, state, max_rounds - i)
         return round_step(spec, target, drafter, state), i + 1
 
     state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
     return state
+
+
+def _ar_steps(spec: Spec, target: TargetParams, drafter: DraftParams, state: State, most: Array):
+    """Up to ``spec.path_len`` AR steps (at most ``most``, while a sequence runs), then one :func:`hand_over` of their
+    tokens' tap features, collected in a buffer [B, path_len, taps*D]: the drafter's input projection and K/V
+    products read their weights once for up to path_len steps, not once a step. The same features at the same
+    positions as a hand-over a step: the drafter's context stays complete. (state, steps run)."""
+    b, rows = state.bonus.shape[0], spec.path_len
+    buffer = jnp.zeros((b, rows, spec.draft.num_taps * spec.target.hidden_size), state.dcache.k.dtype)
+
+    def cond(carry):
+        state, _, _, j = carry
+        return jnp.any(~state.done) & (j < jnp.minimum(rows, most))
+
+    def body(carry):  # a sequence's steps commit one token each until it is done: its rows are a prefix
+        state, buffer, n, j = carry
+        state, context, count = commit_round(spec, target, drafter, state)
+        return state, jax.lax.dynamic_update_slice_in_dim(buffer, context.astype(buffer.dtype), j, 1), n + count, j + 1
+
+    state, buffer, n, steps = jax.lax.while_loop(cond, body, (state, buffer, jnp.zeros((b,), jnp.int32), jnp.int32(0)))
+    return hand_over(spec, drafter, state, buffer, n), steps
 
 
 @jax.tree_util.register_dataclass
@@ -498,7 +539,7 @@ def group(spec: Spec, target, drafter, state: State, starts: Array, rounds: Arra
     jitted: :data:`run_group` jits it alone, ``slots.run_group_rows`` on some rows of a batch."""
     n_out0, rounds0, stats0 = state.n_out, state.n_rounds, state.stats
     state = run_rounds(spec, target, drafter, state, jnp.minimum(rounds, most))
-    width = most * spec.path_len + 1
+    width = most * spec.commit_len + 1
     idx = jnp.minimum(starts[:, None] + jnp.arange(width)[None], state.out.shape[1] - 1)
     snap = Snapshot(
         end=device_final_length(state),
@@ -567,11 +608,10 @@ def init_state(spec: Spec, prompt_lens, options_per_seq, capacity: int, out_len:
     b = len(prompt_lens)
     tc = spec.target
     cache = kvcache.init(tc.num_layers, b, capacity, tc.num_kv_heads, tc.head_dim, dtype)
-    dcache = context = None
+    dcache = None
     if spec.draft is not None:
         dc = spec.draft.layers
         dcache = kvcache.init(dc.num_layers, b, capacity, dc.num_kv_heads, dc.head_dim, dtype)
-        context = jnp.zeros((b, spec.path_len, spec.draft.num_taps * tc.hidden_size), dtype)
     stop = np.full((b, MAX_STOP_IDS), -1, np.int32)
     for i, o in enumerate(options_per_seq):
         if o.temperature > 0 and not spec.sampling:
@@ -598,8 +638,6 @@ def init_state(spec: Spec, prompt_lens, options_per_seq, capacity: int, out_len:
     return State(
         cache=cache,
         dcache=dcache,
-        context=context,
-        context_count=jnp.zeros((b,), jnp.int32),
         bonus=jnp.zeros((b,), jnp.int32),
         out=jnp.zeros((b, out_len), jnp.int32),
         n_out=jnp.asarray(prompt_lens, jnp.int32),  # its own buffer: State leaves are donated

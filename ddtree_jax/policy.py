@@ -16,7 +16,9 @@ and expects E_i(c) = 1 + r_i (pred_i(c) - 1) tokens a round from form c (an AR s
 slot batch) with the most expected tokens per second, sum_i E_i(c) / cost(c, n), among the ready programs whose cost
 is known (``costs.CostTable``: seconds a round, measured on the device). When AR wins no prediction arrives any more,
 so after N AR groups one group probes the cheapest speculative form; N doubles after each probe that changes nothing
-(up to ``MAX_PROBE_EVERY``) and restarts when speculation wins: a useless drafter costs well under 2% of AR's speed.
+(up to ``MAX_PROBE_EVERY``) and restarts when speculation wins. The wait is N AR groups times the probe's cost over
+AR's (a chain at a large slot batch costs several AR steps), so a probe's extra time stays under 1/N of the AR time
+between probes, whatever the load: a useless drafter costs AR under 2% of its speed.
 """
 
 from __future__ import annotations
@@ -189,15 +191,16 @@ class Policy:
     def choose(self, seqs: Sequence, options: Mapping[tuple[str, int], float]) -> tuple[str, int]:
         """The (form, slot batch) among ``options`` ((form, batch) -> seconds a round, the ready programs that can
         hold ``seqs``) with the most expected tokens per second. Forms whose expectation is unknown (nothing observed
-        yet) are explored first, cheapest first; after AR has won ``probe_every`` groups in a row, one group probes the
-        cheapest speculative form."""
+        yet) are explored first, cheapest first; after AR has won ``probe_every`` groups in a row (times the probe's
+        cost over AR's, at least 1), one group probes the cheapest speculative form."""
         if not options:
             raise ValueError("no program to choose from")
+        totals = {form: self.total(seqs, form) for form in {f for f, _ in options}}  # once per form, not per batch
         speculative = sorted(((c, k) for k, c in options.items() if k[0] != AR), key=lambda x: x[0])
-        unknown = [k for c, k in speculative if self.total(seqs, k[0]) is None]
+        unknown = [k for c, k in speculative if totals[k[0]] is None]
         if unknown:
             return unknown[0]
-        best = max(options, key=lambda k: (self.total(seqs, k[0]) / options[k], -options[k]))
+        best = max(options, key=lambda k: (totals[k[0]] / options[k], -options[k]))
         if best[0] != AR:
             self.probe_every, self._ar_groups, self._probed, self._probe_out = FIRST_PROBE_EVERY, 0, False, False
             return best
@@ -206,9 +209,10 @@ class Policy:
         if self._probed:  # the last probe changed nothing
             self.probe_every, self._probed = min(2 * self.probe_every, MAX_PROBE_EVERY), False
         self._ar_groups += 1
-        if self._ar_groups >= self.probe_every:
+        cost, probe = speculative[0]
+        if self._ar_groups >= self.probe_every * max(1.0, cost / options[best]):
             self._ar_groups, self._probe_out = 0, True
-            return speculative[0][1]
+            return probe
         return best
 
     def summary(self, seqs: Sequence, form: str) -> tuple[float, float]:

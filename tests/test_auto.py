@@ -5,6 +5,7 @@ predictions, and whatever forms run, greedy output is AR's and sampled output AR
 import dataclasses
 import functools
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ import pytest
 from ddtree_jax import accept, autorun, decode, policy
 from ddtree_jax import tree as trees
 from tests.test_decode import tree_paths
-from tests.test_oracle import oracle
+from tests.test_oracle import check_caches, oracle
 
 FORMS = ("ar", "chain", "4")
 
@@ -82,8 +83,8 @@ def _copy(state):
 
 def test_ar_steps_keep_the_drafters_context(target, drafter, reference_runs):
     """Three AR steps of a speculative run commit what three chain rounds commit (the fixture drafter's first chain
-    rounds accept the root alone): the same tokens, the same draft cache up to its length, the same pending
-    context, hence the same draft logits for the next round, and the same tokens after it."""
+    rounds accept the root alone): the same tokens, the same draft cache up to its length (every committed token),
+    hence the same draft logits for the next round, and the same tokens after it."""
     (tcfg, tparams), (dcfg, dparams) = target, drafter
     run = reference_runs[0]
     assert run["dflash"]["acceptance_lengths"][:4] == [1, 1, 1, 1]
@@ -104,12 +105,9 @@ def test_ar_steps_keep_the_drafters_context(target, drafter, reference_runs):
     assert np.asarray(by_chain.forms[0, :3]).tolist() == [-1, -1, -1]
     assert float(by_chain.stats[0, policy.ROUNDS]) == 3
     length = int(by_ar.dcache.length[0])
-    assert length == int(by_chain.dcache.length[0]) == n + 2
+    assert length == int(by_chain.dcache.length[0]) == int(by_ar.cache.length[0]) == n + 3
     for a, b in ((by_ar.dcache.k, by_chain.dcache.k), (by_ar.dcache.v, by_chain.dcache.v)):
         np.testing.assert_allclose(a[:, :, :length], b[:, :, :length], rtol=1e-5, atol=1e-5)
-    count = int(by_ar.context_count[0])
-    assert count == int(by_chain.context_count[0]) == 1
-    np.testing.assert_allclose(by_ar.context[:, :count], by_chain.context[:, :count], rtol=1e-5, atol=1e-5)
     draft = jax.jit(lambda s: decode.draft_logits(spec, tparams, dparams, s)[0])
     np.testing.assert_allclose(draft(by_ar), draft(by_chain), rtol=1e-4, atol=1e-4)
     one = jnp.int32(1)
@@ -117,6 +115,52 @@ def test_ar_steps_keep_the_drafters_context(target, drafter, reference_runs):
     a, b = after(tparams, dparams, by_ar, one), after(tparams, dparams, by_chain, one)
     np.testing.assert_array_equal(a.out, b.out)
     np.testing.assert_array_equal(a.accept_hist[0, 3], b.accept_hist[0, 3])
+
+
+def test_more_ar_steps_than_path_len_leave_the_drafters_cache_complete(target, drafter, reference_runs):
+    """AR steps of a speculative run hand the drafter their tokens path_len steps at a time: over more steps than that
+    in one loop (and rows that finish inside one), both caches equal a fresh causal pass over the tokens, and the
+    output is AR's."""
+    (tcfg, tparams), (dcfg, dparams) = target, drafter
+    runs = reference_runs[:2]
+    prompts = [r["prompt"] for r in runs]
+    opts = [decode.GenerateOptions(method="ddtree", max_new_tokens=n) for n in (2 * dcfg.block_size + 3, 5)]
+    spec = decode.make_spec(tcfg, dcfg, opts[0], batch=2).with_form("ar", 2)
+    state, tokens = decode.start(spec, prompts, opts, opts[0].max_new_tokens, tparams.embed.dtype)
+    state = decode.compiled(decode.prefill, spec, tparams, dparams, state, tokens)(tparams, dparams, state, tokens)
+    rounds = jnp.int32(opts[0].max_new_tokens)
+    state = decode.compiled(decode.run_rounds, spec, tparams, dparams, state, rounds)(tparams, dparams, state, rounds)
+    assert np.asarray(state.done).all() and np.asarray(state.n_rounds).tolist() == [o.max_new_tokens for o in opts]
+    for run, out, o in zip(runs, np.asarray(state.out), opts):
+        n = len(run["prompt"]) + o.max_new_tokens
+        assert out[:n].tolist() == run["ar"][:n]
+    check_caches(target, drafter, state)
+
+
+def test_ar_steps_hand_the_drafter_their_tokens_once_per_path_len_steps(target, drafter):
+    """The AR form of a speculative run, compiled as the engine compiles its group of rounds: the drafter's input
+    projection (and so its K/V products and cache writes) runs outside the loop of AR steps, once for up to path_len
+    steps, where the target's logits run every step; its optimized HLO copies neither KV cache; its Snapshot's window
+    is AR's (a token a round)."""
+    (tcfg, tparams), (dcfg, dparams) = target, drafter
+    b, most = 2, 3
+    opts = decode.GenerateOptions(method="ddtree", max_new_tokens=16)
+    spec = decode.make_spec(tcfg, dcfg, opts, batch=b).with_form("ar", b)
+    state, _ = decode.start(spec, [[1, 2, 3]] * b, [opts] * b, opts.max_new_tokens, tparams.embed.dtype)
+    starts = jnp.zeros((b,), jnp.int32)
+    hlo = decode.run_group.lower(spec, tparams, dparams, state, starts, jnp.int32(most), most).compile().as_text()
+
+    def loop_depth(einsum):  # how deep in while loops the product of this einsum (draft.py, model.py) runs
+        depths = [name.count("while/body") for name in re.findall(r'op_name="([^"]*)"', hlo) if einsum in name]
+        assert depths, einsum
+        return max(depths)
+
+    assert loop_depth("bcf,fd->bcd") < loop_depth("...d,dv->...v")  # the drafter's fc against the target's logits
+    for kv in (state.cache.k, state.dcache.k):
+        whole = "[" + ",".join(map(str, kv.shape)) + "]"
+        assert not [line for line in hlo.splitlines() if " copy(" in line and whole in line.split(" copy(")[0]]
+    snap = jax.eval_shape(lambda s: decode.group(spec, tparams, dparams, s, starts, jnp.int32(most), most)[1], state)
+    assert snap.window.shape == (b, most + 1)
 
 
 @pytest.fixture(scope="module")

@@ -95,7 +95,7 @@ def run(target, drafter, prompts, method, proposer, budget=BUDGET):
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
 def fresh_caches(tcfg, tparams, dcfg, dparams, tokens):
-    """A plain causal pass over tokens [B, S]: target K/V [L, B, S, K, hd], drafter taps, drafter K/V."""
+    """A plain causal pass over tokens [B, S]: target K/V [L, B, S, K, hd], drafter K/V."""
     b, n = tokens.shape
     cache = kvcache.init(tcfg.num_layers, b, n, tcfg.num_kv_heads, tcfg.head_dim, tparams.embed.dtype)
     positions = jnp.broadcast_to(jnp.arange(n), (b, n))
@@ -103,30 +103,23 @@ def fresh_caches(tcfg, tparams, dcfg, dparams, tokens):
     _, cache, taps = model.forward(tparams, tcfg, tokens, positions, cache, bits, taps=dcfg.target_layer_ids)
     dc = dcfg.layers
     dcache = kvcache.init(dc.num_layers, b, n, dc.num_kv_heads, dc.head_dim, tparams.embed.dtype)
-    dcache = dflash.extend(dparams, dcfg, dcache, taps, jnp.full((b,), n, jnp.int32))
-    return cache, taps, dcache
+    return cache, dflash.extend(dparams, dcfg, dcache, taps, jnp.full((b,), n, jnp.int32))
 
 
 def check_caches(target, drafter, state):
     """Every row's committed target K/V, and its drafter context K/V, equal a fresh causal pass over its
     tokens (the tokens after a row's committed length only follow it: causality makes them irrelevant)."""
-    fresh, taps, dfresh = fresh_caches(*target, *drafter, state.out)
+    fresh, dfresh = fresh_caches(*target, *drafter, state.out)
     # on the host: slicing device arrays at each row's own length would compile a slice per length
-    fresh, taps, dfresh, cache, dcache, context = jax.tree.map(
-        np.asarray, (fresh, taps, dfresh, state.cache, state.dcache, state.context))
+    fresh, dfresh, cache, dcache = jax.tree.map(np.asarray, (fresh, dfresh, state.cache, state.dcache))
     for b in range(state.out.shape[0]):
         n = int(cache.length[b])
         np.testing.assert_allclose(cache.k[:, b, :n], fresh.k[:, b, :n], atol=2e-4, rtol=1e-4)
         np.testing.assert_allclose(cache.v[:, b, :n], fresh.v[:, b, :n], atol=2e-4, rtol=1e-4)
-        # the drafter's context: every committed token but the last round's (appended at the next round;
-        # a row that finished early and sat through another round has them all)
-        m = int(dcache.length[b])
-        count = int(state.context_count[b])
-        assert 0 < m <= n and m + count == n
-        np.testing.assert_allclose(dcache.k[:, b, :m], dfresh.k[:, b, :m], atol=2e-4, rtol=1e-4)
-        np.testing.assert_allclose(dcache.v[:, b, :m], dfresh.v[:, b, :m], atol=2e-4, rtol=1e-4)
-        # the pending context rows are the last accepted path's taps
-        np.testing.assert_allclose(context[b, :count], taps[b, m:n], atol=2e-4, rtol=1e-4)
+        # the drafter's context: every committed token (each round appends its accepted path's taps)
+        assert int(dcache.length[b]) == n
+        np.testing.assert_allclose(dcache.k[:, b, :n], dfresh.k[:, b, :n], atol=2e-4, rtol=1e-4)
+        np.testing.assert_allclose(dcache.v[:, b, :n], dfresh.v[:, b, :n], atol=2e-4, rtol=1e-4)
 
 
 @pytest.fixture(scope="module")

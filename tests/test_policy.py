@@ -86,7 +86,8 @@ def test_the_ratio_corrects_an_overconfident_drafter_and_the_slot_batch_counts()
 
 def test_falls_back_to_ar_when_the_drafter_is_useless_and_probes_less_and_less():
     """Predictions near 1 (random drafter) or a ratio near 0: AR wins. Every so many AR groups one group probes the
-    cheapest speculative form; each probe that changes nothing doubles the wait, up to MAX_PROBE_EVERY."""
+    cheapest speculative form; each probe that changes nothing doubles the wait, up to MAX_PROBE_EVERY AR groups
+    times the probe's cost over AR's."""
     for pred, accepted in ((curve(0.02), 1.0), (curve(6.0), 1.0)):  # flat curve; confident but never right
         p = policy.Policy(FORMS, TREES)
         p.start(0)
@@ -101,16 +102,42 @@ def test_falls_back_to_ar_when_the_drafter_is_useless_and_probes_less_and_less()
         assert choices[0] == "ar"
         assert set(choices) <= {"ar", "chain"}  # probes take the cheapest speculative form
         gaps = np.diff(probes)
-        assert (np.diff(gaps) >= 0).all() and gaps[0] < gaps[2] and gaps[-1] == policy.MAX_PROBE_EVERY, gaps
+        longest = int(np.ceil(policy.MAX_PROBE_EVERY * COSTS["chain"] / COSTS["ar"]))
+        assert (np.diff(gaps) >= 0).all() and gaps[0] < gaps[2] and gaps[-1] == longest, gaps
         # what the probes cost AR: under 2 % of a run of AR rounds at these costs
         spent = sum(COSTS[f] for f in choices)
         assert spent / (len(choices) * COSTS["ar"]) < 1.02
 
 
+def test_dear_probes_wait_longer_so_a_useless_drafter_costs_little_under_load():
+    """At a large slot batch a probe (the chain: 16 verify rows a sequence) costs several AR steps; the wait between
+    probes grows by that ratio, so what the probes of a useless drafter cost AR stays under 1/MAX_PROBE_EVERY (plus
+    the first, shorter waits): 1.1% here, where waits of MAX_PROBE_EVERY AR groups alone would cost 2.5%."""
+    pred = curve(0.02)
+    dear = {"ar": 7.1e-3, "chain": 18.0e-3, "16": 19.0e-3}  # slot batch 32: the chain verifies 512 rows
+    p = policy.Policy(FORMS, TREES)
+    seqs = list(range(32))
+    for s in seqs:
+        p.start(s)
+        p.observe(s, "16", stats(8, 1.0, pred[0], 1.01, pred))
+    choices = []
+    for _ in range(4000):
+        form, _ = p.choose(seqs, options(32, dear))
+        choices.append(form)
+        if form != "ar":
+            for s in seqs:
+                p.observe(s, form, stats(4, 1.0, 1.01, 1.01, pred))
+    assert set(choices) == {"ar", "chain"}
+    gaps = np.diff([i for i, f in enumerate(choices) if f != "ar"])
+    assert gaps[-1] == int(np.ceil(policy.MAX_PROBE_EVERY * dear["chain"] / dear["ar"])), gaps
+    overhead = sum(dear[f] for f in choices) / (len(choices) * dear["ar"]) - 1
+    assert overhead < 1.25 / policy.MAX_PROBE_EVERY, overhead
+
+
 def test_speculation_before_ar_won_is_not_a_failed_probe():
     """Statistics arrive a group late: when AR starts winning, the last speculative group's statistics are still to
     come. They are not a probe's, so they do not double the wait: the probe comes when FIRST_PROBE_EVERY AR groups
-    have run since AR took over."""
+    (times the probe's cost over AR's) have run since AR took over."""
     pred = curve(6.0)
     p = policy.Policy(FORMS, TREES)
     p.start(0)
@@ -119,8 +146,9 @@ def test_speculation_before_ar_won_is_not_a_failed_probe():
     p.observe(0, "16", stats(32, 1.0, pred[0], 1.3, pred))  # the text turned unpredictable: nothing accepted
     assert p.choose([0], options())[0] == "ar"
     p.observe(0, "16", stats(8, 1.0, pred[0], 1.3, pred))  # the group dispatched before AR won, read late
-    choices = [p.choose([0], options())[0] for _ in range(policy.FIRST_PROBE_EVERY - 1)]  # the AR groups counted
-    assert choices[:-1] == ["ar"] * (policy.FIRST_PROBE_EVERY - 2) and choices[-1] != "ar", choices  # from the first
+    wait = int(np.ceil(policy.FIRST_PROBE_EVERY * COSTS["chain"] / COSTS["ar"]))  # AR groups, counted from the first
+    choices = [p.choose([0], options())[0] for _ in range(wait - 1)]
+    assert choices[:-1] == ["ar"] * (wait - 2) and choices[-1] != "ar", choices
     assert p.probe_every == policy.FIRST_PROBE_EVERY
 
 

@@ -300,10 +300,10 @@ class Bench:
             tree, state = stage("tree", lambda st: (st, f_tree(logits)), state, 4 * k)
         f_ver, cs["verify"] = aot(J("stage_verify"), spec, tp, state, tree)
         outs, state = stage("verify", lambda st: f_ver(tp, st, tree)[::-1], state)
-        f_acc, cs["accept_commit"] = aot(J("stage_accept"), spec, state, tree, outs)
+        f_acc, cs["accept_commit"] = aot(J("stage_accept"), spec, dp, state, tree, outs)
 
         def accept_step(st):
-            st = f_acc(st, tree, outs)
+            st = f_acc(dp, st, tree, outs)
             return st, st.n_out
 
         _, state = stage("accept_commit", accept_step, state)

@@ -33,11 +33,8 @@ def _jitted():
         dcache = state.dcache
         if dcache is not None:
             dcache = kvcache.KVCache(rnd(ks[2], dcache.k), rnd(ks[3], dcache.v), full)
-        context = None if state.context is None else rnd(ks[4], state.context)
         bonus = jax.random.randint(ks[5], state.bonus.shape, 0, vocab - 1, jnp.int32)
-        return dataclasses.replace(state, cache=cache, dcache=dcache, context=context,
-                                   context_count=jnp.ones_like(state.context_count), bonus=bonus,
-                                   n_out=state.prompt_len + 1)
+        return dataclasses.replace(state, cache=cache, dcache=dcache, bonus=bonus, n_out=state.prompt_len + 1)
 
     @functools.partial(decode.donating_jit, static_argnums=(0,), donate_argnums=(3,))
     def stage_draft(spec, tp, dp, state):
@@ -53,10 +50,12 @@ def _jitted():
         logits, cache, taps, tokens, depths = decode.verify(spec, tp, state, tree)
         return (logits, taps, tokens, depths), dataclasses.replace(state, cache=cache)
 
-    @functools.partial(decode.donating_jit, static_argnums=(0,), donate_argnums=(1,))
-    def stage_accept(spec, state, tree, outs):
+    @functools.partial(decode.donating_jit, static_argnums=(0,), donate_argnums=(2,))
+    def stage_accept(spec, dp, state, tree, outs):
         logits, taps, tokens, depths = outs
-        return decode.accept_commit(spec, state, tree, state.dcache, logits, state.cache, taps, tokens, depths)
+        state, context, count = decode.accept_commit(spec, state, tree, state.dcache, logits, state.cache, taps,
+                                                     tokens, depths)
+        return decode.hand_over(spec, dp, state, context, count)  # the drafter's extension counts in this stage
 
     return dict(randomize=randomize, stage_draft=stage_draft, stage_tree=stage_tree, stage_verify=stage_verify,
                 stage_accept=stage_accept)
