@@ -77,8 +77,8 @@ def rewind(state: State, mask: Array, length: Array, limit: Array) -> State:
 
 class AutoRun:
     """generate's loop of groups of ``rounds`` rounds under ``tree_budget="auto"``: one compiled group per form allowed
-    at the batch (policy.allowed), each timed on a fresh state of the batch's shape (``fresh()``, its caches at the
-    prompt lengths) unless ``cost_table`` knows it already."""
+    at the batch (policy.allowed), each run once before the decode on a fresh state of the batch's shape (``fresh()``,
+    its caches at the prompt lengths) and timed there unless ``cost_table`` knows it already."""
 
     def __init__(self, spec: Spec, options: GenerateOptions, tparams, dparams, fresh: Callable[[], State],
                  n_prompts: int, rounds: int, cost_table, chooser):
@@ -98,28 +98,28 @@ class AutoRun:
             self.keys[f] = costs.program_key(f, self.batch, variant(sp))
         self.measure_s = 0.0
 
-    def _measure_new(self, lens: list[int]) -> None:
-        """Time the forms the table does not know, on a fresh state whose caches hold the prompts' lengths."""
-        todo = [f for f in self.fns if self.costs.get(self.keys[f]) is None]
-        if not todo:
-            return
+    def _warm(self, lens: list[int]) -> None:
+        """Run every form once before decoding, on a fresh state whose caches hold the prompts' lengths, timing those
+        the cost table does not know: a program's first run in a process loads it onto the device (tens of ms a form
+        on a GPU), which would otherwise fall inside the decode."""
         t0 = time.perf_counter()
         dummy = self.fresh()
         everyone, length = jnp.ones((self.batch,), bool), jnp.asarray(lens, jnp.int32)
         limit, rounds = length + self.spec.max_rounds, jnp.int32(self.rounds)
-        for f in todo:
-            fn = self.fns[f]
+        for f, fn in self.fns.items():
+            known = self.costs.get(self.keys[f]) is not None
             sec, dummy = measure(lambda s: fn(self.tparams, self.dparams, s, length, rounds), dummy,
-                                 lambda s: rewind(s, everyone, length, limit))
+                                 lambda s: rewind(s, everyone, length, limit), calls=0 if known else MEASURE_CALLS)
             if sec is not None:
                 self.costs.measured(self.keys[f], sec, int(np.mean(lens)))
+        jax.block_until_ready(dummy)
         del dummy
         self.measure_s += time.perf_counter() - t0
 
     def decode(self, state: State, lens: list[int], on_tokens) -> State:
         """Groups until every sequence is done: group g + 1 is dispatched before group g's Snapshot is read (its
         window starts at group g's ends, on device), so the choice uses statistics one group old."""
-        self._measure_new(lens)
+        self._warm(lens)
         live = list(range(self.n))
         for i in live:
             self.policy.start(i)

@@ -922,7 +922,7 @@ def generate(
         else:
             raise RuntimeError(fault_message(spec, f"unfinished after {spec.max_rounds} rounds"))
     jax.block_until_ready(state.out)
-    decode_s = time.perf_counter() - t0 - (run.measure_s if auto else 0.0)  # timing new forms counts as compiling
+    decode_s = time.perf_counter() - t0 - (run.measure_s if auto else 0.0)  # warming and timing forms count as compiling
 
     ends = final_length(state)
     out = np.asarray(state.out)

@@ -212,3 +212,27 @@ def test_sampled_output_is_ars_for_the_same_seed_whatever_the_forms(target, draf
     assert {f for seq in auto.round_forms for f in seq} == set(FORMS)
     deep = [a for seq, forms in zip(auto.acceptance_lengths, auto.round_forms) for a, f in zip(seq, forms) if f != "ar"]
     assert max(deep) >= 4 and np.mean(deep) > 2, deep
+
+
+def test_every_form_runs_once_before_the_decode_and_only_unknown_ones_are_timed(target, drafter, batch, monkeypatch,
+                                                                               tmp_path):
+    """A program's first run in a process loads it onto the device, so AutoRun runs each form once before decoding:
+    timed (autorun.MEASURE_CALLS calls) when the cost table does not know it, untimed when it does (a second run
+    reading the costs the first one kept on disk)."""
+    monkeypatch.setenv("DDTREE_JAX_CACHE", str(tmp_path))
+    prompts, n = batch
+    opts = decode.GenerateOptions(method="ddtree", max_new_tokens=n, forms=FORMS)
+    seen = []
+    measure = autorun.measure
+
+    def spy(fn, state, rewind, calls=autorun.MEASURE_CALLS):
+        seen.append(calls)
+        return measure(fn, state, rewind, calls)
+
+    monkeypatch.setattr(autorun, "measure", spy)
+    first = decode.generate(target, prompts, opts, draft=drafter, persist_costs=True)
+    assert seen == [autorun.MEASURE_CALLS] * len(FORMS)
+    seen.clear()
+    second = decode.generate(target, prompts, opts, draft=drafter, persist_costs=True)
+    assert seen == [0] * len(FORMS)
+    assert second.output_ids == first.output_ids
