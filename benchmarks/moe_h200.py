@@ -24,7 +24,7 @@
            experts each round touches per layer (measured from the router's choices) with the uniform-routing figure;
            then ``bench project`` on those records: the DDTree paper's acceptance lengths for this model x the
            measured round costs, per budget the grid measured (a projection: random weights accept about one token
-           a round).
+           a round), and the form ``--tree-budget auto`` would pick from those costs with those lengths.
 
 Writes ``OUT/moe_h200.json`` (checks, forms, layer timings, the grid's records) and the bench's own files under
 ``OUT/bench``; prints a short table of each part. Each part is guarded: a failure is recorded and the next part runs.
@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import bench, moe, projection, shapes
+from ddtree_jax import bench, moe, policy, projection, shapes
 from ddtree_jax.bench.records import now
 from ddtree_jax.bench.roofline import measure_ceilings
 from ddtree_jax.tuning import Tuning
@@ -248,6 +248,21 @@ def project(records: str, out: str, budgets: str) -> dict:
             "tau_of": PAPER_MODEL, "budgets": done, "not_measured": [b for b in asked if b not in done], **rows}
 
 
+def policy_choices(grid: list[dict]) -> dict:
+    """The form ``--tree-budget auto`` picks among the GPU candidates (policy.candidates) from the grid's round costs
+    with the paper's tau as every form's expected acceptance (projection.choices): a projection, not a measurement."""
+    ms = {("ar" if r["method"] == "ar" else "chain" if r["method"] == "dflash" else str(r["budget"])): r["ms_per_round"]
+          for r in grid if r.get("model") == SHAPE.name and r.get("ms_per_round")}
+    forms = [f for f in policy.candidates("ddtree", "gpu") if f in ms]
+    taus = projection.load_tau()["0.0"][PAPER_MODEL]
+    return {"note": "a projection, not a measurement: the form ddtree_jax.policy.Policy.choose picks (--tree-budget "
+                    "auto, GPU candidates) with the measured round costs above as its cost table and every form's "
+                    "expected acceptance set to the paper's tau (the chain: dflash's; every tree: ddtree's, which the "
+                    "paper reports at its best budget, so small trees are credited with more than they accept)",
+            "candidates": list(policy.candidates("ddtree", "gpu")), "costs_ms": {f: round(ms[f], 3) for f in forms},
+            "choices": projection.choices(taus, {f: ms[f] for f in forms})}
+
+
 def table(rows: list[dict], cols: list[str]) -> str:
     cells = [[f"{r[c]:.3f}" if isinstance(r.get(c), float) else str(r.get(c, "-")) for c in cols] for r in rows]
     widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
@@ -344,6 +359,13 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             result["projection"] = {"error": repr(e)[:1000]}
+        try:
+            result["policy"] = policy_choices(result["grid"])
+            print("auto's pick per dataset (a projection): " + ", ".join(
+                f"{d} {c['choice']}" for d, c in result["policy"]["choices"].items()))
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            result["policy"] = {"error": repr(e)[:1000]}
     result["seconds"]["total"] = time.time() - t_start
     save()
     log(f"wrote {path} ({result['seconds']['total']:.0f}s)")

@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ddtree_jax import policy
+
 REPO = Path(__file__).resolve().parents[1]
 PAPER_TAU = REPO / "benchmarks" / "paper_tau.json"
 RESULTS = REPO / "benchmarks" / "results" / "h200.json"
@@ -104,6 +106,24 @@ def project(taus: dict, costs: dict[str, dict], budgets: list[int]) -> list[dict
             row[f"ddtree{b}"] = speedup(paper["ddtree"]["tau"], ar, costs[f"ddtree{b}"]["ms_per_round"])
         rows.append(row)
     return rows
+
+
+def choices(taus: dict, costs_ms: dict[str, float]) -> dict[str, dict]:
+    """What ``--tree-budget auto`` would pick at batch 1 for each dataset of one model (``taus``: {dataset: row of the
+    paper}) from round costs ``costs_ms`` ({form: ms a round}, e.g. {"ar": 3.6, "chain": 16.7, "64": 20.8}), were every
+    form's expected acceptance the paper's tau (the chain: dflash's; every tree: ddtree's at its best budget, so small
+    trees are credited with more than they accept): {dataset: {"choice": form, "tokens_per_s": {form: x}}}."""
+    out = {}
+    forms = tuple(costs_ms)
+    for dataset, paper in taus.items():
+        chooser = policy.Policy(forms, ())
+        chooser.prior = policy.Estimate(preds={f: paper["dflash" if f == policy.CHAIN else "ddtree"]["tau"]
+                                               for f in forms if f != policy.AR}, observed=True)
+        options = {(f, 1): ms / 1e3 for f, ms in costs_ms.items()}
+        form, _ = chooser.choose([0], options)
+        out[dataset] = {"choice": form, "tokens_per_s": {f: round(chooser.total([0], f) / options[f, 1], 1)
+                                                         for f in forms}}
+    return out
 
 
 def markdown(model: str, costs: dict[str, dict], rows: list[dict], budgets: list[int]) -> str:

@@ -103,3 +103,12 @@ def test_the_performance_page_shows_what_bench_project_prints_from_the_recorded_
     assert len(rows) == 2 * 12
     missing = [row for row in rows if row not in page]
     assert not missing, missing
+
+
+def test_choices_are_the_policys_pick_from_the_papers_tau_and_the_costs():
+    taus = {"code": {"dflash": {"tau": 6.0}, "ddtree": {"tau": 8.0}},
+            "chat": {"dflash": {"tau": 1.5}, "ddtree": {"tau": 2.0}}}
+    got = projection.choices(taus, {"ar": 4.0, "chain": 10.0, "16": 12.0, "64": 20.0})
+    assert got["code"]["choice"] == "16"  # 8 / 12 ms beats 6 / 10 ms, 8 / 20 ms and 1 / 4 ms
+    assert got["code"]["tokens_per_s"] == {"ar": 250.0, "chain": 600.0, "16": 666.7, "64": 400.0}
+    assert got["chat"]["choice"] == "ar"  # 2 / 12 ms < 1 / 4 ms
