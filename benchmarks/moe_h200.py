@@ -24,7 +24,8 @@
            experts each round touches per layer (measured from the router's choices) with the uniform-routing figure;
            then ``bench project`` on those records: the DDTree paper's acceptance lengths for this model x the
            measured round costs, per budget the grid measured (a projection: random weights accept about one token
-           a round), and the form ``--tree-budget auto`` would pick from those costs with those lengths.
+           a round), and the form ``--tree-budget auto`` would pick from those costs with those lengths; last, the
+           AR step again with XLA's gather form (``--tuning expert_gemv=0``) in the same process.
 
 Writes ``OUT/moe_h200.json`` (checks, forms, layer timings, the grid's records) and the bench's own files under
 ``OUT/bench``; prints a short table of each part. Each part is guarded: a failure is recorded and the next part runs.
@@ -57,6 +58,7 @@ SHAPE = shapes.SHAPES[PAPER_MODEL]
 ROWS = (1, 8, 72, 520, 2056)
 TOKENS = (1, 9, 65, 257)
 ROUTINGS = 8  # different routings per timed loop
+AB_S = 60.0  # seconds the grid leaves for the AR step with XLA's gather form (ar_ab)
 GEMV_MAX_ROWS = 72  # rows up to which the GEMV kernel is timed (past them it reads each expert several times)
 KERNEL = "pallas"  # the attention implementation that selects the kernel ("pallas-interpret" on CPU: --quick)
 
@@ -263,6 +265,23 @@ def policy_choices(grid: list[dict]) -> dict:
             "choices": projection.choices(taus, {f: ms[f] for f in forms})}
 
 
+def ar_ab(grid: list[str], out: str, records) -> dict:
+    """The AR step again with XLA's gather form (``--tuning expert_gemv=0``) in this process, against the grid's AR
+    step with the decoder's default (the expert GEMV kernel where its probe passes): the kernel's worth end to end."""
+    tuning = [grid[i + 1] for i, a in enumerate(grid) if a == "--tuning"]
+    rest = [a for i, a in enumerate(grid) if a != "--tuning" and (i == 0 or grid[i - 1] != "--tuning")]
+    args = [a for a in rest if a not in ("--methods", "ar,dflash,ddtree")]
+    args[args.index("--results-name") + 1] = "moe_ar_xla_gather.json"
+    args[args.index("--time-budget-s") + 1] = str(AB_S)
+    bench.main(args + ["--methods", "ar", "--no-breakdown", "--tuning", ",".join(tuning + ["expert_gemv=0"])])
+    with open(os.path.join(out, "bench", "moe_ar_xla_gather.json")) as f:
+        (xla,) = [r for r in json.load(f) if r.get("method") == "ar" and r.get("ms_per_round")]
+    (mine,) = [r for r in records if r.get("method") == "ar" and r.get("ms_per_round")]
+    return {"note": "the AR step with the decoder's default (the expert GEMV kernel) and with --tuning expert_gemv=0 "
+                    "(XLA's gather form), timed in this process", "gemv_ms": mine["ms_per_round"],
+            "xla_gather_ms": xla["ms_per_round"], "xla_gather_record": xla}
+
+
 def table(rows: list[dict], cols: list[str]) -> str:
     cells = [[f"{r[c]:.3f}" if isinstance(r.get(c), float) else str(r.get(c, "-")) for c in cols] for r in rows]
     widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
@@ -337,7 +356,7 @@ def main(argv=None) -> int:
         budgets, key = ("4,16", "16") if args.quick else (args.budgets, "64")
         grid = ["models", "--models", SHAPE.name, "--prompts", "512", "--batches", "1", "--methods", "ar,dflash,ddtree",
                 "--budgets", budgets, "--key-budgets", key, "--no-hlo", "--no-profile", "--no-tree-micro",
-                "--repeats", "3", "--stage-iters", "5", "--time-budget-s", str(max(60.0, left - 20)),
+                "--repeats", "3", "--stage-iters", "5", "--time-budget-s", str(max(60.0, left - 20 - AB_S)),
                 "--out", os.path.join(args.out, "bench"), "--results-name", "moe_grid.json"]
         if args.tuning:
             grid += ["--tuning", args.tuning]
@@ -366,6 +385,14 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             result["policy"] = {"error": repr(e)[:1000]}
+        try:
+            result["ar_ab"] = ar_ab(grid, args.out, result.get("grid"))
+            ab = result["ar_ab"]
+            print(f"AR step in one process: {ab['gemv_ms']:.3f} ms with the expert GEMV kernel, "
+                  f"{ab['xla_gather_ms']:.3f} ms with XLA's gather form")
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            result["ar_ab"] = {"error": repr(e)[:1000]}
     result["seconds"]["total"] = time.time() - t_start
     save()
     log(f"wrote {path} ({result['seconds']['total']:.0f}s)")
