@@ -100,8 +100,8 @@ class AutoRun:
 
     def _warm(self, lens: list[int]) -> None:
         """Run every form once before decoding, on a fresh state whose caches hold the prompts' lengths, timing those
-        the cost table does not know: a program's first run in a process loads it onto the device (tens of ms a form
-        on a GPU), which would otherwise fall inside the decode."""
+        the cost table does not know: a program's first execution in a process loads it onto the device (tens of ms a
+        form on a GPU), which would otherwise fall inside the decode."""
         t0 = time.perf_counter()
         dummy = self.fresh()
         everyone, length = jnp.ones((self.batch,), bool), jnp.asarray(lens, jnp.int32)

@@ -216,9 +216,9 @@ def test_sampled_output_is_ars_for_the_same_seed_whatever_the_forms(target, draf
 
 def test_every_form_runs_once_before_the_decode_and_only_unknown_ones_are_timed(target, drafter, batch, monkeypatch,
                                                                                tmp_path):
-    """A program's first run in a process loads it onto the device, so AutoRun runs each form once before decoding:
-    timed (autorun.MEASURE_CALLS calls) when the cost table does not know it, untimed when it does (a second run
-    reading the costs the first one kept on disk)."""
+    """A program's first execution in a process loads it onto the device, so AutoRun runs each form once before
+    decoding: timed (autorun.MEASURE_CALLS calls) when the cost table does not know it, untimed when it does (another
+    generate call reading the costs the earlier one kept on disk)."""
     monkeypatch.setenv("DDTREE_JAX_CACHE", str(tmp_path))
     prompts, n = batch
     opts = decode.GenerateOptions(method="ddtree", max_new_tokens=n, forms=FORMS)
