@@ -47,7 +47,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import accept, autorun, costs, decode, metrics, policy, sharding, slots
+from ddtree_jax.spec import (DEFAULT_TREE_BUDGET, MAX_STOP_IDS, GenerateOptions, Spec, make_spec, round_up,
+                             run_forms)
 from ddtree_jax.tuning import Tuning
+from ddtree_jax.weight_layout import device_layout, layout_method
 
 Array = jax.Array
 log = logging.getLogger("ddtree_jax.engine")
@@ -78,7 +81,7 @@ class EngineClosed(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     method: str = "ddtree"  # ar | dflash | ddtree
-    tree_budget: int | str = decode.DEFAULT_TREE_BUDGET  # "auto": each step's form chosen by policy.Policy
+    tree_budget: int | str = DEFAULT_TREE_BUDGET  # "auto": each step's form chosen by policy.Policy
     max_batch: int = 8  # slots decoded together
     max_len: int = 2048  # prompt + generated tokens per sequence
     rounds_per_step: int = 4  # rounds per device call: streaming granularity vs. host round trips
@@ -150,7 +153,7 @@ class Job:
 
 
 @functools.partial(decode.donating_jit, static_argnums=(0,), donate_argnums=(3,), compiler_options=decode.XLA_OPTIONS)
-def prefill(spec: decode.Spec, target, drafter, state: decode.State, tokens: Array) -> decode.State:
+def prefill(spec: Spec, target, drafter, state: decode.State, tokens: Array) -> decode.State:
     """decode.prefill compiled with decode.XLA_OPTIONS."""
     return decode.prefill(spec, target, drafter, state, tokens)
 
@@ -185,10 +188,10 @@ class Layout:
     out_len: int  # output buffer per sequence
 
     @classmethod
-    def of(cls, spec: decode.Spec, max_len: int) -> "Layout":
+    def of(cls, spec: Spec, max_len: int) -> "Layout":
         max_prompt = max_len - 1
-        top = decode.round_up(max_prompt, 512) if max_prompt > 512 else decode.round_up(max(max_prompt, 1), MIN_BUCKET)
-        capacity = decode.round_up(max(top, max_len + spec.scratch_slots), 64)
+        top = round_up(max_prompt, 512) if max_prompt > 512 else round_up(max(max_prompt, 1), MIN_BUCKET)
+        capacity = round_up(max(top, max_len + spec.scratch_slots), 64)
         return cls(max_len, max_prompt, top, capacity, max(top, max_len + spec.path_len + 1))
 
     def bucket(self, n: int) -> int:
@@ -206,7 +209,7 @@ class Layout:
 # ----------------------------------------------------------------------------------------- engine
 
 
-VARIANTS = ("greedy", "sampling", "filtering")  # a program's sampling support, least general first (decode.Spec)
+VARIANTS = ("greedy", "sampling", "filtering")  # a program's sampling support, least general first (spec.Spec)
 
 
 @dataclasses.dataclass(eq=False)
@@ -216,7 +219,7 @@ class Program:
     form: str
     size: int  # slot batch: the whole batch, or the rows gathered for a smaller one
     variant: str  # VARIANTS
-    spec: decode.Spec
+    spec: Spec
     fn: Callable | None = None  # the executable, once compiled
     tried: bool = False  # timed (or run unmeasured) once
     clean: bool = False  # its cost was timed with no compilation in flight (else, or loaded from disk: timed again)
@@ -280,13 +283,13 @@ class Engine:
         buckets = default_buckets(config.max_batch, data) if config.batch_buckets is None else config.batch_buckets
         check_batch_buckets(buckets, config.max_batch, data)
         self.sizes = sorted(set(buckets) | {config.max_batch})  # slot batches a step may run
-        options = decode.GenerateOptions(method=config.method, max_new_tokens=config.max_len,
-                                         tree_budget=config.tree_budget, attention=config.attention,
-                                         forms=config.forms)
+        options = GenerateOptions(method=config.method, max_new_tokens=config.max_len,
+                                  tree_budget=config.tree_budget, attention=config.attention,
+                                  forms=config.forms)
         # requests choose: the prefill and the slots take any request; the State's layout fits every program
-        self.spec = decode.make_spec(self.tcfg, dcfg, options, config.tuning, mesh=mesh, sampling=True,
-                                     filtering=True, batch=self.sizes[0])
-        self.forms = decode.run_forms(options)
+        self.spec = make_spec(self.tcfg, dcfg, options, config.tuning, mesh=mesh, sampling=True,
+                              filtering=True, batch=self.sizes[0])
+        self.forms = run_forms(options)
         self.programs: dict[tuple[str, int, str], Program] = {}
         for size in self.sizes:
             fits = policy.allowed(self.forms, size, dcfg.block_size) if self.spec.auto else self.forms
@@ -302,8 +305,8 @@ class Engine:
         first = next(f for f in (policy.AR, *self.forms) if (f, config.max_batch, "filtering") in self.programs)
         self.first = self.programs[first, config.max_batch, "filtering"]
         layout = config.tuning.layout
-        self.dparams = decode.device_layout(dparams, layout=layout) if config.method != "ar" else None
-        self.tparams = decode.device_layout(self.tparams, layout=layout, method=decode.layout_method(options))
+        self.dparams = device_layout(dparams, layout=layout) if config.method != "ar" else None
+        self.tparams = device_layout(self.tparams, layout=layout, method=layout_method(options))
         block = self.spec.round_positions
         allowed = self.tcfg.max_position_embeddings
         if config.max_len + block > allowed:
@@ -394,8 +397,8 @@ class Engine:
         if bad:
             raise RequestError(f"stop_token_ids {bad[:8]} are outside the vocabulary [0, {vocab})", "stop_token_ids")
         stop_ids = tuple(dict.fromkeys(tuple(params.stop_token_ids) + (() if ignore_eos else self.eos_token_ids)))
-        if len(stop_ids) > decode.MAX_STOP_IDS:
-            raise RequestError(f"at most {decode.MAX_STOP_IDS} stop token ids (eos included) are supported, "
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise RequestError(f"at most {MAX_STOP_IDS} stop token ids (eos included) are supported, "
                                f"got {len(stop_ids)}", "stop_token_ids")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer, and this model directory has none; "
@@ -689,10 +692,10 @@ class Engine:
         n = len(job.prompt_ids)
         p_pad = self.layout.bucket(n)  # prefill cuts its chunk to it
         p = job.params
-        opts = decode.GenerateOptions(method=self.spec.method, max_new_tokens=p.max_tokens, temperature=p.temperature,
-                                      top_p=p.top_p, top_k=p.top_k, stop_token_ids=job.stop_ids, seed=job.seed)
+        opts = GenerateOptions(method=self.spec.method, max_new_tokens=p.max_tokens, temperature=p.temperature,
+                               top_p=p.top_p, top_k=p.top_k, stop_token_ids=job.stop_ids, seed=job.seed)
         rows = self._prefill_rows
-        pad = decode.GenerateOptions(method=self.spec.method, max_new_tokens=1)
+        pad = GenerateOptions(method=self.spec.method, max_new_tokens=1)
         tokens = np.zeros((rows, p_pad), np.int32)
         tokens[0, :n] = job.prompt_ids
         make = functools.partial(decode.init_state, self.spec, [n] + [1] * (rows - 1), [opts] + [pad] * (rows - 1),

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax import decode
-from ddtree_jax.decode import GenerateOptions, Spec, State, donating_jit, init_state
+from ddtree_jax.decode import State, donating_jit, init_state
+from ddtree_jax.spec import GenerateOptions, Spec
 
 Array = jax.Array
 
