@@ -24,10 +24,10 @@ Shapes are static: every prompt is padded to a bucket (64, 128, 256, ... up to t
 prompt), so the engine compiles one prefill per bucket and one insert. On a mesh (``sharding.make_mesh``) the slots
 split over the data axis and the model over the model axis; decode's jitted functions take the mesh from the Spec.
 
-Requests talk to the engine through a *sink*: a callable that receives :class:`Event` objects, from the
-engine thread. ``http_server.py`` turns them into asyncio queue items; :meth:`Engine.generate` collects them
-for blocking use. Every accepted request ends with exactly one event whose ``finish_reason`` is set
-(``stop``, ``length``, ``cancelled`` or ``error``).
+Requests talk to the engine through a *sink*: a callable that receives :class:`Event` objects, from the engine
+thread (the request types: ``requests.py``). ``http_server.py`` turns them into asyncio queue items;
+:meth:`Engine.generate` collects them for blocking use. Every accepted request ends with exactly one event whose
+``finish_reason`` is set (``stop``, ``length``, ``cancelled`` or ``error``).
 """
 
 from __future__ import annotations
@@ -47,35 +47,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import accept, autorun, costs, decode, metrics, policy, sharding, slots
-from ddtree_jax.spec import (DEFAULT_TREE_BUDGET, MAX_STOP_IDS, GenerateOptions, Spec, make_spec, round_up,
-                             run_forms)
+from ddtree_jax.requests import (SEED_LIMIT, Completion, EngineClosed, Event, Job, QueueFull, RequestError,
+                                 SamplingParams)
+from ddtree_jax.slots import MIN_BUCKET, Layout, check_batch_buckets, default_buckets
+from ddtree_jax.spec import DEFAULT_TREE_BUDGET, MAX_STOP_IDS, GenerateOptions, Spec, make_spec, run_forms
 from ddtree_jax.tuning import Tuning
 from ddtree_jax.weight_layout import device_layout, layout_method
 
 Array = jax.Array
 log = logging.getLogger("ddtree_jax.engine")
-
-MIN_BUCKET = 64  # shortest padded prompt: one prefill compilation covers every short prompt
-SEED_LIMIT = 2**32  # jax.random.key takes a uint32 seed
-
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
-
-
-class RequestError(ValueError):
-    """A request the engine cannot run (bad parameter, prompt too long): HTTP 400. ``param`` names the field."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.param = param
-        self.code = code
-
-
-class QueueFull(RuntimeError):
-    """The waiting queue is at --max-queue: HTTP 429, try again later."""
-
-
-class EngineClosed(RuntimeError):
-    """The engine is stopping or has failed: HTTP 503."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,60 +75,6 @@ class EngineConfig:
     tuning: Tuning = Tuning()  # how the rounds run on the device (ddtree_jax.tuning)
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    seed: int | None = None  # None: a random seed
-    stop: tuple[str, ...] = ()  # stop strings, cut from the text (need a tokenizer)
-    stop_token_ids: tuple[int, ...] = ()  # stop tokens, kept in the output like eos
-
-
-@dataclasses.dataclass(frozen=True)
-class Event:
-    """What a request's sink receives: the tokens and text gained since the last event."""
-
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: str | None = None  # set on the last event only
-    error: str | None = None  # with finish_reason "error"
-    prompt_tokens: int = 0
-    completion_tokens: int = 0  # so far
-
-
-@dataclasses.dataclass
-class Completion:
-    """A finished request, as :meth:`Engine.generate` returns it."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    error: str | None = None
-
-
-@dataclasses.dataclass(eq=False)
-class Job:
-    """One request on the host side. Only the engine thread changes it after submission."""
-
-    id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    sink: Callable[[Event], None]
-    stop_ids: tuple[int, ...]
-    seed: int
-    submitted: float = dataclasses.field(default_factory=time.perf_counter)
-    slot: int | None = None
-    emitted: int = 0  # index in the slot's output buffer of the next token to deliver
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    text: str = ""  # decoded text so far (cut at a stop string)
-    sent: int = 0  # characters of ``text`` already delivered
-    decoder: object | None = None
-    first_token_at: float | None = None
-    finished: bool = False
-
-
 # ----------------------------------------------------------------------------------------- device
 
 
@@ -156,54 +82,6 @@ class Job:
 def prefill(spec: Spec, target, drafter, state: decode.State, tokens: Array) -> decode.State:
     """decode.prefill compiled with decode.XLA_OPTIONS."""
     return decode.prefill(spec, target, drafter, state, tokens)
-
-
-def default_buckets(max_batch: int, data_parallel: int = 1) -> tuple[int, ...]:
-    """The slot batches besides max_batch unless told: the powers of two below it (none on a data-parallel mesh,
-    whose slots are split over devices)."""
-    return () if data_parallel != 1 else tuple(2**k for k in range(max_batch.bit_length()) if 2**k < max_batch)
-
-
-def check_batch_buckets(buckets, max_batch: int, data_parallel: int) -> None:
-    """ValueError unless every bucket is a smaller slot batch (1 .. max_batch - 1) and the batch is not split
-    over a data axis (``data_parallel`` devices: a bucket's rows are gathered from the whole slot batch)."""
-    if any(not 1 <= b < max_batch for b in buckets):
-        raise ValueError(f"batch buckets must be between 1 and max_batch - 1 ({max_batch - 1}), "
-                         f"got {','.join(map(str, buckets))}")
-    if buckets and data_parallel != 1:
-        raise ValueError("batch buckets need a mesh without a data axis (DxM with D = 1)")
-
-
-# ----------------------------------------------------------------------------------------- layout
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Static sizes of the slot batch, derived from --max-len (see decode.layout)."""
-
-    max_len: int
-    max_prompt: int  # max_len - 1: at least one new token
-    top_bucket: int  # the longest padded prompt
-    capacity: int  # KV cache slots per sequence
-    out_len: int  # output buffer per sequence
-
-    @classmethod
-    def of(cls, spec: Spec, max_len: int) -> "Layout":
-        max_prompt = max_len - 1
-        top = round_up(max_prompt, 512) if max_prompt > 512 else round_up(max(max_prompt, 1), MIN_BUCKET)
-        capacity = round_up(max(top, max_len + spec.scratch_slots), 64)
-        return cls(max_len, max_prompt, top, capacity, max(top, max_len + spec.path_len + 1))
-
-    def bucket(self, n: int) -> int:
-        """Padded length of an n-token prompt: a power of two >= MIN_BUCKET, at most ``top_bucket``."""
-        b = MIN_BUCKET
-        while b < n:
-            b *= 2
-        return min(b, self.top_bucket)
-
-    def buckets(self) -> list[int]:
-        return sorted({self.bucket(n) for n in [1] + [2**k for k in range(6, 20) if 2**k <= self.max_prompt]
-                       + [self.max_prompt]})
 
 
 # ----------------------------------------------------------------------------------------- engine

@@ -23,6 +23,7 @@ from typing import Sequence
 from ddtree_jax import cli, config, shapes
 from ddtree_jax import engine as engines
 from ddtree_jax.http_server import NO_TOKENIZER_JSON, build_app
+from ddtree_jax.slots import check_batch_buckets, default_buckets
 from ddtree_jax.spec import AUTO, DEFAULT_TREE_BUDGET, MAX_STOP_IDS, METHODS, GenerateOptions, make_spec
 from ddtree_jax.tokenizer import Tokenizer, load_tokenizer
 
@@ -205,11 +206,11 @@ def plan(args: argparse.Namespace) -> Plan:
         config.check_pair(tcfg, dcfg)
     buckets = None if args.batch_buckets is None else tuple(sorted(set(args.batch_buckets)))
     try:  # the engine's own rules, checked before any weight is loaded
-        engines.check_batch_buckets(buckets or (), args.max_batch, args.mesh[0])
+        check_batch_buckets(buckets or (), args.max_batch, args.mesh[0])
     except ValueError as e:
         raise cli.UsageError(f"--batch-buckets: {e}") from None
     options = GenerateOptions(method=method, tree_budget=budget, forms=args.forms or ())
-    smallest = min((buckets if buckets is not None else engines.default_buckets(args.max_batch, args.mesh[0]))
+    smallest = min((buckets if buckets is not None else default_buckets(args.max_batch, args.mesh[0]))
                    + (args.max_batch,))
     try:  # the verify block of the largest form the engine may run (as the engine computes it)
         block = make_spec(tcfg, dcfg if method != "ar" else None, options, args.tuning,
