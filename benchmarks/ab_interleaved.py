@@ -3,16 +3,16 @@ B A, A B, ...) so that the drift of one process's speed (up to 8% over a minute 
 falls on every variant alike. Reports each variant's median ms per round, the median of the paired differences
 against the first variant, and how many pairs the variant won.
 
-A variant is NAME:FIELD=VALUE,... with fields ``draft`` (the drafter's layout, decode.LAYOUTS; default
-decode.DRAFT_GPU_LAYOUT), ``layout`` (the target's; default decode.GPU_LAYOUT, decode.GPU_AR_LAYOUT for ar),
-``sampling`` and ``filtering`` (0 or 1: the Spec's flags; default what the sequences' --temperature / --top-p /
---top-k need, as decode.make_spec sets them), the fields of the Spec's ``Tuning`` but its layout (ddtree_jax.tuning:
-qkv_write, add_norm, decode_attention, verify_align, layer_unroll, prefill_chunk; e.g. qkv_write=0 for XLA's ops
-instead of that kernel), module constants of the package read when tracing
-(``pallas_kernels.M.NAME=VALUE`` or ``ddtree_jax.M.NAME=VALUE``, a Python literal, set while the variant is traced
-and compiled, e.g. pallas_kernels.decode_attention.BLOCK=128; commas inside brackets or braces belong to the value,
-e.g. ddtree_jax.model.SPLIT_ROWS=(64,384) or pallas_kernels.tree_attention._CTA_US={1:3.8,2:6.0}) and any XLA option
-(added to decode.XLA_OPTIONS, as ``bench models --ab``).
+A variant is NAME:FIELD=VALUE,... with fields ``draft`` (the drafter's layout, tuning.LAYOUTS; default
+weight_layout.DRAFT_GPU_LAYOUT), ``layout`` (the target's; default weight_layout.GPU_LAYOUT, weight_layout.GPU_AR_LAYOUT
+for ar), ``sampling`` and ``filtering`` (0 or 1: the Spec's flags; default what the sequences' --temperature / --top-p /
+--top-k need, as spec.make_spec sets them), the fields of the Spec's ``Tuning`` but its layout (ddtree_jax.tuning:
+qkv_write, add_norm, decode_attention, verify_align, layer_unroll, prefill_chunk; e.g. qkv_write=0 for XLA's ops instead
+of that kernel), module constants of the package read when tracing (``pallas_kernels.M.NAME=VALUE`` or
+``ddtree_jax.M.NAME=VALUE``, a Python literal, set while the variant is traced and compiled, e.g.
+pallas_kernels.decode_attention.BLOCK=128; commas inside brackets or braces belong to the value, e.g.
+ddtree_jax.model.SPLIT_ROWS=(64,384) or pallas_kernels.tree_attention._CTA_US={1:3.8,2:6.0}) and any XLA option (added
+to decode.XLA_OPTIONS, as ``bench models --ab``).
 
     PYTHONPATH=. python benchmarks/ab_interleaved.py --model qwen3-8b --method ddtree --budget 64 --pairs 12 \\
         --variant base: --variant tom:layout=stacked-out-major-fused --json $OUT/ab.json [--profile $OUT/prof] \\
@@ -40,6 +40,7 @@ import numpy as np
 from ddtree_jax import bench, cli, decode, tuning
 from ddtree_jax.bench import analysis, records, timing
 from ddtree_jax.shapes import SHAPES, build_params, model_configs
+from ddtree_jax.weight_layout import DRAFT_GPU_LAYOUT, GPU_AR_LAYOUT, GPU_LAYOUT, device_layout
 
 
 PACKAGES = ("pallas_kernels.", "ddtree_jax.")
@@ -91,8 +92,8 @@ def variant(text: str) -> tuple[str, dict]:
     if not (name and colon) or fields["options"] is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not NAME:FIELD=VALUE,...")
     for key in ("draft", "layout"):
-        if fields.get(key, "auto") not in decode.LAYOUTS:
-            raise argparse.ArgumentTypeError(f"{key}={fields[key]!r}: expected one of {', '.join(decode.LAYOUTS)}")
+        if fields.get(key, "auto") not in tuning.LAYOUTS:
+            raise argparse.ArgumentTypeError(f"{key}={fields[key]!r}: expected one of {', '.join(tuning.LAYOUTS)}")
     for key in ("sampling", "filtering"):
         if fields.get(key, "0") not in ("0", "1"):
             raise argparse.ArgumentTypeError(f"{key}={fields[key]!r}: expected 0 or 1")
@@ -132,13 +133,13 @@ def main() -> None:
     def lay(params, layout):
         key = (type(params).__name__, layout)
         if key not in laid:
-            laid[key] = jax.block_until_ready(decode.device_layout(params, layout=layout))
+            laid[key] = jax.block_until_ready(device_layout(params, layout=layout))
         return laid[key]
 
     runs = {}
     for name, fields in args.variant:
-        own = decode.GPU_AR_LAYOUT if args.method == "ar" else decode.GPU_LAYOUT
-        tl, dl = fields.get("layout", own), fields.get("draft", decode.DRAFT_GPU_LAYOUT)
+        own = GPU_AR_LAYOUT if args.method == "ar" else GPU_LAYOUT
+        tl, dl = fields.get("layout", own), fields.get("draft", DRAFT_GPU_LAYOUT)
         opts = fields["options"]
         flags = {k: fields[k] == "1" for k in ("sampling", "filtering") if k in fields}
         vspec = dataclasses.replace(spec, tuning=tuning.parse(fields["tuning"], spec.tuning), **flags)

@@ -115,7 +115,8 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from ddtree_jax import decode, shapes
+    from ddtree_jax import shapes
+    from ddtree_jax.weight_layout import device_layout
 
     if args.shape not in shapes.SHAPES:
         print(f"error: unknown --shape {args.shape!r} (choose from {', '.join(shapes.SHAPES)})", file=sys.stderr)
@@ -124,8 +125,8 @@ def main(argv=None) -> int:
     tcfg, dcfg = shapes.model_configs(shapes.SHAPES[args.shape])
     tparams, dparams = shapes.build_params(tcfg, dcfg, jnp.dtype(args.dtype))
     # laid out once, as every engine here wants them (AR steps are among each one's forms): no copy per engine
-    tparams = decode.device_layout(tparams, method="ar")
-    dparams = decode.device_layout(dparams)
+    tparams = device_layout(tparams, method="ar")
+    dparams = device_layout(dparams)
     records = [time_engine(n, (tcfg, tparams), (dcfg, dparams), args) for n in names]
     sizes = sorted({int(k.split("@")[1]) for r in records for k in r["ms_per_round"]})
     text = table(records, sizes)

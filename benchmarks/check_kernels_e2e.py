@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax import cli, decode, shapes
+from ddtree_jax.spec import GenerateOptions
 
 
 def main():
@@ -27,7 +28,7 @@ def main():
     prompts = [[(7 * i + 3) % tcfg.vocab_size for i in range(n)] for n in (5, 37, 130)]
     out = {}
     for attention in ("xla", a.attention):
-        opts = decode.GenerateOptions(method="ddtree", tree_budget=a.budget, max_new_tokens=a.tokens, attention=attention)
+        opts = GenerateOptions(method="ddtree", tree_budget=a.budget, max_new_tokens=a.tokens, attention=attention)
         res = decode.generate((tcfg, tp), prompts, opts, draft=(dcfg, dp))
         out[attention] = res.output_ids
     pairs = [(x, y) for r1, r2 in zip(out["xla"], out[a.attention]) for x, y in zip(r1, r2)]

@@ -4,15 +4,15 @@ reads fastest, per matrix (docs/PERFORMANCE.md).
     PYTHONPATH=. python benchmarks/gemm_layouts.py --rows 8,16,72,264 --json OUT.json
 
 For each Qwen3-8B / 4B layer matrix (q|k|v, o, gate|up, down), each row count and each layout of the stacked weights
-(output-major [L, N, K], ``decode.GPU_AR_LAYOUT``'s; input-major [L, K, N], ``decode.GPU_LAYOUT``'s), one ``lax.scan``
-over the model's 36 layers computes x [R, K] times each layer's matrix (each layer's slice read in place by
-dynamic-slice fusion, as the decoder's layer loop does), compiled with ``decode.XLA_OPTIONS`` and with cuBLASLt on
-top. Reports the GEMM kernels' device time per layer (CUPTI; the loop's other kernels left out) and the weight-read
+(output-major [L, N, K], ``weight_layout.GPU_AR_LAYOUT``'s; input-major [L, K, N], ``weight_layout.GPU_LAYOUT``'s), one
+``lax.scan`` over the model's 36 layers computes x [R, K] times each layer's matrix (each layer's slice read in place by
+dynamic-slice fusion, as the decoder's layer loop does), compiled with ``decode.XLA_OPTIONS`` and with cuBLASLt on top.
+Reports the GEMM kernels' device time per layer (CUPTI; the loop's other kernels left out) and the weight-read
 bandwidth: 36 layers' weights never fit the L2, so every layer is read from HBM, as in a round. One row (``--rows 1``)
 also times the two reductions a GEMV can be written as (a row reduction over output-major weights, ``model.linear``'s
-form, and a column reduction over input-major ones), counting every kernel of the loop. ``--splits 2,4`` also times
-each GEMM split over its contraction (split-K by hand: one batched GEMM of s partial products [s, R, N] in f32, then
-their sum), counting every kernel, for products whose N alone gives cuBLAS too few tiles to fill the SMs."""
+form, and a column reduction over input-major ones), counting every kernel of the loop. ``--splits 2,4`` also times each
+GEMM split over its contraction (split-K by hand: one batched GEMM of s partial products [s, R, N] in f32, then their
+sum), counting every kernel, for products whose N alone gives cuBLAS too few tiles to fill the SMs."""
 
 from __future__ import annotations
 

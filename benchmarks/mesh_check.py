@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import decode, sharding, shapes
+from ddtree_jax.spec import GenerateOptions
 
 
 def main() -> None:
@@ -42,7 +43,7 @@ def main() -> None:
     print(f"{len(jax.devices())} x {jax.devices()[0].device_kind}; {args.shape}, {args.dtype}, batch {args.batch}",
           flush=True)
     for method in args.methods.split(","):
-        opts = decode.GenerateOptions(method=method, max_new_tokens=args.max_new_tokens, tree_budget=args.budget)
+        opts = GenerateOptions(method=method, max_new_tokens=args.max_new_tokens, tree_budget=args.budget)
         runs = {}
         for name in ["1 device", *meshes]:
             mesh = None if name == "1 device" else sharding.make_mesh(

@@ -49,6 +49,8 @@ def main(argv=None) -> int:
 
     from ddtree_jax import decode, policy, shapes
     from ddtree_jax.bench import timing
+    from ddtree_jax.spec import GenerateOptions, make_spec, round_up
+    from ddtree_jax.weight_layout import device_layout, layout_method
 
     forms = policy.parse_forms(args.forms.split(","))
     if args.form not in forms:
@@ -58,14 +60,14 @@ def main(argv=None) -> int:
     tcfg, dcfg = shapes.model_configs(shapes.SHAPES[args.shape])
     dtype = jnp.dtype(args.dtype)
     tparams, dparams = shapes.build_params(tcfg, dcfg, dtype)
-    opts = decode.GenerateOptions(method="ddtree", forms=forms, max_new_tokens=args.rounds * dcfg.block_size)
-    base = decode.make_spec(tcfg, dcfg, opts, batch=args.batch)
-    tparams = decode.device_layout(tparams, method=decode.layout_method(opts))
-    dparams = decode.device_layout(dparams)
+    opts = GenerateOptions(method="ddtree", forms=forms, max_new_tokens=args.rounds * dcfg.block_size)
+    base = make_spec(tcfg, dcfg, opts, batch=args.batch)
+    tparams = device_layout(tparams, method=layout_method(opts))
+    dparams = device_layout(dparams)
     specs = [base.with_form(f, args.batch) for f in forms]
     index = forms.index(args.form)
-    capacity = decode.round_up(args.prompt_len + opts.max_new_tokens + base.scratch_slots, 64)
-    out_len = decode.round_up(args.prompt_len + opts.max_new_tokens + base.path_len + 1, 64)
+    capacity = round_up(args.prompt_len + opts.max_new_tokens + base.scratch_slots, 64)
+    out_len = round_up(args.prompt_len + opts.max_new_tokens + base.path_len + 1, 64)
     state = timing.make_state(base, tcfg.vocab_size, args.batch, args.prompt_len, capacity, out_len, dtype)
 
     @jax.jit

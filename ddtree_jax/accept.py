@@ -57,7 +57,7 @@ def choose(logits: Array, keys: Array, temperature: Array, top_p: Array, top_k: 
     """The target's token at every node [B, T]: argmax where temperature == 0, else a sample.
 
     logits [B, T, V] f32; keys [B, T] (one independent key per node); temperature/top_p/top_k [B].
-    sampling, filtering (static; ``decode.Spec``): False when no sequence samples (the program is the argmax
+    sampling, filtering (static; ``spec.Spec``): False when no sequence samples (the program is the argmax
     alone) / when no sampled sequence filters (no top-k / top-p pass). Nothing here branches on data: a
     ``lax.cond`` on "some temperature > 0" would have XLA's GPU runtime read its predicate on the host, a
     device-to-host copy and a wait inside every round, so a sampling program draws for every row and keeps the

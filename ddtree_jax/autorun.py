@@ -20,8 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import costs, policy
-from ddtree_jax.decode import (NEVER, GenerateOptions, Spec, State, compiled, donating_jit, fault_message,
-                               run_forms, run_group)
+from ddtree_jax.decode import State, compiled, donating_jit, run_group
+from ddtree_jax.results import fault_message
+from ddtree_jax.spec import NEVER, GenerateOptions, Spec, run_forms
 
 Array = jax.Array
 

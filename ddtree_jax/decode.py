@@ -11,7 +11,9 @@ One round, for a batch of sequences, all on device:
 The loop runs rounds under ``lax.while_loop`` until every sequence is done (or a round count is
 reached, so a host can stream every few rounds); no host synchronisation inside. :func:`generate` runs it for a
 batch of prompts; under ``--tree-budget auto`` its groups of rounds and their timing are ``autorun.py``'s, and the
-engine's slot batch (sequences entering and leaving rows of one State) is ``slots.py``'s.
+engine's slot batch (sequences entering and leaving rows of one State) is ``slots.py``'s. What a run is (its options
+and the static Spec of each program) is ``spec.py``'s, the weights' layout ``weight_layout.py``'s, and the reading of
+a finished run on the host ``results.py``'s.
 """
 
 from __future__ import annotations
@@ -26,229 +28,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import accept, draft as dflash, kernels, model, policy, tree as trees
+from ddtree_jax import accept, draft as dflash, model, policy, tree as trees
 from ddtree_jax import cache as kvcache, sharding
-from ddtree_jax.config import DraftConfig, ModelConfig, check_pair
-from ddtree_jax.params import (DraftParams, TargetParams, fuse_projections, input_major, output_major,
-                               unstack_layers)
-from ddtree_jax.tuning import LAYOUTS, Tuning
+from ddtree_jax.params import DraftParams, TargetParams
+from ddtree_jax.results import (GenerateResult, fault_message, final_length, round_forms, round_statistics_problem,
+                                trace_rounds)
+from ddtree_jax.spec import (AUTO, MAX_STOP_IDS, NEVER, GenerateOptions, Spec, default_layer_unroll, make_spec,
+                             round_up)
+from ddtree_jax.tuning import Tuning
+from ddtree_jax.weight_layout import device_layout, layout_method
 from pallas_kernels.bitmask import causal_bits, pad_rows
 
+# Read as decode.X by test bodies written before spec.py and weight_layout.py existed; other code imports them there.
+from ddtree_jax.spec import GPU_AR_LAYER_UNROLL, default_verify_align  # noqa: F401
+from ddtree_jax.weight_layout import DRAFT_GPU_LAYOUT, GPU_AR_LAYOUT, GPU_LAYOUT  # noqa: F401
+
 Array = jax.Array
-
-AUTO = "auto"  # tree_budget: the form of every group of rounds chosen on the host (policy.py)
-DEFAULT_TREE_BUDGET = AUTO
-METHODS = ("ar", "dflash", "ddtree")
-MAX_STOP_IDS = 8
-NEVER = np.iinfo(np.int32).max
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerateOptions:
-    method: str = "ar"  # "ar" | "dflash" | "ddtree"
-    max_new_tokens: int = 128
-    tree_budget: int | str = DEFAULT_TREE_BUDGET  # nodes of a ddtree round, or "auto" (dflash: ar or the chain)
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    stop_token_ids: tuple[int, ...] = ()
-    attention: str = "auto"  # "auto" | "pallas" | "pallas-inplace" | "xla"
-    trace: bool = False
-    seed: int = 0
-    forms: tuple[str, ...] = ()  # with tree_budget "auto", the forms to choose among (default: policy.candidates)
-
-
-@dataclasses.dataclass
-class GenerateResult:
-    output_ids: list[list[int]]  # per prompt: prompt + generated ids
-    num_generated: list[int]
-    acceptance_lengths: list[list[int]]  # per prompt, per round (empty for ar)
-    rounds: list[list[dict]] | None  # with trace: per prompt, per round {tree, accepted_indices, target_choices}
-    prefill_s: float
-    decode_s: float
-    compile_s: float = 0.0  # ahead-of-time compilation of prefill and the round loop (not in the two above;
-    # about 0 when an earlier call of this process compiled the same shapes: see ``compiled``)
-    attention: str = ""  # the attention implementation that produced the outputs (Spec.attention; 'auto' resolved)
-    round_forms: list[list[str]] | None = None  # with tree_budget "auto": per prompt, per round, the form it ran
-
-
-TREES = ("root", "chain", "best_first")  # Spec.tree: what one round verifies
-METHOD_TREE = {"ar": "root", "dflash": "chain", "ddtree": "best_first"}  # a fixed budget's form
-
-
-@dataclasses.dataclass(frozen=True)
-class Spec:
-    """Everything static about one compiled program of a decoding run: what the jitted functions specialise on.
-
-    ``method`` says whether there is a drafter (ar: none); ``tree`` what one round verifies: "root" (an AR step;
-    with a drafter it still hands the drafter its token's context, so drafting may resume in any later round), "chain"
-    (DFlash's argmax chain) or "best_first" (DDTree's tree of ``budget`` nodes). Under ``--tree-budget auto``
-    (``auto``) every program of a run shares one State layout (``room``: scratch slots and trace rows for the largest
-    form) and records, per round, its form and the drafter's predictions (``State.forms``, ``State.stats``)."""
-
-    target: ModelConfig
-    draft: DraftConfig | None
-    method: str
-    budget: int  # tree nodes besides the root (0 for an AR step)
-    max_rounds: int  # per-sequence statistics buffer length
-    attention: str = "xla"
-    trace: bool = False
-    proposer: Callable | None = None  # replaces the DFlash drafter's propose (same signature), e.g. an oracle
-    mesh: jax.sharding.Mesh | None = None  # data x model mesh: traced under sharding.use_mesh (None: one device)
-    tuning: Tuning = Tuning()  # how the round runs on the device (make_spec fills in verify_align)
-    sampling: bool = True  # some sequence may sample (temperature > 0); False compiles the greedy choice alone
-    filtering: bool = True  # some sampled sequence may use top-k / top-p; False compiles no filter pass
-    # (accept.choose: both static, so no data-dependent branch, whose predicate the GPU runtime would read on the host)
-    tree: str = "best_first"  # TREES
-    auto: bool = False  # rounds record their form and the drafter's predictions (State.forms, State.stats)
-    room: int = 0  # nodes of the largest form sharing this State (auto): sizes the scratch slots and the trace
-    predict: tuple[int, ...] = ()  # tree budgets whose expected acceptance a round records (State.stats' columns)
-    build_budget: int = 0  # (auto, with a drafter) the best-first tree is built at this budget for the predictions;
-    # a best_first round verifies its top ``budget`` nodes (a prefix: parents first), a chain round the chain
-
-    @property
-    def verify_len(self) -> int:
-        """Rows of the verify forward: the root and the tree, padded to a multiple of ``tuning.verify_align``."""
-        return round_up(1 + self.budget, self.tuning.verify_align or 1)
-
-    @property
-    def nodes_room(self) -> int:
-        """Tree nodes the State's trace and scratch slots are sized for: this program's, or the run's largest."""
-        return max(self.budget, self.room)
-
-    @property
-    def round_positions(self) -> int:
-        """Positions past a sequence's length that a round may reach, as the engine and the server check them
-        against max_position_embeddings: the root, the tree or chain, and the drafter's block (padding rows of
-        the verify block sit at the root's position)."""
-        return 1 + self.nodes_room + (self.draft.block_size if self.draft else 0)
-
-    @property
-    def scratch_slots(self) -> int:
-        """Cache slots past the committed length that a round writes: the verify block and the drafter's (under
-        auto, those of the largest form, padded as a GPU verify is, so that every program of a run fits)."""
-        rows = round_up(1 + self.room, max(GPU_VERIFY_ALIGN, self.tuning.verify_align or 1)) if self.auto else 0
-        return max(self.verify_len, rows) + (self.draft.block_size if self.draft else 0)
-
-    @property
-    def max_depth(self) -> int:
-        return 0 if self.draft is None else self.draft.block_size - 1
-
-    @property
-    def path_len(self) -> int:
-        return self.max_depth + 1
-
-    @property
-    def commit_len(self) -> int:
-        """Tokens one round of this program may commit: the accepted path (``path_len``), or the root alone for an
-        AR step (tree "root"), whose walk, output write, KV move and drafter context then take one position, not
-        ``path_len``."""
-        return 1 if self.tree == "root" else self.path_len
-
-    @property
-    def taps(self) -> tuple[int, ...]:
-        return () if self.draft is None else self.draft.target_layer_ids
-
-    @property
-    def form(self) -> str:
-        """This program's form, as policy.py names it: "ar", "chain" or the tree budget."""
-        return {"root": policy.AR, "chain": policy.CHAIN}.get(self.tree, str(self.budget))
-
-    def with_form(self, form: str, batch: int = 1) -> "Spec":
-        """The program of ``form`` in this run (auto) at slot batch ``batch``: the same State layout; trees built at
-        the largest tree budget allowed at that batch (policy.allowed) when there are predictions to record."""
-        tree = {policy.AR: "root", policy.CHAIN: "chain"}.get(form, "best_first")
-        budget = policy.nodes(form, self.draft.block_size) if self.draft else 0
-        build = max((b for b in self.predict if policy.allowed((str(b),), batch, self.draft.block_size)),
-                    default=0) if self.draft and tree != "root" else 0
-        if tree == "best_first" and build < budget:
-            raise ValueError(f"a tree of {budget} nodes is not allowed at slot batch {batch}")
-        tuning = self.tuning
-        if tuning.verify_align == default_verify_align(self.tree):  # the default: the form's own
-            tuning = dataclasses.replace(tuning, verify_align=default_verify_align(tree))
-        return dataclasses.replace(self, tree=tree, budget=budget, build_budget=build, tuning=tuning)
-
-
-def run_forms(options: GenerateOptions) -> tuple[str, ...]:
-    """The forms a run may take: one for a fixed budget (the method's), the candidates of ``auto`` otherwise
-    (``options.forms`` or policy.candidates), checked against the method."""
-    if options.tree_budget != AUTO or options.method == "ar":
-        return (policy.AR if options.method == "ar" else policy.CHAIN if options.method == "dflash"
-                else str(options.tree_budget),)
-    forms = policy.parse_forms(options.forms) if options.forms else policy.candidates(options.method,
-                                                                                     jax.default_backend())
-    if options.method == "dflash" and policy.trees(forms):
-        raise ValueError(f"method dflash takes the forms ar and chain, not trees ({', '.join(forms)})")
-    return forms
-
-
-def layout_method(options: GenerateOptions) -> str:
-    """The method whose weight layout a run takes (:func:`device_layout`): AR's when AR steps are among its forms (a
-    one-row step reads output-major matrices 4x faster; the rounds lose about 1%), else the method's."""
-    return "ar" if policy.AR in run_forms(options) else options.method
-
-
-def make_spec(target_cfg: ModelConfig, draft_cfg: DraftConfig | None, options: GenerateOptions,
-              tuning: Tuning = Tuning(), *, batch: int = 1, **kw) -> Spec:
-    """The Spec of a run's first program. A fixed tree budget: the method's form. ``tree_budget="auto"`` (methods
-    dflash and ddtree): the State layout of every form allowed at slot batch ``batch`` (the smallest a run uses:
-    policy.allowed), as the program of the largest; :meth:`Spec.with_form` gives the others. ``kw``: further Spec
-    fields; ``tuning.verify_align`` unset becomes :func:`default_verify_align`'s for the form."""
-    if options.method not in METHODS:
-        raise ValueError(f"unknown method {options.method!r} (choose from {', '.join(METHODS)})")
-    if options.method != "ar":
-        if draft_cfg is None:
-            raise ValueError(f"method {options.method} needs a drafter (--draft PATH)")
-        check_pair(target_cfg, draft_cfg)
-    budget = options.tree_budget
-    if budget != AUTO and not (isinstance(budget, int) and not isinstance(budget, bool)):
-        raise ValueError(f"tree budget must be a positive integer or 'auto', got {budget!r}")
-    if options.method == "ddtree" and budget != AUTO and budget < 1:
-        raise ValueError(f"tree budget must be at least 1, got {budget}")
-    kw.setdefault("sampling", options.temperature > 0)
-    kw.setdefault("filtering", kw["sampling"] and accept.filters(options.top_p, options.top_k))
-    draft = draft_cfg if options.method != "ar" else None
-    fixed = budget != AUTO or options.method == "ar"
-    base = dict(target=target_cfg, draft=draft, method=options.method, max_rounds=options.max_new_tokens,
-                attention=kernels.resolve_attention(options.attention), trace=options.trace)
-    if tuning.verify_align is None:
-        tuning = dataclasses.replace(tuning, verify_align=default_verify_align(
-            METHOD_TREE[options.method] if fixed else "best_first"))
-    forms = run_forms(options)
-    if fixed:
-        return Spec(**base, budget=policy.nodes(forms[0], draft.block_size) if draft else 0,
-                    tree=METHOD_TREE[options.method], tuning=tuning, **kw)
-    fits = policy.allowed(forms, batch, draft.block_size)
-    if not fits:
-        raise ValueError(f"no form of {', '.join(forms)} fits a verify of {policy.ROW_CAP} rows at slot batch {batch}")
-    room = max(policy.nodes(f, draft.block_size) for f in fits)
-    largest = max(fits, key=lambda f: policy.nodes(f, draft.block_size))
-    spec = Spec(**base, budget=room, tree="best_first", auto=True, room=room, tuning=tuning,
-                predict=policy.trees(fits) if options.method == "ddtree" else (), **kw)
-    return spec.with_form(largest, batch)
-
-
-GPU_VERIFY_ALIGN = 8
-
-
-def default_verify_align(tree: str) -> int:
-    """Rows of a verify block are padded to a multiple of this: ``GPU_VERIFY_ALIGN`` on GPU for trees and chains,
-    the multiple XLA pads a bf16 cuBLAS GEMM's rows to anyway (otherwise with a copy of every GEMM input of every
-    layer). Nothing elsewhere, nor for an AR step (tree "root": one row, row reductions, no GEMMs), where padding
-    would only add work."""
-    return GPU_VERIFY_ALIGN if jax.default_backend() == "gpu" and tree != "root" else 1
-
-
-GPU_AR_LAYER_UNROLL = 4
-
-
-def default_layer_unroll(rows: int) -> int:
-    """Target layers per iteration of the layer loop of a verify forward over ``rows`` = batch x block rows:
-    ``GPU_AR_LAYER_UNROLL`` for one row on GPU (an AR step at batch 1), where each iteration of the stacked
-    layers' loop costs a few microseconds of bookkeeping and the step's row reductions read their layer's weights
-    in place either way. 1 otherwise: unrolled, the GEMMs (cuBLAS) of a longer block no longer read the stacked
-    weights in place but copy them (docs/PERFORMANCE.md)."""
-    return GPU_AR_LAYER_UNROLL if jax.default_backend() == "gpu" and rows == 1 else 1
 
 
 @jax.tree_util.register_dataclass
@@ -661,67 +456,6 @@ def init_state(spec: Spec, prompt_lens, options_per_seq, capacity: int, out_len:
 # ----------------------------------------------------------------------------------------- host API
 
 
-def device_layout(params, backend: str | None = None, layout: str = "auto", method: str | None = None):
-    """The weights laid out for the backend and the method. On GPU: layers stacked under ``lax.scan`` (with
-    ``XLA_OPTIONS`` the GEMMs read each layer's slice in place; the per-layer layout, ``params.unstack_layers``,
-    avoids slicing altogether but its unrolled loop compiles for minutes) with q/k/v and gate/up fused into one
-    matrix each (``params.fuse_projections``: fewer, larger products); the matrices input-major for the rounds
-    (``GPU_LAYOUT``: the verify's products have 16 rows or more, GEMMs that cuBLAS reads faster so), output-major for
-    ``method`` "ar" (``GPU_AR_LAYOUT``: a one-row step is then a row reduction at GEMV bandwidth,
-    ``params.output_major``); a drafter output-major (``DRAFT_GPU_LAYOUT``). Elsewhere as given (stacked and
-    input-major as loaded). Same math.
-
-    ``layout`` (``Tuning.layout``) other than "auto" forces one of ``tuning.LAYOUTS``:
-    "-out-major" matrices output-major, else input-major (either turned into the other); "-fused" q/k/v and gate/up
-    concatenated (skipped for weights split across devices; never undone); "unstacked" per-layer buffers. A drafter
-    takes the same forms (its ``fc`` stays input-major). Idempotent: callers
-    that decode many times lay out once at load for their method (``generate`` then has nothing to do; weights laid
-    out for the rounds and then decoded by AR are turned output-major in that call, a copy of every matrix).
-
-    On CPU a tied output projection is also materialised once, in float32 ([D, V]): otherwise XLA:CPU
-    converts and transposes the embedding outside the round loop of every call (82 ms per call for
-    SmolLM2-135M's 49152 x 576, whatever the number of rounds); the math is the same (CPU dots run in f32)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
-    if params is None:
-        return params
-    backend = backend or jax.default_backend()
-    target = isinstance(params, TargetParams)
-    if layout == "auto" and backend != "gpu":
-        layout = None  # as given
-    elif layout == "auto":
-        layout = (GPU_AR_LAYOUT if method == "ar" else GPU_LAYOUT) if target else DRAFT_GPU_LAYOUT
-    if backend == "cpu" and target and params.lm_head is None and "out-major" not in (layout or ""):
-        params = dataclasses.replace(params, lm_head=params.embed.T.astype(jnp.float32))
-    if layout is None:
-        return params
-    params = output_major(params) if "out-major" in layout else input_major(params)
-    if layout.endswith("-fused") and _replicated(params.layers):
-        params = fuse_projections(params)
-    return unstack_layers(params) if layout.startswith("unstacked") else params
-
-
-def _replicated(tree) -> bool:
-    """Whether every array of ``tree`` is whole on each of its devices (one device, or replicated)."""
-    return all(getattr(getattr(x, "sharding", None), "is_fully_replicated", True) for x in jax.tree.leaves(tree))
-
-
-# device_layout's choices on GPU (docs/PERFORMANCE.md has the measurements). For the rounds, the target's matrices
-# input-major with q/k/v and gate/up fused: cuBLAS reads input-major matrices faster at every row count from 2 to 264
-# (benchmarks/gemm_layouts.py), and fewer, larger products are faster.
-GPU_LAYOUT = "stacked-fused"
-# ... a drafter's (its products have 16 rows per sequence): output-major and fused; input-major is no faster there.
-DRAFT_GPU_LAYOUT = "stacked-out-major-fused"
-# ... and AR's: output-major, so that a one-row step (batch 1) is a row reduction (input-major, XLA's one-row product
-# is 4x slower); batches of AR steps would be faster input-major, but one engine serves every batch size with one
-# layout.
-GPU_AR_LAYOUT = "stacked-out-major-fused"
-
-
-def round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
 def layout(spec: Spec, prompt_lens: list[int], max_new_tokens: int) -> tuple[int, int, int]:
     """(padded prompt length, cache capacity, output buffer length) for a batch. Capacity and output length are
     rounded up to multiples of 64, so prompts of nearby lengths share shapes (and compiled programs)."""
@@ -730,63 +464,6 @@ def layout(spec: Spec, prompt_lens: list[int], max_new_tokens: int) -> tuple[int
     p_pad = round_up(longest, chunk)
     capacity = round_up(max(p_pad, longest + max_new_tokens + spec.scratch_slots), 64)
     return p_pad, capacity, round_up(max(p_pad, longest + max_new_tokens + spec.path_len + 1), 64)
-
-
-def round_statistics_problem(spec: Spec, n_rounds: np.ndarray, hist: np.ndarray) -> str | None:
-    """What is impossible in a finished run's round statistics (n_rounds [B], accept_hist [B, R]), or None.
-
-    Every round commits its accepted path (the root at least, at most ``path_len`` nodes), so a sequence takes at
-    most ``max_new_tokens`` rounds and every recorded length is in [1, path_len]. Anything else means the compiled
-    program computed wrong values: on an H200, traced runs under XLA's default GPU options (without
-    ``XLA_OPTIONS``) took more rounds than tokens (docs/CORRECTNESS.md). Checked after the loop, on the host."""
-    for i, n in enumerate(n_rounds.tolist()):
-        if n > spec.max_rounds:
-            return f"sequence {i} took {n} rounds for at most {spec.max_rounds} new tokens"
-        seen = hist[i, :n]
-        if seen.size and not (1 <= seen.min() and seen.max() <= spec.path_len):
-            return (f"sequence {i} recorded acceptance lengths {seen.min()}..{seen.max()}, outside "
-                    f"[1, {spec.path_len}]")
-    return None
-
-
-def fault_message(spec: Spec, problem: str) -> str:
-    """The error of a decode fault; with the Pallas kernels, where to turn."""
-    hint = "" if spec.attention == "xla" else f" (attention {spec.attention}; --attention xla avoids the kernels)"
-    return f"decode fault, the outputs cannot be trusted: {problem}{hint}"
-
-
-def final_length(state: State) -> np.ndarray:
-    n_out, limit, stop_at = (np.asarray(x) for x in (state.n_out, state.limit, state.stop_at))
-    return np.minimum(np.minimum(n_out, limit), np.where(stop_at < NEVER, stop_at + 1, n_out))
-
-
-def trace_rounds(spec: Spec, state: State, b: int) -> list[dict]:
-    """Sequence ``b``'s traced rounds (Spec.trace); under auto each cut to the nodes of the form it ran."""
-    t = {k: np.asarray(v[b]) for k, v in state.trace.items()}
-    forms = round_forms(spec, state, b)
-    rounds = []
-    for r in range(int(state.n_rounds[b])):
-        n = policy.nodes(forms[r], spec.draft.block_size) if forms else t["tokens"].shape[1]
-        rounds.append(
-            {
-                "tree": {
-                    "node_token_ids": t["tokens"][r][:n].tolist(),
-                    "node_depths": t["depths"][r][:n].tolist(),
-                    "parents": t["parents"][r][: n + 1].tolist(),
-                },
-                "accepted_indices": t["path"][r][: t["length"][r]].tolist(),
-                "target_choices": t["choice"][r][: n + 1].tolist(),
-                **({"form": forms[r]} if forms else {}),
-            }
-        )
-    return rounds
-
-
-def round_forms(spec: Spec, state: State, b: int) -> list[str] | None:
-    """The form each of sequence ``b``'s rounds ran (policy names), or None for a fixed budget."""
-    if not spec.auto:
-        return None
-    return [policy.name(c) for c in np.asarray(state.forms[b, : int(state.n_rounds[b])]).tolist()]
 
 
 _COMPILED: collections.OrderedDict = collections.OrderedDict()  # (fn, spec, abstract args) -> executable

@@ -24,10 +24,10 @@ Shapes are static: every prompt is padded to a bucket (64, 128, 256, ... up to t
 prompt), so the engine compiles one prefill per bucket and one insert. On a mesh (``sharding.make_mesh``) the slots
 split over the data axis and the model over the model axis; decode's jitted functions take the mesh from the Spec.
 
-Requests talk to the engine through a *sink*: a callable that receives :class:`Event` objects, from the
-engine thread. ``http_server.py`` turns them into asyncio queue items; :meth:`Engine.generate` collects them
-for blocking use. Every accepted request ends with exactly one event whose ``finish_reason`` is set
-(``stop``, ``length``, ``cancelled`` or ``error``).
+Requests talk to the engine through a *sink*: a callable that receives :class:`Event` objects, from the engine
+thread (the request types: ``requests.py``). ``http_server.py`` turns them into asyncio queue items;
+:meth:`Engine.generate` collects them for blocking use. Every accepted request ends with exactly one event whose
+``finish_reason`` is set (``stop``, ``length``, ``cancelled`` or ``error``).
 """
 
 from __future__ import annotations
@@ -47,38 +47,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import accept, autorun, costs, decode, metrics, policy, sharding, slots
+from ddtree_jax.requests import (SEED_LIMIT, Completion, EngineClosed, Event, Job, QueueFull, RequestError,
+                                 SamplingParams)
+from ddtree_jax.slots import MIN_BUCKET, Layout, check_batch_buckets, default_buckets
+from ddtree_jax.spec import DEFAULT_TREE_BUDGET, MAX_STOP_IDS, GenerateOptions, Spec, make_spec, run_forms
 from ddtree_jax.tuning import Tuning
+from ddtree_jax.weight_layout import device_layout, layout_method
 
 Array = jax.Array
 log = logging.getLogger("ddtree_jax.engine")
-
-MIN_BUCKET = 64  # shortest padded prompt: one prefill compilation covers every short prompt
-SEED_LIMIT = 2**32  # jax.random.key takes a uint32 seed
-
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
-
-
-class RequestError(ValueError):
-    """A request the engine cannot run (bad parameter, prompt too long): HTTP 400. ``param`` names the field."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.param = param
-        self.code = code
-
-
-class QueueFull(RuntimeError):
-    """The waiting queue is at --max-queue: HTTP 429, try again later."""
-
-
-class EngineClosed(RuntimeError):
-    """The engine is stopping or has failed: HTTP 503."""
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     method: str = "ddtree"  # ar | dflash | ddtree
-    tree_budget: int | str = decode.DEFAULT_TREE_BUDGET  # "auto": each step's form chosen by policy.Policy
+    tree_budget: int | str = DEFAULT_TREE_BUDGET  # "auto": each step's form chosen by policy.Policy
     max_batch: int = 8  # slots decoded together
     max_len: int = 2048  # prompt + generated tokens per sequence
     rounds_per_step: int = 4  # rounds per device call: streaming granularity vs. host round trips
@@ -92,121 +75,19 @@ class EngineConfig:
     tuning: Tuning = Tuning()  # how the rounds run on the device (ddtree_jax.tuning)
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    seed: int | None = None  # None: a random seed
-    stop: tuple[str, ...] = ()  # stop strings, cut from the text (need a tokenizer)
-    stop_token_ids: tuple[int, ...] = ()  # stop tokens, kept in the output like eos
-
-
-@dataclasses.dataclass(frozen=True)
-class Event:
-    """What a request's sink receives: the tokens and text gained since the last event."""
-
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: str | None = None  # set on the last event only
-    error: str | None = None  # with finish_reason "error"
-    prompt_tokens: int = 0
-    completion_tokens: int = 0  # so far
-
-
-@dataclasses.dataclass
-class Completion:
-    """A finished request, as :meth:`Engine.generate` returns it."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    error: str | None = None
-
-
-@dataclasses.dataclass(eq=False)
-class Job:
-    """One request on the host side. Only the engine thread changes it after submission."""
-
-    id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    sink: Callable[[Event], None]
-    stop_ids: tuple[int, ...]
-    seed: int
-    submitted: float = dataclasses.field(default_factory=time.perf_counter)
-    slot: int | None = None
-    emitted: int = 0  # index in the slot's output buffer of the next token to deliver
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    text: str = ""  # decoded text so far (cut at a stop string)
-    sent: int = 0  # characters of ``text`` already delivered
-    decoder: object | None = None
-    first_token_at: float | None = None
-    finished: bool = False
-
-
 # ----------------------------------------------------------------------------------------- device
 
 
 @functools.partial(decode.donating_jit, static_argnums=(0,), donate_argnums=(3,), compiler_options=decode.XLA_OPTIONS)
-def prefill(spec: decode.Spec, target, drafter, state: decode.State, tokens: Array) -> decode.State:
+def prefill(spec: Spec, target, drafter, state: decode.State, tokens: Array) -> decode.State:
     """decode.prefill compiled with decode.XLA_OPTIONS."""
     return decode.prefill(spec, target, drafter, state, tokens)
-
-
-def default_buckets(max_batch: int, data_parallel: int = 1) -> tuple[int, ...]:
-    """The slot batches besides max_batch unless told: the powers of two below it (none on a data-parallel mesh,
-    whose slots are split over devices)."""
-    return () if data_parallel != 1 else tuple(2**k for k in range(max_batch.bit_length()) if 2**k < max_batch)
-
-
-def check_batch_buckets(buckets, max_batch: int, data_parallel: int) -> None:
-    """ValueError unless every bucket is a smaller slot batch (1 .. max_batch - 1) and the batch is not split
-    over a data axis (``data_parallel`` devices: a bucket's rows are gathered from the whole slot batch)."""
-    if any(not 1 <= b < max_batch for b in buckets):
-        raise ValueError(f"batch buckets must be between 1 and max_batch - 1 ({max_batch - 1}), "
-                         f"got {','.join(map(str, buckets))}")
-    if buckets and data_parallel != 1:
-        raise ValueError("batch buckets need a mesh without a data axis (DxM with D = 1)")
-
-
-# ----------------------------------------------------------------------------------------- layout
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Static sizes of the slot batch, derived from --max-len (see decode.layout)."""
-
-    max_len: int
-    max_prompt: int  # max_len - 1: at least one new token
-    top_bucket: int  # the longest padded prompt
-    capacity: int  # KV cache slots per sequence
-    out_len: int  # output buffer per sequence
-
-    @classmethod
-    def of(cls, spec: decode.Spec, max_len: int) -> "Layout":
-        max_prompt = max_len - 1
-        top = decode.round_up(max_prompt, 512) if max_prompt > 512 else decode.round_up(max(max_prompt, 1), MIN_BUCKET)
-        capacity = decode.round_up(max(top, max_len + spec.scratch_slots), 64)
-        return cls(max_len, max_prompt, top, capacity, max(top, max_len + spec.path_len + 1))
-
-    def bucket(self, n: int) -> int:
-        """Padded length of an n-token prompt: a power of two >= MIN_BUCKET, at most ``top_bucket``."""
-        b = MIN_BUCKET
-        while b < n:
-            b *= 2
-        return min(b, self.top_bucket)
-
-    def buckets(self) -> list[int]:
-        return sorted({self.bucket(n) for n in [1] + [2**k for k in range(6, 20) if 2**k <= self.max_prompt]
-                       + [self.max_prompt]})
 
 
 # ----------------------------------------------------------------------------------------- engine
 
 
-VARIANTS = ("greedy", "sampling", "filtering")  # a program's sampling support, least general first (decode.Spec)
+VARIANTS = ("greedy", "sampling", "filtering")  # a program's sampling support, least general first (spec.Spec)
 
 
 @dataclasses.dataclass(eq=False)
@@ -216,7 +97,7 @@ class Program:
     form: str
     size: int  # slot batch: the whole batch, or the rows gathered for a smaller one
     variant: str  # VARIANTS
-    spec: decode.Spec
+    spec: Spec
     fn: Callable | None = None  # the executable, once compiled
     tried: bool = False  # timed (or run unmeasured) once
     clean: bool = False  # its cost was timed with no compilation in flight (else, or loaded from disk: timed again)
@@ -280,13 +161,13 @@ class Engine:
         buckets = default_buckets(config.max_batch, data) if config.batch_buckets is None else config.batch_buckets
         check_batch_buckets(buckets, config.max_batch, data)
         self.sizes = sorted(set(buckets) | {config.max_batch})  # slot batches a step may run
-        options = decode.GenerateOptions(method=config.method, max_new_tokens=config.max_len,
-                                         tree_budget=config.tree_budget, attention=config.attention,
-                                         forms=config.forms)
+        options = GenerateOptions(method=config.method, max_new_tokens=config.max_len,
+                                  tree_budget=config.tree_budget, attention=config.attention,
+                                  forms=config.forms)
         # requests choose: the prefill and the slots take any request; the State's layout fits every program
-        self.spec = decode.make_spec(self.tcfg, dcfg, options, config.tuning, mesh=mesh, sampling=True,
-                                     filtering=True, batch=self.sizes[0])
-        self.forms = decode.run_forms(options)
+        self.spec = make_spec(self.tcfg, dcfg, options, config.tuning, mesh=mesh, sampling=True,
+                              filtering=True, batch=self.sizes[0])
+        self.forms = run_forms(options)
         self.programs: dict[tuple[str, int, str], Program] = {}
         for size in self.sizes:
             fits = policy.allowed(self.forms, size, dcfg.block_size) if self.spec.auto else self.forms
@@ -302,8 +183,8 @@ class Engine:
         first = next(f for f in (policy.AR, *self.forms) if (f, config.max_batch, "filtering") in self.programs)
         self.first = self.programs[first, config.max_batch, "filtering"]
         layout = config.tuning.layout
-        self.dparams = decode.device_layout(dparams, layout=layout) if config.method != "ar" else None
-        self.tparams = decode.device_layout(self.tparams, layout=layout, method=decode.layout_method(options))
+        self.dparams = device_layout(dparams, layout=layout) if config.method != "ar" else None
+        self.tparams = device_layout(self.tparams, layout=layout, method=layout_method(options))
         block = self.spec.round_positions
         allowed = self.tcfg.max_position_embeddings
         if config.max_len + block > allowed:
@@ -394,8 +275,8 @@ class Engine:
         if bad:
             raise RequestError(f"stop_token_ids {bad[:8]} are outside the vocabulary [0, {vocab})", "stop_token_ids")
         stop_ids = tuple(dict.fromkeys(tuple(params.stop_token_ids) + (() if ignore_eos else self.eos_token_ids)))
-        if len(stop_ids) > decode.MAX_STOP_IDS:
-            raise RequestError(f"at most {decode.MAX_STOP_IDS} stop token ids (eos included) are supported, "
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise RequestError(f"at most {MAX_STOP_IDS} stop token ids (eos included) are supported, "
                                f"got {len(stop_ids)}", "stop_token_ids")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer, and this model directory has none; "
@@ -689,10 +570,10 @@ class Engine:
         n = len(job.prompt_ids)
         p_pad = self.layout.bucket(n)  # prefill cuts its chunk to it
         p = job.params
-        opts = decode.GenerateOptions(method=self.spec.method, max_new_tokens=p.max_tokens, temperature=p.temperature,
-                                      top_p=p.top_p, top_k=p.top_k, stop_token_ids=job.stop_ids, seed=job.seed)
+        opts = GenerateOptions(method=self.spec.method, max_new_tokens=p.max_tokens, temperature=p.temperature,
+                               top_p=p.top_p, top_k=p.top_k, stop_token_ids=job.stop_ids, seed=job.seed)
         rows = self._prefill_rows
-        pad = decode.GenerateOptions(method=self.spec.method, max_new_tokens=1)
+        pad = GenerateOptions(method=self.spec.method, max_new_tokens=1)
         tokens = np.zeros((rows, p_pad), np.int32)
         tokens[0, :n] = job.prompt_ids
         make = functools.partial(decode.init_state, self.spec, [n] + [1] * (rows - 1), [opts] + [pad] * (rows - 1),

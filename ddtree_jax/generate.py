@@ -25,8 +25,11 @@ import types
 from typing import Any, Sequence, TextIO
 
 from ddtree_jax import cli, config, decode, policy, shapes
+from ddtree_jax.results import GenerateResult
+from ddtree_jax.spec import AUTO, DEFAULT_TREE_BUDGET, METHODS, GenerateOptions, run_forms
 from ddtree_jax.tokenizer import Tokenizer, load_tokenizer
 from ddtree_jax.tuning import Tuning
+from ddtree_jax.weight_layout import device_layout, layout_method
 
 
 _EPILOG = """\
@@ -84,7 +87,7 @@ def build_parser() -> cli.ArgumentParser:
                         "CPU.")
 
     g = p.add_argument_group("decoding")
-    g.add_argument("--method", choices=decode.METHODS, default=None,
+    g.add_argument("--method", choices=METHODS, default=None,
                    help="ar: plain autoregressive; dflash: DFlash chain speculation (block size from the "
                         "drafter); ddtree: DDTree draft tree of --tree-budget nodes (default: ar; ddtree for "
                         "the default pair)")
@@ -153,7 +156,7 @@ class Plan:
     draft_config: config.DraftConfig | None
     tokenizer: Tokenizer | None
     prompts: list[list[int]]
-    options: decode.GenerateOptions
+    options: GenerateOptions
     as_json: bool
     compare_ar: bool = False  # also time AR on the same prompts (the default pair's demo)
     mesh: str | None = None  # --mesh DxM (checked against the devices and the configs)
@@ -161,7 +164,7 @@ class Plan:
     random_shape: str | None = None  # --target random:SHAPE
 
 
-def required_positions(prompt_len: int, options: decode.GenerateOptions, block_size: int = 0, batch: int = 1) -> int:
+def required_positions(prompt_len: int, options: GenerateOptions, block_size: int = 0, batch: int = 1) -> int:
     """Cache positions one sequence needs: prompt + new tokens + the widest verify block + 1.
 
     The verify block is the tree (budget nodes), the chain (block_size), or nothing (ar); under auto the widest
@@ -170,13 +173,13 @@ def required_positions(prompt_len: int, options: decode.GenerateOptions, block_s
     return prompt_len + options.max_new_tokens + widest_block(options, block_size, batch) + 1
 
 
-def widest_block(options: decode.GenerateOptions, block_size: int, batch: int = 1) -> int:
+def widest_block(options: GenerateOptions, block_size: int, batch: int = 1) -> int:
     """The verify block :func:`required_positions` counts: 0 for ar, block_size for the chain, the budget of a tree."""
     if options.method == "ar":
         return 0
-    if options.tree_budget != decode.AUTO:
+    if options.tree_budget != AUTO:
         return options.tree_budget if options.method == "ddtree" else block_size
-    forms = policy.allowed(decode.run_forms(options), batch, block_size)
+    forms = policy.allowed(run_forms(options), batch, block_size)
     if not forms:
         raise ValueError(f"none of the forms {','.join(options.forms)} fits a verify of {policy.ROW_CAP} rows at "
                          f"batch {batch}")
@@ -203,7 +206,7 @@ def plan(args: argparse.Namespace) -> Plan:
         cli.warn("--draft is ignored with --method ar")
     if args.tree_budget is not None and args.method == "ar":
         cli.warn(f"--tree-budget {args.tree_budget} is ignored with --method ar")
-    if args.forms is not None and (args.method == "ar" or args.tree_budget not in (None, decode.AUTO)):
+    if args.forms is not None and (args.method == "ar" or args.tree_budget not in (None, AUTO)):
         cli.warn("--forms is ignored without --tree-budget auto and a drafter")
     if args.trace and not args.json:
         cli.warn("--trace only changes the --json output")
@@ -248,10 +251,10 @@ def plan(args: argparse.Namespace) -> Plan:
     if bad:
         raise cli.UsageError(f"--stop-token-ids {_short_list(bad)} outside the vocabulary [0, {vocab})")
 
-    options = decode.GenerateOptions(
+    options = GenerateOptions(
         method=args.method,
         max_new_tokens=args.max_new_tokens,
-        tree_budget=args.tree_budget if args.tree_budget is not None else decode.DEFAULT_TREE_BUDGET,
+        tree_budget=args.tree_budget if args.tree_budget is not None else DEFAULT_TREE_BUDGET,
         forms=args.forms or (),
         temperature=float(args.temperature),
         top_p=float(args.top_p),
@@ -271,9 +274,9 @@ def plan(args: argparse.Namespace) -> Plan:
     for n, ids in enumerate(prompts, 1):
         need = required_positions(len(ids), options, block, len(prompts))
         if need > limit:
-            verify = ("" if not widest else f" + tree budget {widest}" if options.tree_budget != decode.AUTO
+            verify = ("" if not widest else f" + tree budget {widest}" if options.tree_budget != AUTO
                       and options.method == "ddtree" else f" + drafter block {widest}"
-                      if options.tree_budget != decode.AUTO else f" + verify block {widest} (--tree-budget auto's "
+                      if options.tree_budget != AUTO else f" + verify block {widest} (--tree-budget auto's "
                       f"largest form)")
             raise cli.UsageError(
                 f"prompt {n} is too long: {len(ids)} prompt tokens + {options.max_new_tokens} new tokens"
@@ -373,8 +376,8 @@ def load_models(p: Plan, mesh=None):
 def _laid_out(p: Plan, target, draft):
     """Laid out for the backend once here, not in each decode.generate call (it is idempotent)."""
     layout = p.tuning.layout
-    target = (target[0], decode.device_layout(target[1], layout=layout, method=decode.layout_method(p.options)))
-    draft = (draft[0], decode.device_layout(draft[1], layout=layout)) if draft is not None else None
+    target = (target[0], device_layout(target[1], layout=layout, method=layout_method(p.options)))
+    draft = (draft[0], device_layout(draft[1], layout=layout)) if draft is not None else None
     return target, draft
 
 
@@ -428,7 +431,7 @@ class Streamer:
         self.out.flush()
 
 
-def _generated(prompts: list[list[int]], result: decode.GenerateResult) -> list[list[int]]:
+def _generated(prompts: list[list[int]], result: GenerateResult) -> list[list[int]]:
     return [[int(t) for t in out[len(p):len(p) + int(n)]]
             for p, out, n in zip(prompts, result.output_ids, result.num_generated)]
 
@@ -448,7 +451,7 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
-def result_json(p: Plan, result: decode.GenerateResult) -> dict[str, Any]:
+def result_json(p: Plan, result: GenerateResult) -> dict[str, Any]:
     generated = _generated(p.prompts, result)
     results = []
     for i, (prompt, gen) in enumerate(zip(p.prompts, generated)):
@@ -472,7 +475,7 @@ def result_json(p: Plan, result: decode.GenerateResult) -> dict[str, Any]:
                        "decode_tokens_per_s": total / decode_s if decode_s > 0 else None}}
 
 
-def summary_line(p: Plan, result: decode.GenerateResult) -> str:
+def summary_line(p: Plan, result: GenerateResult) -> str:
     total = sum(len(g) for g in _generated(p.prompts, result))
     decode_s = float(result.decode_s)
     rate = f"{total / decode_s:.1f} tok/s" if decode_s > 0 else "n/a tok/s"
@@ -521,7 +524,7 @@ def execute(p: Plan, out: TextIO) -> None:
                      f"{rate / ar_rate:.2f}x AR")
 
 
-def decode_rate(result: decode.GenerateResult) -> float | None:
+def decode_rate(result: GenerateResult) -> float | None:
     """Generated tokens per second of the decode loop (no prefill, no compilation)."""
     return sum(result.num_generated) / result.decode_s if result.decode_s > 0 else None
 

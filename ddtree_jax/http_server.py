@@ -32,6 +32,7 @@ from ddtree_jax import cli
 from ddtree_jax import engine as engines
 from ddtree_jax.openai_api import (DEFAULT_COMPLETION_TOKENS, ApiError, Options, bad_request, bool_field, from_engine,
                                    is_int, parse_options)
+from ddtree_jax.requests import EngineClosed, Event, Job, QueueFull, RequestError
 from ddtree_jax.tokenizer import Tokenizer, TokenizerError
 
 log = logging.getLogger("ddtree_jax.serve")  # named after the command, as its log lines always were
@@ -125,7 +126,7 @@ class Server:
     def _submit(self, prompts: list[list[int]], opts: Options, *, chat: bool, rid: str, queue: asyncio.Queue):
         loop = asyncio.get_running_loop()
         max_len = self.engine.config.max_len
-        jobs: list[engines.Job] = []
+        jobs: list[Job] = []
         try:
             for i, ids in enumerate(prompts):
                 room = max_len - len(ids)
@@ -137,11 +138,11 @@ class Server:
 
                 jobs.append(self.engine.submit(ids, opts.params(max_tokens), sink, ignore_eos=opts.ignore_eos,
                                                request_id=f"{rid}-{i}"))
-        except (engines.RequestError, engines.QueueFull, engines.EngineClosed) as e:
+        except (RequestError, QueueFull, EngineClosed) as e:
             for job in jobs:
                 self.engine.cancel(job)
-            if isinstance(e, engines.RequestError) and len(prompts) > 1:
-                e = engines.RequestError(f"prompt {len(jobs)}: {e}", e.param, e.code)
+            if isinstance(e, RequestError) and len(prompts) > 1:
+                e = RequestError(f"prompt {len(jobs)}: {e}", e.param, e.code)
             raise from_engine(e) from None
         return jobs
 
@@ -289,7 +290,7 @@ class _Collected:
     error: str | None = None
     first: bool = True
 
-    def add(self, ev: engines.Event) -> None:
+    def add(self, ev: Event) -> None:
         self.tokens.extend(ev.token_ids)
         self.text += ev.text
         if ev.finish_reason is not None:

@@ -12,7 +12,7 @@ import dataclasses
 import json
 from typing import Any
 
-from ddtree_jax import engine as engines
+from ddtree_jax.requests import SEED_LIMIT, EngineClosed, QueueFull, RequestError, SamplingParams
 
 MAX_STOP_STRINGS = 16
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -40,11 +40,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def from_engine(e: Exception) -> ApiError:
     """The engine's refusal of a request (bad request, full queue, closed engine) as its API error; any other
     exception is raised again."""
-    if isinstance(e, engines.RequestError):
+    if isinstance(e, RequestError):
         return bad_request(str(e), e.param, e.code)
-    if isinstance(e, engines.QueueFull):
+    if isinstance(e, QueueFull):
         return ApiError(429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
-    if isinstance(e, engines.EngineClosed):
+    if isinstance(e, EngineClosed):
         return ApiError(503, str(e), type="server_error", code="unavailable", headers={"Retry-After": "5"})
     raise e
 
@@ -115,10 +115,10 @@ class Options:
     include_usage: bool
     return_token_ids: bool
 
-    def params(self, max_tokens: int) -> engines.SamplingParams:
-        return engines.SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                                      top_k=self.top_k, seed=self.seed, stop=self.stop,
-                                      stop_token_ids=self.stop_token_ids)
+    def params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, seed=self.seed, stop=self.stop,
+                              stop_token_ids=self.stop_token_ids)
 
 
 def parse_options(body: dict, *, chat: bool) -> Options:
@@ -168,7 +168,7 @@ def parse_options(body: dict, *, chat: bool) -> Options:
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=max(top_k, 0),
-        seed=_int(body, "seed", None, 0, engines.SEED_LIMIT - 1),
+        seed=_int(body, "seed", None, 0, SEED_LIMIT - 1),
         stop=tuple(stop),
         stop_token_ids=tuple(stop_ids),
         ignore_eos=bool_field(body, "ignore_eos"),

@@ -24,9 +24,10 @@ REPO = Path(__file__).resolve().parents[1]
 PAPER_TAU = REPO / "benchmarks" / "paper_tau.json"
 RESULTS = REPO / "benchmarks" / "results" / "h200.json"
 # the target's layout, per method, of the records the performance tables read: decode's GPU defaults
-# (decode.GPU_AR_LAYOUT for ar, decode.GPU_LAYOUT for the rounds; tests/test_decode.py checks that they agree)
+# (weight_layout.GPU_AR_LAYOUT for ar, weight_layout.GPU_LAYOUT for the rounds; tests/test_decode.py checks that they
+# agree)
 LAYOUTS = {"ar": "stacked-out-major-fused", "dflash": "stacked-fused", "ddtree": "stacked-fused"}
-# ... and the drafter's layouts of the records the tables read, preferred first: decode.DRAFT_GPU_LAYOUT, then
+# ... and the drafter's layouts of the records the tables read, preferred first: weight_layout.DRAFT_GPU_LAYOUT, then
 # "stacked" (input-major, the earlier default; records without the field) for records not measured again.
 DRAFT_LAYOUTS = ("stacked-out-major-fused", "stacked")
 

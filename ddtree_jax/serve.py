@@ -20,9 +20,11 @@ import sys
 import time
 from typing import Sequence
 
-from ddtree_jax import cli, config, decode, shapes
+from ddtree_jax import cli, config, shapes
 from ddtree_jax import engine as engines
 from ddtree_jax.http_server import NO_TOKENIZER_JSON, build_app
+from ddtree_jax.slots import check_batch_buckets, default_buckets
+from ddtree_jax.spec import AUTO, DEFAULT_TREE_BUDGET, MAX_STOP_IDS, METHODS, GenerateOptions, make_spec
 from ddtree_jax.tokenizer import Tokenizer, load_tokenizer
 
 _EPILOG = """\
@@ -106,7 +108,7 @@ def build_parser() -> cli.ArgumentParser:
                         "softmax); float32 reproduces the reference fixtures exactly")
 
     g = p.add_argument_group("decoding")
-    g.add_argument("--method", choices=decode.METHODS, default=None,
+    g.add_argument("--method", choices=METHODS, default=None,
                    help="ar: plain autoregressive; dflash: DFlash chain speculation; ddtree: DDTree draft tree "
                         "of --tree-budget nodes (default: ddtree with --draft or a random target, ar otherwise)")
     g.add_argument("--tree-budget", type=cli.tree_budget, default=None, metavar="N|auto", help=cli.TREE_BUDGET_HELP)
@@ -183,10 +185,10 @@ def plan(args: argparse.Namespace) -> Plan:
         raise cli.UsageError(f"--method {method} needs a drafter: pass --draft PATH")
     if method == "ar" and args.draft is not None:
         cli.warn("--draft is ignored with --method ar")
-    budget = args.tree_budget if args.tree_budget is not None else decode.DEFAULT_TREE_BUDGET
+    budget = args.tree_budget if args.tree_budget is not None else DEFAULT_TREE_BUDGET
     if args.tree_budget is not None and method == "ar":
         cli.warn(f"--tree-budget {args.tree_budget} is ignored with --method ar")
-    if args.forms is not None and (budget != decode.AUTO or method == "ar"):
+    if args.forms is not None and (budget != AUTO or method == "ar"):
         cli.warn("--forms is ignored without --tree-budget auto and a drafter")
     if args.port > 65535:
         raise cli.UsageError(f"--port {args.port} is not a port number (0..65535)")
@@ -204,15 +206,15 @@ def plan(args: argparse.Namespace) -> Plan:
         config.check_pair(tcfg, dcfg)
     buckets = None if args.batch_buckets is None else tuple(sorted(set(args.batch_buckets)))
     try:  # the engine's own rules, checked before any weight is loaded
-        engines.check_batch_buckets(buckets or (), args.max_batch, args.mesh[0])
+        check_batch_buckets(buckets or (), args.max_batch, args.mesh[0])
     except ValueError as e:
         raise cli.UsageError(f"--batch-buckets: {e}") from None
-    options = decode.GenerateOptions(method=method, tree_budget=budget, forms=args.forms or ())
-    smallest = min((buckets if buckets is not None else engines.default_buckets(args.max_batch, args.mesh[0]))
+    options = GenerateOptions(method=method, tree_budget=budget, forms=args.forms or ())
+    smallest = min((buckets if buckets is not None else default_buckets(args.max_batch, args.mesh[0]))
                    + (args.max_batch,))
     try:  # the verify block of the largest form the engine may run (as the engine computes it)
-        block = decode.make_spec(tcfg, dcfg if method != "ar" else None, options, args.tuning,
-                                 batch=smallest).round_positions
+        block = make_spec(tcfg, dcfg if method != "ar" else None, options, args.tuning,
+                          batch=smallest).round_positions
     except ValueError as e:  # --forms that the method or the slot batches cannot take
         raise cli.UsageError(f"--forms: {e}") from None
     allowed = tcfg.max_position_embeddings - block
@@ -226,9 +228,9 @@ def plan(args: argparse.Namespace) -> Plan:
     _check_mesh(args.mesh, args.max_batch, tcfg, dcfg)
     tok = load_tokenizer(target_path) if target_path is not None else None
     eos = tuple(dict.fromkeys((tok.eos_token_ids if tok else ()) + tcfg.eos_token_ids))
-    if len(eos) > decode.MAX_STOP_IDS:
-        cli.warn(f"the model has {len(eos)} eos ids; only the first {decode.MAX_STOP_IDS} stop generation")
-        eos = eos[: decode.MAX_STOP_IDS]
+    if len(eos) > MAX_STOP_IDS:
+        cli.warn(f"the model has {len(eos)} eos ids; only the first {MAX_STOP_IDS} stop generation")
+        eos = eos[:MAX_STOP_IDS]
     name = args.served_model_name or (args.target if shape else os.path.basename(os.path.normpath(args.target)))
     ecfg = engines.EngineConfig(method=method, tree_budget=budget, max_batch=args.max_batch, max_len=max_len,
                                 rounds_per_step=args.rounds_per_step, max_queue=args.max_queue,

@@ -266,7 +266,7 @@ def shard_model(model: tuple[Any, Any], mesh: Mesh, rules: Rules = Rules()):
     check_model(lc, mesh, "drafter" if isinstance(cfg, DraftConfig) else "target", rules)
     layers = params.layers if isinstance(params.layers, params_lib.LayerWeights) else params.layers[0]
     if layers.fused:
-        raise ValueError("shard_model takes unfused weights: shard first, then lay out (decode.device_layout "
+        raise ValueError("shard_model takes unfused weights: shard first, then lay out (weight_layout.device_layout "
                          "fuses only weights whole on each device)")
     copies = kv_copies(lc, mesh, rules)
     params = jax.device_put(params, param_shardings(params, mesh, _load_rules(lc, mesh, rules)))

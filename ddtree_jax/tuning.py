@@ -1,7 +1,7 @@
 """How a decode runs on the device, never what it computes: the weights' layout, the layer kernels, the verify
 block's padding, the layer loop's unroll and the prefill chunk.
 
-``Tuning`` is frozen and hashable: ``decode.Spec`` carries it (static under jit) and hands it to ``model.forward``
+``Tuning`` is frozen and hashable: ``spec.Spec`` carries it (static under jit) and hands it to ``model.forward``
 and the drafter, which read nothing else (no environment variable) when they are traced. Every field has a default
 that suits the backend; a command line sets fields with ``--tuning KEY=VALUE,...`` (:func:`parse`), e.g. for an
 A/B of a kernel against XLA's ops. No choice here changes the outputs beyond a float's last bit (the kernels'
@@ -12,20 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 
-# decode.device_layout's forms of the weights: "auto" picks one per backend and method; "-out-major" matrices stored
-# [out, in] (else [in, out]); "-fused" q/k/v and gate/up concatenated; "unstacked" per-layer buffers (else [L, ...])
+# weight_layout.device_layout's forms of the weights: "auto" picks one per backend and method; "-out-major" matrices
+# stored [out, in] (else [in, out]); "-fused" q/k/v and gate/up concatenated; "unstacked" per-layer buffers (else
+# [L, ...])
 LAYOUTS = ("auto", "stacked", "unstacked", "stacked-out-major", "unstacked-out-major", "stacked-out-major-fused",
            "unstacked-out-major-fused", "stacked-fused")
 
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    layout: str = "auto"  # the weights' layout, one of LAYOUTS (decode.device_layout; target and drafter alike)
+    layout: str = "auto"  # the weights' layout, one of LAYOUTS (weight_layout.device_layout; target and drafter alike)
     qkv_write: bool = True  # pallas_kernels.qkv_write where it applies (model.qkv_kernel_applies); False: XLA's ops
     add_norm: bool = True  # pallas_kernels.add_norm where it applies (model.residual_norm); False: XLA's ops
     decode_attention: bool = True  # one-row steps by pallas_kernels.decode_attention (False: the tree kernel)
-    verify_align: int | None = None  # verify rows padded to a multiple of this (None: decode.default_verify_align)
-    layer_unroll: int | None = None  # target layers per layer-loop iteration (None: decode.default_layer_unroll)
+    verify_align: int | None = None  # verify rows padded to a multiple of this (None: spec.default_verify_align)
+    layer_unroll: int | None = None  # target layers per layer-loop iteration (None: spec.default_layer_unroll)
     prefill_chunk: int = 512  # prompt tokens per prefill forward
     grouped_matmul: bool = True  # an MoE layer's grouped products by pallas_kernels.grouped_matmul where it applies
     # (ddtree_jax.moe.grouped_matmul_fn); False: XLA's ragged dot

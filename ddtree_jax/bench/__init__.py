@@ -12,10 +12,10 @@ Subcommands
             configuration: HLO checks (host transfers, big copies), N rounds in one call vs N calls, a
             profiler trace summary, tree-build micro-benchmarks. Writes JSON records (the format of
             benchmarks/results/*.json) and a details file. ``--quick`` runs a tiny shape (CPU-friendly).
-            Weights are laid out as decode.device_layout does on GPU for each method (without ``--layout``:
+            Weights are laid out as weight_layout.device_layout does on GPU for each method (without ``--layout``:
             stacked layers under lax.scan, q/k/v and gate/up fused, the target's matrices input-major for dflash
             and ddtree and output-major for ar, the drafter's output-major); the round loop and the stages compile
-            with decode.XLA_OPTIONS, and the verify rows are padded as decode.default_verify_align says.
+            with decode.XLA_OPTIONS, and the verify rows are padded as spec.default_verify_align says.
             ``--tuning KEY=VALUE,...`` (ddtree_jax.tuning) changes how the rounds run, e.g. a layer kernel
             against XLA's ops (qkv_write=0), the verify's padding or the layer loop's unroll. An MoE target's
             records also hold the distinct experts one more round touches per layer (measured from the router's
@@ -162,13 +162,14 @@ def build_parser() -> cli.ArgumentParser:
                         "loop) or stacked [L, ...] arrays under lax.scan; -out-major: the matrices stored [out, in], "
                         "so a one-row step is a row reduction (else [in, out], which cuBLAS reads faster at 2 rows "
                         "and more); -fused: also q/k/v and gate/up as one matrix each (default: --tuning's layout "
-                        "if set, else as decode.device_layout lays it out on GPU for each method, decode.GPU_LAYOUT "
-                        "stacked-fused for dflash and ddtree, decode.GPU_AR_LAYOUT stacked-out-major-fused for ar)")
+                        "if set, else as weight_layout.device_layout lays it out on GPU for each method, "
+                        "weight_layout.GPU_LAYOUT stacked-fused for dflash and ddtree, weight_layout.GPU_AR_LAYOUT "
+                        "stacked-out-major-fused for ar)")
     m.add_argument("--draft-layout", choices=LAYOUT_CHOICES,
                    default=None,
                    help="the drafter's layer weights, in the same forms as --layout (its fc stays input-major; a "
                         "fused drafter keeps its k and v matrices for the context projection) (default: "
-                        "--tuning's layout if set, else decode.DRAFT_GPU_LAYOUT, stacked-out-major-fused)")
+                        "--tuning's layout if set, else weight_layout.DRAFT_GPU_LAYOUT, stacked-out-major-fused)")
     cli.add_tuning(m)  # its layout: the default of --layout and --draft-layout
     m.add_argument("--breakdown-all", action="store_true",
                    help="break down every ddtree budget (default: only the --key-budgets)")

@@ -20,6 +20,7 @@ def run(args) -> int:
     import jax.numpy as jnp
 
     from ddtree_jax import decode, weights
+    from ddtree_jax.spec import GenerateOptions
 
     root = args.fixtures
     cli.existing_dir("--fixtures", root)
@@ -44,7 +45,7 @@ def run(args) -> int:
     for method, budget in configs:
         for group in groups:
             n = min(r["max_new_tokens"] for r in group) if args.max_new_tokens is None else args.max_new_tokens
-            opts = decode.GenerateOptions(method=method, max_new_tokens=n, tree_budget=budget or 1)
+            opts = GenerateOptions(method=method, max_new_tokens=n, tree_budget=budget or 1)
             prompts = [r["prompt"] for r in group]
             dr = draft if method != "ar" else None
             t0 = time.perf_counter()

@@ -101,19 +101,19 @@ class Bench:
 
             self.mesh = sharding.make_mesh(args.mesh)
             (tcfg, tp), (dcfg, dp) = (sharding.shard_model(m, self.mesh) for m in ((tcfg, tp), (dcfg, dp)))
-        from ddtree_jax import decode
+        from ddtree_jax.weight_layout import DRAFT_GPU_LAYOUT, GPU_AR_LAYOUT, GPU_LAYOUT, device_layout
 
         # (the random weights are built stacked and input-major); without --layout (or --tuning layout=), the target
         # as decode lays it out for each method: the rounds' layout, and AR's (a second copy, made only if AR is timed)
         forced = args.tuning.layout if args.tuning.layout != "auto" else None
         args.layout = args.layout or forced
-        args.draft_layout = args.draft_layout or forced or decode.DRAFT_GPU_LAYOUT
-        self.layouts = {m: args.layout or (decode.GPU_AR_LAYOUT if m == "ar" else decode.GPU_LAYOUT)
+        args.draft_layout = args.draft_layout or forced or DRAFT_GPU_LAYOUT
+        self.layouts = {m: args.layout or (GPU_AR_LAYOUT if m == "ar" else GPU_LAYOUT)
                         for m in ("ar", "dflash", "ddtree")}
-        tp_ar = (decode.device_layout(tp, layout=self.layouts["ar"])
+        tp_ar = (device_layout(tp, layout=self.layouts["ar"])
                  if "ar" in args.methods and self.layouts["ar"] != self.layouts["ddtree"] else None)
-        tp, dp = sync((decode.device_layout(tp, layout=self.layouts["ddtree"]),
-                        decode.device_layout(dp, layout=args.draft_layout)))
+        tp, dp = sync((device_layout(tp, layout=self.layouts["ddtree"]),
+                        device_layout(dp, layout=args.draft_layout)))
         tp_ar = sync(tp_ar) if tp_ar is not None else tp
         info = {"layout": self.layouts["ddtree"], "ar_layout": self.layouts["ar"], "draft_layout": args.draft_layout,
             "build_s": time.time() - t0, "target_bytes": nbytes(tp), "draft_bytes": nbytes(dp),

@@ -18,9 +18,11 @@ def run(args) -> int:
     import jax
     import jax.numpy as jnp
 
-    from ddtree_jax import decode, defaults, weights
+    from ddtree_jax import defaults, weights
+    from ddtree_jax.spec import AUTO
     from ddtree_jax.tokenizer import load_tokenizer
     from ddtree_jax.training import evaluate, prompts as curated
+    from ddtree_jax.weight_layout import device_layout
 
     target_path = defaults.target_path() if args.target == "default" else cli.existing_dir("--target", args.target)
     draft_path = cli.existing_dir("--draft", args.draft or defaults.draft_path())
@@ -28,8 +30,8 @@ def run(args) -> int:
     # laid out once for the backend here, for the rounds (device_layout is idempotent: each dflash / ddtree call below
     # then has nothing to do; on GPU each ar call turns the target output-major again, before its timed decode), not
     # once per prompt
-    target, draft = ((cfg, decode.device_layout(p)) for cfg, p in (weights.load_target(target_path, dtype),
-                                                                  weights.load_draft(draft_path, dtype)))
+    target, draft = ((cfg, device_layout(p)) for cfg, p in (weights.load_target(target_path, dtype),
+                                                           weights.load_draft(draft_path, dtype)))
     tok = load_tokenizer(target_path)
     if tok is None:
         raise cli.UsageError(f"{target_path} has no tokenizer: the held-out prompts are text")
@@ -37,11 +39,11 @@ def run(args) -> int:
     prompts = held_out[: args.prompts]
     stop = tuple(dict.fromkeys(tok.eos_token_ids + target[0].eos_token_ids))
     groups = [prompts] if args.batched else [[p] for p in prompts]
-    fixed = [b for b in args.budgets if b != decode.AUTO]
+    fixed = [b for b in args.budgets if b != AUTO]
     runs = [evaluate.benchmark(target, draft, g, budgets=fixed, max_new_tokens=args.max_new_tokens,
                                stop_ids=stop, attention=args.attention, check=args.check, log=lambda m: None)
             for g in groups]
-    if decode.AUTO in args.budgets:
+    if AUTO in args.budgets:
         for run, g in zip(runs, groups):
             run["ddtree-auto"] = _auto_run(target, draft, g, args, stop, run["ar"]["tokens_per_s"])
     table = {}
@@ -90,9 +92,10 @@ def _auto_run(target, draft, prompts, args, stop, ar_tokens_per_s) -> dict:
     """``bench pair``'s ddtree under --tree-budget auto (the cost table of the cache directory, kept there): what
     training.evaluate.benchmark records of a fixed budget, and the forms the rounds took ({form: rounds})."""
     from ddtree_jax import accept, decode
+    from ddtree_jax.spec import AUTO, GenerateOptions
 
-    opts = decode.GenerateOptions(method="ddtree", tree_budget=decode.AUTO, max_new_tokens=args.max_new_tokens,
-                                  stop_token_ids=stop, attention=args.attention, forms=args.forms or ())
+    opts = GenerateOptions(method="ddtree", tree_budget=AUTO, max_new_tokens=args.max_new_tokens,
+                           stop_token_ids=stop, attention=args.attention, forms=args.forms or ())
     res = decode.generate(target, prompts, opts, draft=draft, persist_costs=True)
     acc = [a for seq in res.acceptance_lengths for a in seq]
     tps = sum(res.num_generated) / res.decode_s if res.decode_s > 0 else None

@@ -86,12 +86,12 @@ def reset(state, prompt_len: int):
 
 def make_spec(tcfg, dcfg, method: str, budget: int, attention: str, mesh=None, *, temperature: float = 0.0,
               top_p: float = 1.0, top_k: int = 0, tuning: Tuning = Tuning()):
-    """decode.make_spec for one grid point (greedy unless a temperature is given) under ``tuning``."""
-    from ddtree_jax import decode
+    """spec.make_spec for one grid point (greedy unless a temperature is given) under ``tuning``."""
+    from ddtree_jax import spec as spec_lib  # this function's own name is make_spec
 
-    opts = decode.GenerateOptions(method=method, max_new_tokens=256, tree_budget=max(budget, 1), attention=attention,
-                                  temperature=temperature, top_p=top_p, top_k=top_k)
-    return decode.make_spec(tcfg, dcfg if method != "ar" else None, opts, tuning, mesh=mesh)
+    opts = spec_lib.GenerateOptions(method=method, max_new_tokens=256, tree_budget=max(budget, 1),
+                                    attention=attention, temperature=temperature, top_p=top_p, top_k=top_k)
+    return spec_lib.make_spec(tcfg, dcfg if method != "ar" else None, opts, tuning, mesh=mesh)
 
 
 def make_state(spec, vocab: int, batch: int, prompt_len: int, capacity: int, out_len: int, dtype, seed: int = 1, *,
@@ -101,9 +101,10 @@ def make_state(spec, vocab: int, batch: int, prompt_len: int, capacity: int, out
     import jax
 
     from ddtree_jax import decode
+    from ddtree_jax.spec import GenerateOptions
 
-    opts = [decode.GenerateOptions(method=spec.method, max_new_tokens=256, temperature=temperature, top_p=top_p,
-                                   top_k=top_k, seed=i) for i in range(batch)]
+    opts = [GenerateOptions(method=spec.method, max_new_tokens=256, temperature=temperature, top_p=top_p,
+                            top_k=top_k, seed=i) for i in range(batch)]
     state = decode.init_state(spec, [prompt_len] * batch, opts, capacity, out_len, dtype)
     return J("randomize")(state, jax.random.key(seed), prompt_len, vocab)
 

@@ -29,9 +29,10 @@ def acceptance(target, draft, prompts: list[list[int]], *, budget: int = BUDGET,
                stop_ids: Sequence[int] = (), method: str = "ddtree", attention: str = "auto") -> list[list[int]]:
     """Per prompt, the acceptance length of every round of greedy speculative decoding (one batch)."""
     from ddtree_jax import decode
+    from ddtree_jax.spec import GenerateOptions
 
-    opts = decode.GenerateOptions(method=method, tree_budget=budget, max_new_tokens=max_new_tokens,
-                                  stop_token_ids=tuple(stop_ids), attention=attention)
+    opts = GenerateOptions(method=method, tree_budget=budget, max_new_tokens=max_new_tokens,
+                           stop_token_ids=tuple(stop_ids), attention=attention)
     return decode.generate(target, prompts, opts, draft=draft).acceptance_lengths
 
 
@@ -63,15 +64,17 @@ def benchmark(target, draft, prompts: list[list[int]], *, budgets: Sequence[int]
     accepted path differs from :func:`accept.walk_host`'s). Greedy speculative decoding in bf16 may part from
     ar where two logits nearly tie (the verify's matrix shapes differ from ar's); a walk mismatch is a fault."""
     from ddtree_jax import decode
+    from ddtree_jax.spec import GenerateOptions
+    from ddtree_jax.weight_layout import device_layout
 
     # laid out for the backend once here, for the rounds, not in each decode.generate call below
-    target, draft = ((cfg, decode.device_layout(p)) for cfg, p in (target, draft))
+    target, draft = ((cfg, device_layout(p)) for cfg, p in (target, draft))
     runs = [("ar", 0), ("dflash", 0)] + [("ddtree", b) for b in budgets]
     out: dict[str, Any] = {}
     ar_ids = None
     for method, budget in runs:
-        opts = decode.GenerateOptions(method=method, tree_budget=budget or 1, max_new_tokens=max_new_tokens,
-                                      stop_token_ids=tuple(stop_ids), attention=attention)
+        opts = GenerateOptions(method=method, tree_budget=budget or 1, max_new_tokens=max_new_tokens,
+                               stop_token_ids=tuple(stop_ids), attention=attention)
         res = decode.generate(target, prompts, opts, draft=None if method == "ar" else draft)
         acc = [a for seq in res.acceptance_lengths for a in seq]
         tokens = sum(res.num_generated)

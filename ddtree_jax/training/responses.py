@@ -24,6 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import decode, slots
+from ddtree_jax.results import final_length
+from ddtree_jax.spec import NEVER, GenerateOptions, make_spec
+from ddtree_jax.weight_layout import device_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +88,10 @@ def generate(target, requests: Iterable[Request], *, batch: int, max_prompt_toke
     come back cut (``stopped`` False), the queue is dropped. progress(n): called with the tokens generated since
     the last call."""
     tcfg, tparams = target
-    tparams = decode.device_layout(tparams, method="ddtree")  # the rounds' layout: a batch of rows is GEMMs
+    tparams = device_layout(tparams, method="ddtree")  # the rounds' layout: a batch of rows is GEMMs
     refill = max(1, min(refill or max(1, batch // 16), batch))
-    sampled = decode.GenerateOptions(method="ar", max_new_tokens=max_new_tokens, temperature=1.0, attention=attention)
-    spec = decode.make_spec(tcfg, None, sampled)  # one program for greedy and sampled rows (no top-p / top-k)
+    sampled = GenerateOptions(method="ar", max_new_tokens=max_new_tokens, temperature=1.0, attention=attention)
+    spec = make_spec(tcfg, None, sampled)  # one program for greedy and sampled rows (no top-p / top-k)
     p_pad, capacity, out_len = decode.layout(spec, [max_prompt_tokens], max_new_tokens)
     dtype = tparams.embed.dtype
     kv_per_token = 2 * tcfg.num_layers * tcfg.num_kv_heads * tcfg.head_dim * jnp.dtype(dtype).itemsize
@@ -98,16 +101,16 @@ def generate(target, requests: Iterable[Request], *, batch: int, max_prompt_toke
     job: list[Request | None] = [None] * batch
     stop_ids = tuple(stop_ids)
 
-    def options(r: Request) -> decode.GenerateOptions:
+    def options(r: Request) -> GenerateOptions:
         if len(r.prompt) > max_prompt_tokens or not r.prompt:
             raise ValueError(f"prompt of {len(r.prompt)} tokens (1 to {max_prompt_tokens} allowed)")
         if not 1 <= r.max_new_tokens <= max_new_tokens:
             raise ValueError(f"max_new_tokens {r.max_new_tokens} outside 1..{max_new_tokens}")
-        return decode.GenerateOptions(method="ar", max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                                      seed=r.seed, stop_token_ids=stop_ids)
+        return GenerateOptions(method="ar", max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                               seed=r.seed, stop_token_ids=stop_ids)
 
     def new_rows(reqs: list[Request | None]):
-        dummy = decode.GenerateOptions(method="ar", max_new_tokens=1)
+        dummy = GenerateOptions(method="ar", max_new_tokens=1)
         lens = [len(r.prompt) if r else 1 for r in reqs]
         opts = [options(r) if r else dummy for r in reqs]
         tokens = np.zeros((len(reqs), p_pad), np.int32)
@@ -147,7 +150,7 @@ def generate(target, requests: Iterable[Request], *, batch: int, max_prompt_toke
             if queue and not stopping:
                 continue
             break
-        done, ends = np.asarray(state.done), decode.final_length(state)
+        done, ends = np.asarray(state.done), final_length(state)
         stats.syncs += 1
         stopping = stopping or should_stop() or (deadline is not None and time.perf_counter() > deadline)
         finished = [i for i in range(batch) if job[i] is not None and (done[i] or stopping)]
@@ -157,7 +160,7 @@ def generate(target, requests: Iterable[Request], *, batch: int, max_prompt_toke
             for i in finished:
                 r = job[i]
                 toks_i = out[i, len(r.prompt): ends[i]].tolist()
-                res = Result(r, toks_i, bool(stop_at[i] < decode.NEVER))
+                res = Result(r, toks_i, bool(stop_at[i] < NEVER))
                 results.append(res)
                 n, p = len(toks_i), len(r.prompt)
                 new += n
