@@ -251,17 +251,18 @@ def project(records: str, out: str, budgets: str) -> dict:
 
 
 def policy_choices(grid: list[dict]) -> dict:
-    """The form ``--tree-budget auto`` picks among the GPU candidates (policy.candidates) from the grid's round costs
-    with the paper's tau as every form's expected acceptance (projection.choices): a projection, not a measurement."""
+    """The form ``--tree-budget auto`` picks among an MoE target's GPU candidates (policy.candidates) from the grid's
+    round costs with the paper's tau as every form's expected acceptance (projection.choices): a projection."""
     ms = {("ar" if r["method"] == "ar" else "chain" if r["method"] == "dflash" else str(r["budget"])): r["ms_per_round"]
           for r in grid if r.get("model") == SHAPE.name and r.get("ms_per_round")}
-    forms = [f for f in policy.candidates("ddtree", "gpu") if f in ms]
+    candidates = policy.candidates("ddtree", "gpu", moe=True)
+    forms = [f for f in candidates if f in ms]
     taus = projection.load_tau()["0.0"][PAPER_MODEL]
     return {"note": "a projection, not a measurement: the form ddtree_jax.policy.Policy.choose picks (--tree-budget "
-                    "auto, GPU candidates) with the measured round costs above as its cost table and every form's "
-                    "expected acceptance set to the paper's tau (the chain: dflash's; every tree: ddtree's, which the "
+                    "auto, a mixture-of-experts target's GPU candidates) with the measured round costs above as its "
+                    "cost table and every form's expected acceptance set to the paper's tau (the chain: dflash's; every tree: ddtree's, which the "
                     "paper reports at its best budget, so small trees are credited with more than they accept)",
-            "candidates": list(policy.candidates("ddtree", "gpu")), "costs_ms": {f: round(ms[f], 3) for f in forms},
+            "candidates": list(candidates), "costs_ms": {f: round(ms[f], 3) for f in forms},
             "choices": projection.choices(taus, {f: ms[f] for f in forms})}
 
 

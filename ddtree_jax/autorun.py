@@ -85,7 +85,8 @@ class AutoRun:
                  n_prompts: int, rounds: int, cost_table, chooser):
         template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), fresh())
         self.batch = template.bonus.shape[0]
-        forms = policy.allowed(run_forms(options), self.batch, spec.draft.block_size)
+        forms = policy.allowed(run_forms(options, moe=bool(spec.target.num_experts)), self.batch,
+                               spec.draft.block_size)
         self.spec, self.tparams, self.dparams, self.fresh = spec, tparams, dparams, fresh
         self.n, self.rounds = n_prompts, rounds
         self.costs = cost_table

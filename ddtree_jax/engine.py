@@ -167,7 +167,7 @@ class Engine:
         # requests choose: the prefill and the slots take any request; the State's layout fits every program
         self.spec = make_spec(self.tcfg, dcfg, options, config.tuning, mesh=mesh, sampling=True,
                               filtering=True, batch=self.sizes[0])
-        self.forms = run_forms(options)
+        self.forms = run_forms(options, moe=bool(self.tcfg.num_experts))
         self.programs: dict[tuple[str, int, str], Program] = {}
         for size in self.sizes:
             fits = policy.allowed(self.forms, size, dcfg.block_size) if self.spec.auto else self.forms

@@ -164,22 +164,23 @@ class Plan:
     random_shape: str | None = None  # --target random:SHAPE
 
 
-def required_positions(prompt_len: int, options: GenerateOptions, block_size: int = 0, batch: int = 1) -> int:
+def required_positions(prompt_len: int, options: GenerateOptions, block_size: int = 0, batch: int = 1,
+                       moe: bool = False) -> int:
     """Cache positions one sequence needs: prompt + new tokens + the widest verify block + 1.
 
     The verify block is the tree (budget nodes), the chain (block_size), or nothing (ar); under auto the widest
-    of the forms a batch of ``batch`` may take (policy.allowed).
+    of the forms a batch of ``batch`` may take (policy.allowed; ``moe``: a mixture-of-experts target's).
     """
-    return prompt_len + options.max_new_tokens + widest_block(options, block_size, batch) + 1
+    return prompt_len + options.max_new_tokens + widest_block(options, block_size, batch, moe) + 1
 
 
-def widest_block(options: GenerateOptions, block_size: int, batch: int = 1) -> int:
+def widest_block(options: GenerateOptions, block_size: int, batch: int = 1, moe: bool = False) -> int:
     """The verify block :func:`required_positions` counts: 0 for ar, block_size for the chain, the budget of a tree."""
     if options.method == "ar":
         return 0
     if options.tree_budget != AUTO:
         return options.tree_budget if options.method == "ddtree" else block_size
-    forms = policy.allowed(run_forms(options), batch, block_size)
+    forms = policy.allowed(run_forms(options, moe), batch, block_size)
     if not forms:
         raise ValueError(f"none of the forms {','.join(options.forms)} fits a verify of {policy.ROW_CAP} rows at "
                          f"batch {batch}")
@@ -267,12 +268,13 @@ def plan(args: argparse.Namespace) -> Plan:
 
     limit = target_cfg.max_position_embeddings
     block = draft_cfg.block_size if draft_cfg is not None else 0
+    moe = bool(target_cfg.num_experts)
     try:
-        widest = widest_block(options, block, len(prompts))
+        widest = widest_block(options, block, len(prompts), moe)
     except ValueError as e:  # forms none of which fits the batch
         raise cli.UsageError(str(e)) from None
     for n, ids in enumerate(prompts, 1):
-        need = required_positions(len(ids), options, block, len(prompts))
+        need = required_positions(len(ids), options, block, len(prompts), moe)
         if need > limit:
             verify = ("" if not widest else f" + tree budget {widest}" if options.tree_budget != AUTO
                       and options.method == "ddtree" else f" + drafter block {widest}"

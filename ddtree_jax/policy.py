@@ -31,6 +31,9 @@ import numpy as np
 
 AR, CHAIN = "ar", "chain"
 GPU_TREES = (16, 32, 64, 128, 256)  # tree budgets auto chooses among on a GPU (besides ar and the chain)
+# ... for a mixture-of-experts target, whose verify reads more experts the more nodes it holds: on an H200 at
+# Qwen3-Coder-30B-A3B's shape a tree of 8 costs 0.90x one of 16, 256 costs 1.20x 128 (docs/MOE.md)
+MOE_GPU_TREES = (8, 16, 32, 64, 128)
 CPU_TREES = (8, 16, 32)  # ... on CPU, where a verify costs in proportion to its rows: small trees only
 # Verify rows (slot batch x (1 + nodes)) above which a tree is no candidate. On an H200 a bf16 GEMM turns
 # compute-bound at about 200 rows (989 TFLOP/s over 4.8 TB/s), so a verify of 1024 rows costs about five AR steps of
@@ -86,14 +89,16 @@ def parse_forms(items: Iterable[str | int]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def candidates(method: str, backend: str) -> tuple[str, ...]:
+def candidates(method: str, backend: str, moe: bool = False) -> tuple[str, ...]:
     """The forms ``auto`` chooses among by default: ar alone for method ar; ar and the chain for dflash; for ddtree
-    also trees of ``GPU_TREES`` nodes on a GPU (``CPU_TREES`` elsewhere)."""
+    also trees of ``GPU_TREES`` nodes on a GPU (``MOE_GPU_TREES`` for a mixture-of-experts target; ``CPU_TREES``
+    elsewhere)."""
     if method == "ar":
         return (AR,)
     if method == "dflash":
         return (AR, CHAIN)
-    return (AR, CHAIN) + tuple(str(b) for b in (GPU_TREES if backend == "gpu" else CPU_TREES))
+    trees_ = CPU_TREES if backend != "gpu" else MOE_GPU_TREES if moe else GPU_TREES
+    return (AR, CHAIN) + tuple(str(b) for b in trees_)
 
 
 def allowed(forms: Sequence[str], batch: int, block_size: int, row_cap: int = ROW_CAP) -> tuple[str, ...]:

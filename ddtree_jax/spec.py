@@ -137,14 +137,15 @@ class Spec:
         return dataclasses.replace(self, tree=tree, budget=budget, build_budget=build, tuning=tuning)
 
 
-def run_forms(options: GenerateOptions) -> tuple[str, ...]:
+def run_forms(options: GenerateOptions, moe: bool = False) -> tuple[str, ...]:
     """The forms a run may take: one for a fixed budget (the method's), the candidates of ``auto`` otherwise
-    (``options.forms`` or policy.candidates), checked against the method."""
+    (``options.forms`` or policy.candidates; ``moe``: the target is a mixture of experts), checked against the
+    method."""
     if options.tree_budget != AUTO or options.method == "ar":
         return (policy.AR if options.method == "ar" else policy.CHAIN if options.method == "dflash"
                 else str(options.tree_budget),)
     forms = policy.parse_forms(options.forms) if options.forms else policy.candidates(options.method,
-                                                                                     jax.default_backend())
+                                                                                     jax.default_backend(), moe)
     if options.method == "dflash" and policy.trees(forms):
         raise ValueError(f"method dflash takes the forms ar and chain, not trees ({', '.join(forms)})")
     return forms
@@ -176,7 +177,7 @@ def make_spec(target_cfg: ModelConfig, draft_cfg: DraftConfig | None, options: G
     if tuning.verify_align is None:
         tuning = dataclasses.replace(tuning, verify_align=default_verify_align(
             METHOD_TREE[options.method] if fixed else "best_first"))
-    forms = run_forms(options)
+    forms = run_forms(options, moe=bool(target_cfg.num_experts))
     if fixed:
         return Spec(**base, budget=policy.nodes(forms[0], draft.block_size) if draft else 0,
                     tree=METHOD_TREE[options.method], tuning=tuning, **kw)
