@@ -69,7 +69,7 @@ class State:
     accept_hist: Array  # [B, R] acceptance length of each round (accepted nodes incl. the root)
     trace: dict | None  # with Spec.trace: per round trees and paths, [B, R, ...]
     forms: Array | None = None  # (Spec.auto) [B, R] int32 the form of each round (policy.code)
-    stats: Array | None = None  # (Spec.auto) [B, policy.STATS + len(Spec.predict)] f32 sums over rounds (policy.py)
+    stats: Array | None = None  # (Spec.auto) [B, policy.width(Spec.predict)] f32 sums over rounds (policy.py)
 
 
 # ----------------------------------------------------------------------------------------- round
@@ -88,7 +88,7 @@ def draft_logits(spec: Spec, target: TargetParams, drafter: DraftParams, state: 
 
 def build_tree(spec: Spec, logits: Array) -> tuple[trees.Tree, Array | None]:
     """The tree stage: the DFlash chain or DDTree's best-first tree from draft logits [B, bs-1, V], and under auto
-    the round's predictions [B, policy.STATS - 1 + len(spec.predict)] (:func:`predictions`; None otherwise)."""
+    the round's predictions [B, 2 + len(spec.predict)] (:func:`predictions`; None otherwise)."""
     if not spec.auto:
         return (trees.chain(logits) if spec.tree == "chain" else trees.best_first(logits, spec.budget)), None
     if not spec.build_budget:  # dflash: the chain's prediction alone
@@ -205,8 +205,9 @@ def accept_commit(spec: Spec, state: State, tree: trees.Tree, dcache, logits, ca
     forms, stats = state.forms, state.stats
     if spec.auto:
         forms = forms.at[jnp.arange(b), at].set(policy.code(spec.form), mode="drop")
-        if pred is not None:  # ROUNDS, ACCEPTED, then the predictions (USED, CHAIN_PRED, the trees)
-            row = jnp.concatenate([jnp.ones((b, 1)), length[:, None].astype(jnp.float32), pred], axis=1)
+        if pred is not None:  # ROUNDS, ACCEPTED, the predictions (USED, CHAIN_PRED, the trees), what trees saw
+            row = jnp.concatenate([jnp.ones((b, 1)), length[:, None].astype(jnp.float32), pred,
+                                   seen_trees(spec, path, length, pred)], axis=1)
             stats = stats + jnp.where(active[:, None], row, 0.0)
 
     context = None if spec.draft is None else jnp.take_along_axis(taps, path[:, :, None], axis=1)
@@ -225,6 +226,22 @@ def accept_commit(spec: Spec, state: State, tree: trees.Tree, dcache, logits, ca
         forms=forms,
         stats=stats,
     ), context, count
+
+
+def seen_trees(spec: Spec, path: Array, length: Array, pred: Array) -> Array:
+    """[B, 3 len(spec.predict)]: for each predicted tree of c nodes that this round's tree holds (a best-first tree's
+    first c nodes: c <= spec.budget, not for the chain), 1, the acceptance length it would have had (the root and the
+    accepted path up to its first node past c: node indices grow along a path) and its prediction; zeros for the
+    others (policy.seen_columns). path [B, W] tree indices root-first, length [B], pred [B, 2 + len(spec.predict)]."""
+    b = path.shape[0]
+    held = [spec.tree == "best_first" and c <= spec.budget for c in spec.predict]
+    on_path = jnp.arange(path.shape[1])[None] < length[:, None]
+    zero = jnp.zeros((b,), jnp.float32)
+    would = [1 + jnp.sum(on_path[:, 1:] & (path[:, 1:] <= c), axis=1).astype(jnp.float32) if h else zero
+             for c, h in zip(spec.predict, held)]
+    rounds = [jnp.full((b,), float(h)) for h in held]
+    preds = [pred[:, 2 + i] if h else zero for i, h in enumerate(held)]
+    return jnp.stack(rounds + would + preds, axis=1) if held else jnp.zeros((b, 0), jnp.float32)
 
 
 def _pad_nodes(x: Array, width: int) -> Array:
@@ -449,7 +466,7 @@ def init_state(spec: Spec, prompt_lens, options_per_seq, capacity: int, out_len:
         accept_hist=jnp.zeros((b, spec.max_rounds), jnp.int32),
         trace=trace,
         forms=jnp.zeros((b, spec.max_rounds), jnp.int32) if spec.auto else None,
-        stats=jnp.zeros((b, policy.STATS + len(spec.predict)), jnp.float32) if spec.auto else None,
+        stats=jnp.zeros((b, policy.width(spec.predict)), jnp.float32) if spec.auto else None,
     )
 
 

@@ -45,7 +45,8 @@ class Metrics:
         self.expected = Gauge("ddtree_expected_acceptance_length", "The policy's expected tokens a round over the live "
                               "sequences at the form of the last step (1 for ar)", registry=r)
         self.ratio = Gauge("ddtree_acceptance_ratio", "Mean over the live sequences of accepted / predicted tokens "
-                           "beyond the root (the policy's correction of the drafter)", registry=r)
+                           "beyond the root at the form of the last step (the policy's correction of the drafter)",
+                           registry=r)
         Gauge("ddtree_programs_compiled", "Programs compiled (form x slot batch x sampling variant)",
               registry=r).set_function(lambda: engine.programs_ready)
         Gauge("ddtree_programs", "Programs the background compiler works towards", registry=r).set_function(

@@ -12,7 +12,11 @@ under-confident, so :class:`Policy` keeps per sequence an exponential moving rat
 
     r_i = (accepted - 1) / (predicted for the form used - 1)        (clipped to [0, RATIO_MAX])
 
-and expects E_i(c) = 1 + r_i (pred_i(c) - 1) tokens a round from form c (an AR step: exactly 1). It picks the (form,
+and expects E_i(c) = 1 + r_i (pred_i(c) - 1) tokens a round from form c (an AR step: exactly 1). A tree round also
+shows what every smaller tree would have accepted (its c best nodes are that tree: the accepted path up to its first
+node past c), so each tree form c keeps its own ratio r_i(c) from those rounds, and a larger tree, never seen, takes
+the ratio of the largest smaller one seen: a form whose extra nodes the drafter overrates is seen to accept less than
+its prediction and is left, while the smaller trees' ratios are not lowered by it. It picks the (form,
 slot batch) with the most expected tokens per second, sum_i E_i(c) / cost(c, n), among the ready programs whose cost
 is known (``costs.CostTable``: seconds a round, measured on the device). When AR wins no prediction arrives any more,
 so after N AR groups one group probes the cheapest speculative form; N doubles after each probe that changes nothing
@@ -41,12 +45,26 @@ CPU_TREES = (8, 16, 32)  # ... on CPU, where a verify costs in proportion to its
 # ones at --max-batch 32 with the GPU forms) and the logits' memory (rows x vocabulary x 4 bytes: 0.6 GB for Qwen3).
 ROW_CAP = 1024
 
-# Columns of decode.State.stats [B, STATS + len(trees)] float32: per sequence, sums over its rounds. Only rounds that
-# drafted (not AR steps) add to them.
+# Columns of decode.State.stats [B, STATS + 4 len(trees)] float32 (:func:`width`): per sequence, sums over its rounds.
+# Only rounds that drafted (not AR steps) add to them.
 ROUNDS, ACCEPTED, USED, CHAIN_PRED = 0, 1, 2, 3  # rounds; their acceptance lengths; the prediction of the form used;
 # the chain's prediction. Column STATS + i: the prediction of a tree of trees[i] nodes (0 where the round's tree was
-# built smaller: not predicted).
+# built smaller: not predicted). Then, per tree i, three blocks of len(trees) columns (:func:`seen_columns`) over
+# the rounds whose tree held trees[i] nodes or more: their count, the acceptance length a tree of trees[i] nodes
+# would have had in them, and its prediction in them.
 STATS = 4
+
+
+def width(trees: Sequence[int]) -> int:
+    """Columns of decode.State.stats for the tree budgets ``trees`` (Spec.predict)."""
+    return STATS + 4 * len(trees)
+
+
+def seen_columns(trees: Sequence[int], i: int) -> tuple[int, int, int]:
+    """The columns (rounds, acceptance length, prediction) of tree i in the rounds whose tree held it."""
+    t = len(trees)
+    return STATS + t + i, STATS + 2 * t + i, STATS + 3 * t + i
+
 
 SMOOTHING = 0.1  # weight of one round in the moving averages: a group of 8 rounds weighs 1 - 0.9^8 = 0.57
 RATIO_MAX = 2.0
@@ -115,9 +133,19 @@ def trees(forms: Sequence[str]) -> tuple[int, ...]:
 class Estimate:
     """What is known of one sequence (or, as the prior of new ones, of all)."""
 
-    ratio: float = 1.0
+    ratio: float = 1.0  # of the forms used (any tree, the chain)
     preds: dict[str, float] = dataclasses.field(default_factory=dict)  # form -> predicted acceptance length
+    ratios: dict[str, float] = dataclasses.field(default_factory=dict)  # tree form -> its own ratio, where seen
     observed: bool = False
+
+
+def _ratio(rounds: float, accepted: float, predicted: float) -> float | None:
+    """(accepted - rounds) / (predicted - rounds), clipped to [0, RATIO_MAX]; None when nothing beyond the roots was
+    predicted."""
+    excess = predicted - rounds
+    if excess <= 1e-3 * rounds:
+        return None
+    return min(max((accepted - rounds) / excess, 0.0), RATIO_MAX)
 
 
 class Policy:
@@ -139,7 +167,7 @@ class Policy:
     # ---------------------------------------------------------------- sequences
     def start(self, seq) -> None:
         """A new sequence: it starts from the prior (what the sequences before it showed)."""
-        self.seqs[seq] = Estimate(self.prior.ratio, dict(self.prior.preds), False)
+        self.seqs[seq] = Estimate(self.prior.ratio, dict(self.prior.preds), dict(self.prior.ratios), False)
 
     def end(self, seq) -> None:
         self.seqs.pop(seq, None)
@@ -154,10 +182,12 @@ class Policy:
             self.start(seq)
         preds = {CHAIN: float(sums[CHAIN_PRED]) / rounds}
         preds.update({str(b): float(s) / rounds for b, s in zip(self.columns, sums[STATS:]) if s > 0})
-        excess = float(sums[USED]) - rounds  # predicted tokens beyond the root
-        ratio = None
-        if excess > 1e-3 * rounds:
-            ratio = min(max((float(sums[ACCEPTED]) - rounds) / excess, 0.0), RATIO_MAX)
+        ratio = _ratio(rounds, float(sums[ACCEPTED]), float(sums[USED]))
+        seen = {}  # tree form -> (its ratio, rounds) in the rounds whose tree held it
+        for i, b in enumerate(self.columns):
+            n, acc, pred = (float(sums[c]) for c in seen_columns(self.columns, i))
+            if n > 0 and (r := _ratio(n, acc, pred)) is not None:
+                seen[str(b)] = (r, n)
         weight = 1.0 - (1.0 - SMOOTHING) ** rounds
         for est in (self.seqs[seq], self.prior):
             first = not est.observed
@@ -166,6 +196,9 @@ class Policy:
             for f, p in preds.items():
                 old = est.preds.get(f)
                 est.preds[f] = p if old is None or first else old + weight * (p - old)
+            for f, (r, n) in seen.items():
+                old = est.ratios.get(f)
+                est.ratios[f] = r if old is None or first else old + (1.0 - (1.0 - SMOOTHING) ** n) * (r - old)
             est.observed = True
         if form != AR and self._probe_out:  # a probe's, not those of speculation that ran before AR won
             self._probed, self._probe_out = True, False
@@ -182,11 +215,22 @@ class Policy:
         known = [(int(f), p) for f, p in est.preds.items() if f != CHAIN and int(f) < (b or 0)]
         return max(known)[1] if known else None
 
+    @staticmethod
+    def ratio(est: Estimate, form: str) -> float:
+        """r_i(form): a tree's own ratio where seen, else the largest smaller seen tree's, else the forms' used."""
+        b = tree_budget(form)
+        if b is None:
+            return est.ratio
+        if form in est.ratios:
+            return est.ratios[form]
+        smaller = [(int(f), r) for f, r in est.ratios.items() if int(f) < b]
+        return max(smaller)[1] if smaller else est.ratio
+
     def expected(self, seq, form: str) -> float | None:
         """E_i(form): tokens a round of ``form`` is expected to commit for sequence ``seq``; None when unknown."""
         est = self.seqs.get(seq, self.prior)
         p = self.pred(est, form)
-        return None if p is None else 1.0 + est.ratio * (p - 1.0)
+        return None if p is None else 1.0 + self.ratio(est, form) * (p - 1.0)
 
     def total(self, seqs: Iterable, form: str) -> float | None:
         values = [self.expected(s, form) for s in seqs]
@@ -221,9 +265,9 @@ class Policy:
         return best
 
     def summary(self, seqs: Sequence, form: str) -> tuple[float, float]:
-        """(mean E_i at ``form``, mean ratio) over ``seqs``, for /metrics; NaN without sequences."""
+        """(mean E_i at ``form``, mean r_i(form)) over ``seqs``, for /metrics; NaN without sequences."""
         if not seqs:
             return math.nan, math.nan
         e = [self.expected(s, form) for s in seqs]
-        r = [self.seqs.get(s, self.prior).ratio for s in seqs]
+        r = [self.ratio(self.seqs.get(s, self.prior), form) for s in seqs]
         return float(np.mean([x for x in e if x is not None] or [math.nan])), float(np.mean(r))

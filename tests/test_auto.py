@@ -236,3 +236,35 @@ def test_every_form_runs_once_before_the_decode_and_only_unknown_ones_are_timed(
     second = decode.generate(target, prompts, opts, draft=drafter, persist_costs=True)
     assert seen == [0] * len(FORMS)
     assert second.output_ids == first.output_ids
+
+
+def test_a_tree_round_shows_what_each_smaller_tree_would_have_accepted(target, drafter, batch):
+    """From one state, a round of a tree of 8 nodes records, for the trees of 2 and 4 nodes it holds, the acceptance
+    length a round of that tree accepts from the same state, and that tree's prediction; nothing for the chain. An
+    oracle drafter with decoys makes the three trees accept different lengths."""
+    prompts, n = batch
+    (tcfg, tparams), (dcfg, dparams) = target, drafter
+    ar = decode.generate(target, prompts, decode.GenerateOptions(max_new_tokens=n + dcfg.block_size))
+    proposer = oracle(ar.output_ids, peak=[4.0] * 3, noise=[1.0] * 3, decoy_rate=[0.3] * 3)
+    opts = decode.GenerateOptions(method="ddtree", max_new_tokens=n, forms=("ar", "chain", "2", "4", "8"))
+    spec = decode.make_spec(tcfg, dcfg, opts, proposer=proposer, batch=len(prompts))
+    assert spec.predict == (2, 4, 8)
+    state, tokens = decode.start(spec, prompts, [opts] * len(prompts), n, tparams.embed.dtype)
+    state = decode.compiled(decode.prefill, spec, tparams, dparams, state, tokens)(tparams, dparams, state, tokens)
+    one, rounds, seen = jnp.int32(1), {}, {}
+    for form in ("chain", "2", "4", "8"):
+        fn = decode.compiled(decode.run_rounds, spec.with_form(form), tparams, dparams, state, one)
+        after = fn(tparams, dparams, _copy(state), one)
+        rounds[form] = np.asarray(after.accept_hist[:, 0])
+        seen[form] = np.asarray(after.stats)
+    t = len(spec.predict)
+    for i, c in enumerate(spec.predict):
+        cols = policy.seen_columns(spec.predict, i)
+        np.testing.assert_array_equal(seen["8"][:, cols[0]], 1)
+        np.testing.assert_array_equal(seen["8"][:, cols[1]], rounds[str(c)])  # what that tree's own round accepted
+        np.testing.assert_allclose(seen["8"][:, cols[2]], seen[str(c)][:, policy.USED], rtol=1e-6)
+    small = policy.seen_columns(spec.predict, 0)
+    np.testing.assert_array_equal(seen["2"][:, small[1]], rounds["2"])
+    assert not seen["2"][:, list(policy.seen_columns(spec.predict, 2))].any()  # a tree of 2 does not hold 8 nodes
+    assert not seen["chain"][:, policy.STATS + t:].any()
+    assert len({tuple(r) for r in rounds.values()}) >= 3, rounds  # the trees accepted differently

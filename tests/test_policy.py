@@ -12,10 +12,14 @@ TREES = (16, 32, 64, 128, 256)
 FORMS = ("ar", "chain") + tuple(map(str, TREES))
 
 
-def stats(rounds, accepted, used, chain, trees):
-    """One group's statistics row (policy's columns) for ``rounds`` rounds with the per-round values given."""
-    return np.asarray([rounds, rounds * accepted, rounds * used, rounds * chain] + [rounds * t for t in trees],
-                      np.float32)
+def stats(rounds, accepted, used, chain, trees, seen=None):
+    """One group's statistics row (policy's columns) for ``rounds`` rounds with the per-round values given; ``seen``:
+    {tree budget: acceptance length} of the trees the rounds' tree held (none by default)."""
+    seen = seen or {}
+    held = [str(b) in seen for b in TREES]
+    return np.asarray([rounds, rounds * accepted, rounds * used, rounds * chain] + [rounds * t for t in trees]
+                      + [rounds * h for h in held] + [rounds * seen.get(str(b), 0) for b in TREES]
+                      + [rounds * t * h for t, h in zip(trees, held)], np.float32)
 
 
 def curve(top, scale=64.0, budgets=TREES):
@@ -84,6 +88,30 @@ def test_the_ratio_corrects_an_overconfident_drafter_and_the_slot_batch_counts()
     # the same form is cheaper per round at a smaller slot batch holding the sequence: that one is chosen
     both = {**options(1), **{(f, 2): 1.5 * c for f, c in COSTS.items()}}
     assert p.choose([0], both)[1] == 1
+
+
+def test_each_tree_keeps_its_own_ratio_so_overrated_extra_nodes_do_not_hide_a_better_smaller_tree():
+    """The drafter's predictions hold up to 64 nodes, but its next 64 add little: a round of 128 accepts hardly more
+    than one of 64. That round shows what the trees of 16-64 would have accepted (ratio 1 each) and its own ratio
+    (low), so 64 is chosen, as the true rates say. A single ratio fitted on the round of 128 would underrate every
+    smaller tree by as much and keep 128."""
+    pred = curve(8.0, 128)
+    true = {str(b): p for b, p in zip(TREES, pred)}
+    true["128"] = true["64"] + 0.1
+    seen = {f: true[f] for f in ("16", "32", "64", "128")}
+    rate = {f: (1.0 if f == "ar" else true[f]) / c for f, c in COSTS.items() if f not in ("chain", "256")}
+    assert max(rate, key=rate.get) == "64"
+    p = policy.Policy(FORMS, TREES)
+    p.start(0)
+    p.observe(0, "128", stats(8, true["128"], pred[3], 1.1, pred, seen))
+    for f in ("16", "32", "64", "128"):
+        assert p.expected(0, f) == pytest.approx(true[f], rel=1e-5)
+    assert p.expected(0, "256") < pred[4]  # never seen: the ratio of 128, the largest tree seen
+    assert p.choose([0], options()) == ("64", 1)
+    blind = policy.Policy(FORMS, TREES)  # the same round without what the smaller trees saw
+    blind.start(0)
+    blind.observe(0, "128", stats(8, true["128"], pred[3], 1.1, pred))
+    assert blind.expected(0, "64") < 0.9 * true["64"] and blind.choose([0], options()) == ("128", 1)
 
 
 def test_falls_back_to_ar_when_the_drafter_is_useless_and_probes_less_and_less():
