@@ -12,9 +12,10 @@
            ddtree 256): the grouped kernel, the GEMV kernel (``expert_gemv``, up to 72 rows: one pass over each
            pair's expert), XLA's gather form (row reductions over the routed experts' matrices: the GEMV's fallback)
            and XLA's ragged dot (the grouped kernel's), each against the time to read the distinct experts the rows
-           route to once, at the measured copy bandwidth; at up to 16 rows the GEMV also at 16, 32 and 64 output rows
-           a program. Device time per call: the calls in one jitted loop over 8 different routings (the experts are
-           not left in the L2 cache by the previous call), median of 5.
+           route to once, at the measured copy bandwidth; at up to 16 rows the GEMV also with one change each from
+           its defaults (``GEMV_VARIANTS``: 16, 32 or 64 output rows a program, chunks of 512 or 1024 inputs, 2 or 8
+           warps, 2 or 4 pipeline stages). Device time per call: the calls in one jitted loop over 8 different
+           routings (the experts are not left in the L2 cache by the previous call), median of 5.
    layer   the whole MoE layer (route, sort, gate|up, down, combine) at 1, 9, 65 and 257 tokens, as the decoder runs
            it (kernel: the GEMV up to 16 pairs, the grouped kernel above), with XLA's gather form where the decoder
            gathers, and with XLA's ragged dot, against reading its distinct experts' gate|up and down once.
@@ -58,6 +59,10 @@ SHAPE = shapes.SHAPES[PAPER_MODEL]
 ROWS = (1, 8, 72, 520, 2056)
 TOKENS = (1, 9, 65, 257)
 ROUTINGS = 8  # different routings per timed loop
+# the GEMV's variants timed at up to moe.GATHER_MAX_PAIRS rows, each one change from its defaults
+GEMV_VARIANTS = {**{f"bn{bn}": {"block_n": bn} for bn in eg.BLOCK_N}, "bd512": {"block_d": 512},
+                 "bd1024": {"block_d": 1024}, "w2": {"warps": 2}, "w8": {"warps": 8}, "s2": {"stages": 2},
+                 "s4": {"stages": 4}}
 AB_S = 60.0  # seconds the grid leaves for the AR step with XLA's gather form (ar_ab)
 GEMV_MAX_ROWS = 72  # rows up to which the GEMV kernel is timed (past them it reads each expert several times)
 KERNEL = "pallas"  # the attention implementation that selects the kernel ("pallas-interpret" on CPU: --quick)
@@ -177,10 +182,10 @@ def forms(weights, key, bw_gbps: float) -> list[dict]:
         }
         if r <= GEMV_MAX_ROWS:
             cases["gemv"] = (lambda a, w: eg.expert_gemv(a[0], w, a[1], interpret=interpret), (pairs_x, ids))
-        if r <= moe.GATHER_MAX_PAIRS:  # the GEMV's block of output rows, where the decoder runs it
-            cases.update({f"gemv_bn{bn}": (lambda a, w, bn=bn: eg.expert_gemv(a[0], w, a[1], block_n=bn,
-                                                                               interpret=interpret), (pairs_x, ids))
-                          for bn in eg.BLOCK_N if (2 * F) % bn == 0})
+        if r <= moe.GATHER_MAX_PAIRS:  # the GEMV's tiling and Triton options one at a time, where the decoder runs it
+            cases.update({f"gemv_{name}": (lambda a, w, kw=kw: eg.expert_gemv(a[0], w, a[1], interpret=interpret, **kw),
+                                           (pairs_x, ids)) for name, kw in GEMV_VARIANTS.items()
+                          if (2 * F) % kw.get("block_n", 16) == 0 and D % kw.get("block_d", 32) == 0})
         for name, (fn, inputs) in cases.items():
             try:
                 row[f"{name}_ms"] = device_ms(fn, inputs, gate_up)
@@ -346,8 +351,8 @@ def main(argv=None) -> int:
         print("\n== one layer's gate|up (ms; floor = distinct experts' bytes / copy bandwidth "
               f"{bw / 1e3:.2f} TB/s)\n" + table(fm, ["rows", "distinct_experts", "floor_ms", "kernel_ms", "gemv_ms",
                                                       "gather_ms", "ragged_dot_ms", "kernel_over_floor",
-                                                      "gemv_over_floor", "gemv_bn16_ms", "gemv_bn32_ms",
-                                                      "gemv_bn64_ms"]))
+                                                      "gemv_over_floor"]
+                                              + [f"gemv_{v}_ms" for v in GEMV_VARIANTS]))
     if isinstance(lt, list):
         print("\n== the whole MoE layer (ms)\n" + table(lt, ["tokens", "distinct_experts", "floor_ms", "form",
                                                                "kernel_ms", "xla_gather_ms", "ragged_dot_ms",

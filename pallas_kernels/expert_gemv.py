@@ -27,6 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 Array = jax.Array
 BLOCK_N = (64, 32, 16)  # output rows per program, largest first (powers of two: Triton's block shapes)
@@ -78,11 +79,13 @@ def _kernel(ids_ref, x_ref, w_ref, o_ref, *, block_n: int, block_d: int, steps: 
     o_ref[p, cols] = jnp.sum(acc, axis=1).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "block_n", "block_d", "interpret"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "block_n", "block_d", "warps", "stages", "interpret"))
 def expert_gemv(x: Array, w: Array, ids: Array, offset=0, *, out_dtype=None, block_n: int | None = None,
-                block_d: int | None = None, interpret: bool = False) -> Array:
+                block_d: int | None = None, warps: int | None = None, stages: int | None = None,
+                interpret: bool = False) -> Array:
     """x [P, D], w [W, N, D], ids [P] int32 (offset + ids in 0 .. W - 1), offset (int32, may be traced) -> y [P, N] in
-    ``out_dtype`` (default x's): row p times w[offset + ids[p]] (f32 accumulation). See the module doc."""
+    ``out_dtype`` (default x's): row p times w[offset + ids[p]] (f32 accumulation). See the module doc. ``warps`` and
+    ``stages`` set Triton's warps per program and software-pipeline stages (default: Pallas's)."""
     pairs, d = x.shape
     n = w.shape[1]
     out_dtype = jnp.dtype(out_dtype or x.dtype)
@@ -97,6 +100,8 @@ def expert_gemv(x: Array, w: Array, ids: Array, offset=0, *, out_dtype=None, blo
         kernel,
         out_shape=jax.ShapeDtypeStruct((pairs, n), out_dtype),
         grid=(pairs, n // bn),
+        compiler_params=None if warps is None and stages is None else pltriton.CompilerParams(
+            num_warps=warps, num_stages=stages),
         interpret=interpret,
         name="expert_gemv",
     )(picked, x, w)

@@ -359,5 +359,8 @@ def test_expert_gemv_kernel_interpreted(pairs, block_n, block_d):
     exact = np.einsum("pd,pnd->pn", np.asarray(x, np.float64), np.asarray(w, np.float64)[offset + np.asarray(ids)])
     assert np.abs(got - exact).max() < 1e-6 * scale
     assert eg.expert_gemv(x, w, ids, offset, interpret=True).dtype == jnp.bfloat16  # x's dtype by default
+    tuned = eg.expert_gemv(x, w, ids, jnp.int32(offset), out_dtype=jnp.float32, block_n=block_n, block_d=block_d,
+                           warps=2, stages=4, interpret=True)  # Triton's options change nothing computed
+    np.testing.assert_array_equal(np.asarray(tuned), got)
     with pytest.raises(ValueError, match="D=96 of block_d=64"):
         eg.expert_gemv(x, w, ids, offset, block_d=64, interpret=True)
