@@ -85,9 +85,9 @@ LONGEST_FIRST = (
 def skip_cache_eviction() -> None:
     """With a size bound, every write to jax's compilation cache first lists the whole directory and reads each entry's
     access time to evict the oldest (jax._src.lru_cache.LRUCache._evict_if_needed), under the lock: quadratic in the
-    entries, about 0.1 s a write at 2000 on a busy 2-core machine, and the run's few hundred MB never reach the
-    8 GiB bound. This process (an xdist worker, or a run without xdist) keeps the lock and skips the scan; the
-    suite's subprocesses write few programs each."""
+    entries (0.14 s a write at 2000 on a busy 2-core machine), while the run stays far below the 8 GiB bound
+    (test_decode.py and test_engine.py write 92 programs, 9 MB). This process (an xdist worker, or a run without
+    xdist) keeps the lock and skips the scan; the suite's subprocesses write few programs each."""
     from jax._src import lru_cache
 
     if hasattr(lru_cache.LRUCache, "_evict_if_needed"):
