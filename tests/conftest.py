@@ -33,6 +33,7 @@ def pytest_configure(config):
     checkout can mask a change. The xdist controller (or a run without xdist) makes the directory; the workers and
     every subprocess inherit it through the environment."""
     if hasattr(config, "workerinput"):
+        skip_cache_eviction()  # the environment above is the controller's, inherited
         return
     config._jit_cache = tempfile.mkdtemp(prefix="ddtree_jax_test_jit_")
     os.environ[CACHE_ENV] = config._jit_cache
@@ -40,6 +41,7 @@ def pytest_configure(config):
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
     # a size bound turns on jax's file lock, so that a worker never reads an entry another is still writing
     os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
+    skip_cache_eviction()
     if "jax" in sys.modules:  # imported before this hook ran (a plugin): the environment alone comes too late
         import jax
 
@@ -78,6 +80,18 @@ LONGEST_FIRST = (
     "test_cli.py",  # 20
     "test_accept.py",  # 20
 )
+
+
+def skip_cache_eviction() -> None:
+    """With a size bound, every write to jax's compilation cache first lists the whole directory and reads each entry's
+    access time to evict the oldest (jax._src.lru_cache.LRUCache._evict_if_needed), under the lock: quadratic in the
+    entries (0.14 s a write at 2000 on a busy 2-core machine), while the run stays far below the 8 GiB bound
+    (test_decode.py and test_engine.py write 92 programs, 9 MB). This process (an xdist worker, or a run without
+    xdist) keeps the lock and skips the scan; the suite's subprocesses write few programs each."""
+    from jax._src import lru_cache
+
+    if hasattr(lru_cache.LRUCache, "_evict_if_needed"):
+        lru_cache.LRUCache._evict_if_needed = lambda self, **kw: None
 
 
 def session_cache() -> str:

@@ -218,10 +218,11 @@ def test_every_form_runs_once_before_the_decode_and_only_unknown_ones_are_timed(
                                                                                tmp_path):
     """A program's first execution in a process loads it onto the device, so AutoRun runs each form once before
     decoding: timed (autorun.MEASURE_CALLS calls) when the cost table does not know it, untimed when it does (another
-    generate call reading the costs the earlier one kept on disk)."""
+    generate call reading the costs the earlier one kept on disk). (Traced: the programs of the forced-forms test
+    above, compiled once.)"""
     monkeypatch.setenv("DDTREE_JAX_CACHE", str(tmp_path))
     prompts, n = batch
-    opts = decode.GenerateOptions(method="ddtree", max_new_tokens=n, forms=FORMS)
+    opts = decode.GenerateOptions(method="ddtree", max_new_tokens=n, forms=FORMS, trace=True)
     seen = []
     measure = autorun.measure
 
