@@ -39,10 +39,6 @@ from ddtree_jax.tuning import Tuning
 from ddtree_jax.weight_layout import device_layout, layout_method
 from pallas_kernels.bitmask import causal_bits, pad_rows
 
-# Read as decode.X by test bodies written before spec.py and weight_layout.py existed; other code imports them there.
-from ddtree_jax.spec import GPU_AR_LAYER_UNROLL, default_verify_align  # noqa: F401
-from ddtree_jax.weight_layout import DRAFT_GPU_LAYOUT, GPU_AR_LAYOUT, GPU_LAYOUT  # noqa: F401
-
 Array = jax.Array
 
 

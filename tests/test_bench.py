@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_jax import bench, decode, projection
+from ddtree_jax import bench, decode, projection, weight_layout
 from ddtree_jax.bench import analysis
 
 
@@ -99,9 +99,9 @@ def test_models_mode_writes_the_issue_records(tmp_path):
     assert "ceilings" in json.loads((tmp_path / "bench_details.json").read_text())
     for r in records:  # --draft-layout's default, at the top level where projection.round_costs reads it; without
         # --layout, the target laid out as decode does for each method (AR output-major), what the tables read
-        assert r["draft_layout"] == r["details"]["draft_layout"] == decode.DRAFT_GPU_LAYOUT
-        assert r["layout"] == r["details"]["layout"] == (decode.GPU_AR_LAYOUT if r["method"] == "ar"
-                                                         else decode.GPU_LAYOUT) == projection.LAYOUTS[r["method"]]
+        assert r["draft_layout"] == r["details"]["draft_layout"] == weight_layout.DRAFT_GPU_LAYOUT
+        assert r["layout"] == r["details"]["layout"] == (weight_layout.GPU_AR_LAYOUT if r["method"] == "ar"
+                                                         else weight_layout.GPU_LAYOUT) == projection.LAYOUTS[r["method"]]
 
 
 def test_interleaved_ab_script(tmp_path):

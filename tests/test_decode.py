@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax import accept, decode, engine, projection, slots, tuning
+from ddtree_jax import accept, decode, engine, projection, slots, tuning, weight_layout
+from ddtree_jax import spec as spec_lib
 from ddtree_jax.params import LayerWeights
 from ddtree_jax.tuning import Tuning
 
@@ -248,7 +249,7 @@ def test_gpu_layouts_give_the_same_rounds(target, drafter, reference_runs, layou
     # weights laid out for one method are turned into the other's layout, and back, losslessly
     auto = decode.device_layout(tp, backend="gpu")
     assert auto.layers.__class__ is LayerWeights and not auto.output_major and auto.layers.fused
-    assert decode.GPU_LAYOUT == "stacked-fused" and decode.GPU_AR_LAYOUT == "stacked-out-major-fused"
+    assert weight_layout.GPU_LAYOUT == "stacked-fused" and weight_layout.GPU_AR_LAYOUT == "stacked-out-major-fused"
     ar = decode.device_layout(auto, backend="gpu", method="ar")
     assert ar.output_major and ar.layers.output_major and ar.layers.fused
     back = decode.device_layout(ar, backend="gpu", method="ddtree")
@@ -256,10 +257,10 @@ def test_gpu_layouts_give_the_same_rounds(target, drafter, reference_runs, layou
         np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(auto), jax.tree.leaves(back)))
     dauto = decode.device_layout(dp, backend="gpu")  # a drafter output-major
     assert dauto.layers.output_major and dauto.layers.fused and dauto.layers.wk is not None
-    assert decode.DRAFT_GPU_LAYOUT == "stacked-out-major-fused"
+    assert weight_layout.DRAFT_GPU_LAYOUT == "stacked-out-major-fused"
     # the README's tables read the records measured in these defaults
-    assert projection.LAYOUTS == {"ar": decode.GPU_AR_LAYOUT, "dflash": decode.GPU_LAYOUT, "ddtree": decode.GPU_LAYOUT}
-    assert projection.DRAFT_LAYOUTS[0] == decode.DRAFT_GPU_LAYOUT
+    assert projection.LAYOUTS == {"ar": weight_layout.GPU_AR_LAYOUT, "dflash": weight_layout.GPU_LAYOUT, "ddtree": weight_layout.GPU_LAYOUT}
+    assert projection.DRAFT_LAYOUTS[0] == weight_layout.DRAFT_GPU_LAYOUT
     assert decode.device_layout(tp, backend="cpu") is tp and decode.device_layout(dp, backend="cpu") is dp
 
 
@@ -287,7 +288,7 @@ def test_fused_projections_are_the_separate_ones(target, out_major):
 
 @pytest.mark.parametrize("align,budget", [(8, 4), (16, 16)])  # 5 rows -> 8, 17 -> 32
 def test_a_padded_verify_block_changes_nothing(target, drafter, reference_runs, align, budget):
-    """On GPU the verify block's rows are padded to a multiple of 8 (decode.default_verify_align: XLA pads its
+    """On GPU the verify block's rows are padded to a multiple of 8 (spec.default_verify_align: XLA pads its
     GEMMs so anyway; Tuning.verify_align sets it). Padding rows see the prefix and themselves only and have no
     logits: the rounds are the reference's, whatever the padding."""
     run = reference_runs[0]
@@ -317,7 +318,7 @@ def test_an_unrolled_layer_loop_changes_nothing(target, drafter, reference_runs,
 def test_the_default_unroll_is_for_one_row_on_gpu_only(monkeypatch):
     assert decode.default_layer_unroll(1) == 1  # CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert decode.default_layer_unroll(1) == decode.GPU_AR_LAYER_UNROLL > 1
+    assert decode.default_layer_unroll(1) == spec_lib.GPU_AR_LAYER_UNROLL > 1
     assert decode.default_layer_unroll(8) == decode.default_layer_unroll(72) == 1
 
 

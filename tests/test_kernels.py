@@ -836,11 +836,11 @@ def test_the_drafter_reads_its_q_k_norms_in_place_with_pallas_inplace():
     """draft.propose with the GPU's fused output-major drafter and 'pallas-inplace' attention: qkv_write takes every
     layer's q/k norm weights, and the logits are the unstacked drafter's (each layer's own weights) to the bit, and
     XLA's within bf16's error."""
-    from ddtree_jax import cache as kvcache, decode, draft, params as params_lib, shapes
+    from ddtree_jax import cache as kvcache, draft, params as params_lib, shapes, weight_layout
 
     tcfg, dcfg = shapes.model_configs(shapes.SHAPES["tiny"])
     tparams, dparams = shapes.build_params(tcfg, dcfg, jnp.bfloat16)
-    fused = decode.device_layout(dparams, layout=decode.DRAFT_GPU_LAYOUT)
+    fused = weight_layout.device_layout(dparams, layout=weight_layout.DRAFT_GPU_LAYOUT)
     lc, b = dcfg.layers, 2
     rng = np.random.default_rng(3)
     cache = kvcache.init(lc.num_layers, b, 96, lc.num_kv_heads, lc.head_dim, jnp.bfloat16)
