@@ -11,8 +11,11 @@ qkv_write, add_norm, decode_attention, verify_align, layer_unroll, prefill_chunk
 of that kernel), module constants of the package read when tracing (``pallas_kernels.M.NAME=VALUE`` or
 ``ddtree_jax.M.NAME=VALUE``, a Python literal, set while the variant is traced and compiled, e.g.
 pallas_kernels.decode_attention.BLOCK=128; commas inside brackets or braces belong to the value, e.g.
-ddtree_jax.model.SPLIT_ROWS=(64,384) or pallas_kernels.tree_attention._CTA_US={1:3.8,2:6.0}) and any XLA option (added
-to decode.XLA_OPTIONS, as ``bench models --ab``).
+ddtree_jax.model.SPLIT_ROWS=(64,384) or pallas_kernels.tree_attention._CTA_US={1:3.8,2:6.0}), ``forms`` (a
+``--tree-budget auto`` run among these forms, '+'-separated, e.g. forms=ar+chain+16+32+64+128+256, taking the
+method's form at --budget in every round: what auto's own bookkeeping costs, its tree built at the largest budget
+for the predictions, against a fixed budget's round) and any XLA option (added to decode.XLA_OPTIONS, as
+``bench models --ab``).
 
     PYTHONPATH=. python benchmarks/ab_interleaved.py --model qwen3-8b --method ddtree --budget 64 --pairs 12 \\
         --variant base: --variant tom:layout=stacked-out-major-fused --json $OUT/ab.json [--profile $OUT/prof] \\
@@ -37,7 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import bench, cli, decode, tuning
+from ddtree_jax import bench, cli, decode, policy, tuning
+from ddtree_jax import spec as spec_lib
 from ddtree_jax.bench import analysis, records, timing
 from ddtree_jax.shapes import SHAPES, build_params, model_configs
 from ddtree_jax.weight_layout import DRAFT_GPU_LAYOUT, GPU_AR_LAYOUT, GPU_LAYOUT, device_layout
@@ -78,7 +82,7 @@ def variant(text: str) -> tuple[str, dict]:
     "constants", "options": XLA options})."""
     name, colon, rest = text.partition(":")
     pieces = [x for x in re.split(r",(?![^(){}\[\]]*[)}\]])", rest) if x]  # commas inside (...) / [...] / {...} stay
-    own = ("draft=", "layout=", "sampling=", "filtering=")
+    own = ("draft=", "layout=", "sampling=", "filtering=", "forms=")
     tuned = tuple(f"{k}=" for k in (*tuning.SWITCHES, *tuning.COUNTS))
     fields = dict(x.split("=", 1) for x in pieces if x.startswith(own))
     fields["tuning"] = ",".join(x for x in pieces if x.startswith(tuned))
@@ -97,6 +101,11 @@ def variant(text: str) -> tuple[str, dict]:
     for key in ("sampling", "filtering"):
         if fields.get(key, "0") not in ("0", "1"):
             raise argparse.ArgumentTypeError(f"{key}={fields[key]!r}: expected 0 or 1")
+    if "forms" in fields:
+        try:
+            fields["forms"] = policy.parse_forms(fields["forms"].split("+"))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"forms={fields['forms']}: {e}") from None
     return name, fields
 
 
@@ -125,9 +134,19 @@ def main() -> None:
     tp0, dp0 = build_params(tcfg, dcfg, jnp.bfloat16)
     sample = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     spec = timing.make_spec(tcfg, dcfg, args.method, args.budget, "auto", **sample)
-    _, capacity, out_len = decode.layout(spec, [args.prompt] * args.batch, 256)
-    state = timing.make_state(spec, shape.vocab, args.batch, args.prompt, capacity, out_len, jnp.bfloat16, **sample)
     n = jnp.int32(args.rounds)
+
+    def spec_and_state(forms):
+        """The variant's Spec (a fixed budget's, or auto's among ``forms`` at the method's form) and a state of random
+        prompts laid out for it (the same prompts for every variant)."""
+        s = spec
+        if forms:
+            opts = spec_lib.GenerateOptions(method=args.method, max_new_tokens=256, tree_budget=spec_lib.AUTO,
+                                            forms=forms, **sample)
+            form = policy.AR if args.method == "ar" else policy.CHAIN if args.method == "dflash" else str(args.budget)
+            s = spec_lib.make_spec(tcfg, dcfg, opts, batch=args.batch).with_form(form, args.batch)
+        _, capacity, out_len = decode.layout(s, [args.prompt] * args.batch, 256)
+        return s, timing.make_state(s, shape.vocab, args.batch, args.prompt, capacity, out_len, jnp.bfloat16, **sample)
     laid: dict[tuple, object] = {}
 
     def lay(params, layout):
@@ -142,7 +161,8 @@ def main() -> None:
         tl, dl = fields.get("layout", own), fields.get("draft", DRAFT_GPU_LAYOUT)
         opts = fields["options"]
         flags = {k: fields[k] == "1" for k in ("sampling", "filtering") if k in fields}
-        vspec = dataclasses.replace(spec, tuning=tuning.parse(fields["tuning"], spec.tuning), **flags)
+        base, state = spec_and_state(fields.get("forms"))
+        vspec = dataclasses.replace(base, tuning=tuning.parse(fields["tuning"], base.tuning), **flags)
         tp = lay(tp0, tl)
         dp = lay(dp0, dl) if args.method != "ar" else None
         t0 = time.perf_counter()
@@ -155,7 +175,8 @@ def main() -> None:
             with gzip.open(os.path.join(args.hlo, f"{name}.hlo.txt.gz"), "wt") as f:
                 f.write(compiled.as_text())
         state = jax.block_until_ready(compiled(tp, dp, timing.reset(state, args.prompt), jnp.int32(2)))  # warm
-        runs[name] = dict(compiled=compiled, tp=tp, dp=dp, layout=tl, draft_layout=dl, options=opts,
+        runs[name] = dict(compiled=compiled, state=state, tp=tp, dp=dp, layout=tl, draft_layout=dl, options=opts,
+                          forms=list(fields.get("forms", ())),
                           tuning=dataclasses.asdict(vspec.tuning), sampling=vspec.sampling, filtering=vspec.filtering,
                           constants=fields["constants"], compile_s=cs, ms=[])
         print(f"{name}: layout {tl}, draft {dl}, options {opts}, {vspec.tuning}, constants {fields['constants']}, "
@@ -165,19 +186,23 @@ def main() -> None:
     for i in range(args.pairs):
         for name in names if i % 2 == 0 else names[::-1]:
             r = runs[name]
-            state = jax.block_until_ready(timing.reset(state, args.prompt))
+            state = jax.block_until_ready(timing.reset(r["state"], args.prompt))
             t0 = time.perf_counter()
-            state = jax.block_until_ready(r["compiled"](r["tp"], r["dp"], state, n))
+            r["state"] = jax.block_until_ready(r["compiled"](r["tp"], r["dp"], state, n))
             r["ms"].append(1e3 * (time.perf_counter() - t0) / args.rounds)
 
-    # every variant once more from one saved state: the tokens and acceptance lengths it gives (a variant that
-    # should not change the math must give the first's exactly)
-    start = jax.tree.map(jnp.copy, jax.block_until_ready(timing.reset(state, args.prompt)))
+    # every variant once more from its state reset to the prompts: the tokens and acceptance lengths it gives (a
+    # variant that should not change the math must give the first's exactly; states of other layouts compared on the
+    # columns they share)
     tokens = {}
     for name in names:
         r = runs[name]
-        end = r["compiled"](r["tp"], r["dp"], jax.tree.map(jnp.copy, start), n)
+        end = r["compiled"](r["tp"], r["dp"], timing.reset(r["state"], args.prompt), n)
         tokens[name] = (np.asarray(end.out), np.asarray(end.accept_hist))
+
+    def same(a, b):
+        return all(np.array_equal(x[:, : min(x.shape[1], y.shape[1])], y[:, : min(x.shape[1], y.shape[1])])
+                   for x, y in zip(a, b))
 
     base = runs[names[0]]["ms"]
     out = {"model": args.model, "method": args.method, "budget": args.budget if args.method == "ddtree" else None,
@@ -192,7 +217,7 @@ def main() -> None:
             "sampling": r["sampling"], "filtering": r["filtering"],
             "compile_s": r["compile_s"], "median_ms": statistics.median(r["ms"]), "ms": r["ms"],
             "median_diff_ms_vs_first": statistics.median(diffs), "pairs_faster_than_first": sum(d < 0 for d in diffs),
-            "same_tokens_as_first": all(np.array_equal(a, b) for a, b in zip(tokens[name], tokens[names[0]])),
+            "forms": r["forms"], "same_tokens_as_first": same(tokens[name], tokens[names[0]]),
         }
         print(f"{name:>12}: median {statistics.median(r['ms']):.3f} ms/round, paired diff vs {names[0]} "
               f"{statistics.median(diffs):+.3f} ms (faster in {sum(d < 0 for d in diffs)} of {len(diffs)}), "
@@ -203,9 +228,9 @@ def main() -> None:
         for name in names:
             r = runs[name]
             d = f"{args.profile}/{name}"
-            state = jax.block_until_ready(timing.reset(state, args.prompt))
+            state = jax.block_until_ready(timing.reset(r["state"], args.prompt))
             with jax.profiler.trace(d):
-                state = jax.block_until_ready(r["compiled"](r["tp"], r["dp"], state, jnp.int32(5)))
+                r["state"] = jax.block_until_ready(r["compiled"](r["tp"], r["dp"], state, jnp.int32(5)))
             path = sorted(glob.glob(f"{d}/**/*.xplane.pb", recursive=True))[-1]
             out["profiles"][name] = analysis.profile_summary(path, top=60)
             print(f"{name}: profile {path}", flush=True)

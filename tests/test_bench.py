@@ -105,14 +105,15 @@ def test_models_mode_writes_the_issue_records(tmp_path):
 
 
 def test_interleaved_ab_script(tmp_path):
-    """benchmarks/ab_interleaved.py on the tiny shape (CPU): each variant's layouts, tuning, module constants and
-    XLA options as asked, one timing per pair each, the paired differences against the first; a malformed variant is
-    a one-line error."""
+    """benchmarks/ab_interleaved.py on the tiny shape (CPU): each variant's layouts, tuning, module constants, XLA
+    options and auto's forms as asked (auto's round at the fixed budget's form: the same tokens), one timing per pair
+    each, the paired differences against the first; a malformed variant is a one-line error."""
     root = Path(__file__).resolve().parents[1]
     script, out = root / "benchmarks" / "ab_interleaved.py", tmp_path / "ab.json"
     env = {**os.environ, "PYTHONPATH": str(root)}
     args = [sys.executable, str(script), "--model", "tiny", "--method", "ddtree", "--budget", "4", "--prompt", "16",
-            "--rounds", "2", "--pairs", "3", "--variant", "base:", "--variant", "dom:draft=stacked-out-major,layer_unroll=2",
+            "--rounds", "2", "--pairs", "3", "--variant", "base:", "--variant", "auto:forms=ar+chain+4+8",
+            "--variant", "dom:draft=stacked-out-major,layer_unroll=2",
             "--variant", "tuned:qkv_write=0,sampling=1,pallas_kernels.decode_attention.BLOCK=32",
             "--json", str(out), "--hlo", str(tmp_path / "hlo")]
     done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
@@ -128,11 +129,13 @@ def test_interleaved_ab_script(tmp_path):
     assert got["variants"]["tuned"]["tuning"]["qkv_write"] is False and base["tuning"]["qkv_write"] is True
     assert got["variants"]["tuned"]["constants"] == {"pallas_kernels.decode_attention.BLOCK": 32}
     assert base["constants"] == {}
+    assert got["variants"]["auto"]["forms"] == ["ar", "chain", "4", "8"] and base["forms"] == []
     assert got["variants"]["tuned"]["sampling"] and not base["sampling"] and not base["filtering"]
     hlo = {name: gzip.open(tmp_path / "hlo" / f"{name}.hlo.txt.gz", "rt").read() for name in ("base", "dom", "tuned")}
     assert all(text.startswith("HloModule") for text in hlo.values())  # --hlo: each variant's optimized HLO module
     assert hlo["tuned"].count(" xor(") > hlo["base"].count(" xor(")  # the sampling program draws (threefry's xors)
-    for variant, msg in (("nocolon", "is not NAME:FIELD=VALUE"), ("x:draft=rolled", "draft='rolled': expected one of")):
+    for variant, msg in (("nocolon", "is not NAME:FIELD=VALUE"), ("x:draft=rolled", "draft='rolled': expected one of"),
+                         ("x:forms=ar+tree", "forms=ar+tree: unknown form 'tree'")):
         bad = subprocess.run(args[:-8] + ["--variant", variant], capture_output=True, text=True, env=env, timeout=120)
         assert bad.returncode == 2 and msg in bad.stderr.strip().splitlines()[-1], bad.stderr
     loaded = importlib.util.spec_from_file_location("ab_interleaved", script)  # the same parser, in this process
