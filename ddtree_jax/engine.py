@@ -502,54 +502,16 @@ class Engine:
         if new and job.first_token_at is None:
             job.first_token_at = now
             self.metrics.ttft.observe(now - job.submitted)
-        stops = job.params.stop
-        taken: list[int] = []
-        hit = False
-        if job.decoder is None:
-            taken = new
-            job.text += "".join(f"{t} " for t in new)
-        elif not stops:
-            taken = new
-            job.text += job.decoder.push(new)
-            if final:
-                job.text += job.decoder.flush()
-        else:  # token by token, so the output ends at the token that completed the stop string
-            for t in new:
-                before = len(job.text)
-                job.text += job.decoder.push([t])
-                taken.append(t)
-                if self._cut_at_stop(job, before):
-                    hit = True
-                    break
-            if not hit and final:
-                before = len(job.text)
-                job.text += job.decoder.flush()
-                hit = self._cut_at_stop(job, before)
-        job.tokens.extend(taken)
+        taken, hit = job.push(new, final=final)
         if hit:
             final, reason = True, "stop"
-        hold = 0 if final or not stops else max(len(s) for s in stops) - 1
-        visible = max(job.sent, len(job.text) - hold)
-        piece = job.text[job.sent:visible]
-        job.sent = visible
+        piece = job.unsent(final=final)
         self.metrics.delivered(len(taken))
         event = Event(tuple(taken), piece, reason if final else None, None, len(job.prompt_ids), len(job.tokens))
         if final:
             self._end(job, reason, event=event)
         elif taken or piece:
             self._emit(job, event)
-
-    @staticmethod
-    def _cut_at_stop(job: Job, before: int) -> bool:
-        """Cut job.text before the earliest stop string that ends after ``before``; True when one did."""
-        longest = max(len(s) for s in job.params.stop)
-        lo = max(0, before - longest + 1)
-        found = [i for s in job.params.stop if (i := job.text.find(s, lo)) >= 0]
-        if not found:
-            return False
-        job.text = job.text[: min(found)]
-        job.sent = min(job.sent, len(job.text))
-        return True
 
     def _emit(self, job: Job, ev: Event) -> None:
         try:
