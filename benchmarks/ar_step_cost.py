@@ -53,9 +53,9 @@ def config(text: str) -> tuple[str, tuple[str, ...]]:
 
 
 def settled(engine) -> bool:
-    """Every greedy program compiled and timed with no compilation running (Engine._to_time has nothing left)."""
+    """Every greedy program compiled and timed with no compilation running (Programs.to_time has nothing left)."""
     greedy = [p for p in engine.programs.values() if p.variant == "greedy"]
-    return all(p.fn is not None for p in greedy) and engine._quiet() and all(p.clean for p in greedy)
+    return all(p.fn is not None for p in greedy) and engine.programs.quiet() and all(p.clean for p in greedy)
 
 
 def time_engine(name: str, target, draft, args) -> dict:

@@ -1,7 +1,7 @@
 """Continuous batching over the on-device round loop: a fixed set of slots, a queue, one host thread.
 
 The engine owns one batch :class:`decode.State` of ``max_batch`` slots, each sized for ``max_len``
-tokens (prompt + generated), and compiled groups of ``rounds_per_step`` rounds (:class:`Program`: one per form,
+tokens (prompt + generated), and compiled groups of ``rounds_per_step`` rounds (``programs.py``: one per form,
 slot batch and sampling variant) that return what the host needs. Its thread loops::
 
     cancel   requests whose client went away end; their slots are marked done on device
@@ -46,7 +46,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import accept, autorun, costs, decode, metrics, policy, sharding, slots
+from ddtree_jax import autorun, decode, metrics, policy, programs, sharding, slots
+from ddtree_jax.programs import Program, Programs
 from ddtree_jax.requests import (SEED_LIMIT, Completion, EngineClosed, Event, Job, QueueFull, RequestError,
                                  SamplingParams)
 from ddtree_jax.slots import MIN_BUCKET, Layout, check_batch_buckets, default_buckets
@@ -85,38 +86,6 @@ def prefill(spec: Spec, target, drafter, state: decode.State, tokens: Array) -> 
 
 
 # ----------------------------------------------------------------------------------------- engine
-
-
-VARIANTS = ("greedy", "sampling", "filtering")  # a program's sampling support, least general first (spec.Spec)
-
-
-@dataclasses.dataclass(eq=False)
-class Program:
-    """One compiled (form, slot batch, variant) of the engine: a group of ``rounds_per_step`` rounds."""
-
-    form: str
-    size: int  # slot batch: the whole batch, or the rows gathered for a smaller one
-    variant: str  # VARIANTS
-    spec: Spec
-    fn: Callable | None = None  # the executable, once compiled
-    tried: bool = False  # timed (or run unmeasured) once
-    clean: bool = False  # its cost was timed with no compilation in flight (else, or loaded from disk: timed again)
-
-    @property
-    def cost_key(self) -> str:
-        return costs.program_key(self.form, self.size, self.variant)
-
-
-def _rank(program: Program) -> tuple:
-    """The background compiler's order: greedy first; AR steps at every slot batch (the fallback that never loses),
-    then the speculative forms, small slot batches first, the chain and small trees first."""
-    form = -1 if program.form == policy.CHAIN else policy.tree_budget(program.form) or 0
-    return VARIANTS.index(program.variant) > 0, program.form != policy.AR, program.size, form
-
-
-# Background compilation threads: XLA compiles mostly outside Python's lock, so a few in parallel shorten the time
-# until every program is ready; one on small machines, whose cores the engine thread needs.
-COMPILE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 class Engine:
@@ -168,20 +137,7 @@ class Engine:
         self.spec = make_spec(self.tcfg, dcfg, options, config.tuning, mesh=mesh, sampling=True,
                               filtering=True, batch=self.sizes[0])
         self.forms = run_forms(options, moe=bool(self.tcfg.num_experts))
-        self.programs: dict[tuple[str, int, str], Program] = {}
-        for size in self.sizes:
-            fits = policy.allowed(self.forms, size, dcfg.block_size) if self.spec.auto else self.forms
-            if not fits:
-                raise ValueError(f"none of the forms {','.join(self.forms)} fits a verify of {policy.ROW_CAP} rows at "
-                                 f"slot batch {size}; add ar or smaller trees")
-            for form in fits:
-                base = self.spec.with_form(form, size) if self.spec.auto else self.spec
-                for v in VARIANTS:
-                    spec = dataclasses.replace(base, sampling=v != "greedy", filtering=v == "filtering")
-                    self.programs[form, size, v] = Program(form, size, v, spec)
-        # compiled before start, it serves any request: AR (or the first form that fits) at the full batch
-        first = next(f for f in (policy.AR, *self.forms) if (f, config.max_batch, "filtering") in self.programs)
-        self.first = self.programs[first, config.max_batch, "filtering"]
+        table, first = programs.table(self.spec, self.forms, self.sizes, dcfg, config.max_batch)
         layout = config.tuning.layout
         self.dparams = device_layout(dparams, layout=layout) if config.method != "ar" else None
         self.tparams = device_layout(self.tparams, layout=layout, method=layout_method(options))
@@ -205,7 +161,7 @@ class Engine:
                                   self.dtype)
         # copies: init_state shares one buffer between n_out and prompt_len, and step donates both
         self.state = jax.tree.map(jnp.copy, sharding.create(empty, mesh))
-        self._shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
         self.slots: list[Job | None] = [None] * b
         self.step_sizes: collections.Counter[int] = collections.Counter()  # steps run per slot-batch size
         self.step_programs: collections.Counter[tuple] = collections.Counter()  # steps per (form, size, variant)
@@ -214,13 +170,11 @@ class Engine:
         self._cancels: set[str] = set()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._compile_wake = threading.Condition(self._lock)
-        self._wanted = {"greedy"}  # variants the background compiler works on (a request needed the others)
+        self.programs = Programs(table, first, weights=(self.tparams, self.dparams), shapes=shapes, batch=b,
+                                 rounds_per_step=config.rounds_per_step, max_len=config.max_len,
+                                 path_len=self.spec.path_len, cost_table=self.costs, lock=self._lock, wake=self._wake)
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
-        self._compilers: list[threading.Thread] = []
-        self._compiling: set[Program] = set()  # taken by a compile thread
-        self._in_flight = 0  # compilations running now
         self._stopping = False
         self.failure: str | None = None  # set when the loop died
         self.ready = False
@@ -235,13 +189,18 @@ class Engine:
         return sum(j is not None for j in self.slots)
 
     @property
+    def first(self) -> Program:
+        """The program compiled before start (:meth:`warmup`): it serves any request."""
+        return self.programs.first
+
+    @property
     def programs_ready(self) -> int:
-        return sum(p.fn is not None for p in self.programs.values())
+        return self.programs.ready
 
     @property
     def programs_wanted(self) -> int:
         """Programs compiled or to be compiled: the first and the variants requests have needed so far."""
-        return sum(p.variant in self._wanted or p is self.first for p in self.programs.values())
+        return self.programs.wanted
 
     @property
     def alive(self) -> bool:
@@ -345,10 +304,7 @@ class Engine:
             self.warmup()
         self._thread = threading.Thread(target=self._run, name="ddtree-engine", daemon=True)
         self._thread.start()
-        self._compilers = [threading.Thread(target=self._compile_loop, name=f"ddtree-compile-{i}", daemon=True)
-                           for i in range(COMPILE_THREADS)]
-        for t in self._compilers:
-            t.start()
+        self.programs.start()
         self.ready = True
         return self
 
@@ -357,11 +313,10 @@ class Engine:
         with self._lock:
             self._stopping = True
             self._wake.notify()
-            self._compile_wake.notify()
+        self.programs.stop()
         if self._thread is not None:
             self._thread.join(timeout)
-        for t in self._compilers:  # a compilation in progress cannot be interrupted: let it end
-            t.join(timeout)
+        self.programs.join(timeout)
         self.ready = False
         self.costs.save()
 
@@ -378,125 +333,20 @@ class Engine:
             self.slots[0] = None
             self._ended.append(0)
             self._mark_ended()
-        self._compile(self.first)
+        self.programs.compile(self.first)
         self._measure_ready()
         log.info("engine warm in %.1fs", time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ programs
-    def _compile(self, program: Program) -> None:
-        """Compile ``program`` ahead of time (any thread: only shapes are read)."""
-        spec, b = program.spec, self.config.max_batch
-        args = (self.tparams, self.dparams, self._shapes)
-        starts, count = jax.ShapeDtypeStruct((program.size,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32)
-        if program.size == b:
-            lowered = decode.run_group.lower(spec, *args, starts, count, self.config.rounds_per_step)
-        else:
-            rows = jax.ShapeDtypeStruct((program.size,), jnp.int32)
-            lowered = slots.run_group_rows.lower(spec, *args, rows, starts, count, self.config.rounds_per_step)
-        t0 = time.perf_counter()
-        program.fn = lowered.compile(decode.XLA_OPTIONS)
-        log.info("compiled %s in %.1fs", program.cost_key, time.perf_counter() - t0)
-
-    def _compile_loop(self) -> None:
-        """A background compiler: the pending program first in :func:`_rank` of the wanted variants, until none. A
-        program that fails to compile is left out (logged); the engine goes on with the others."""
-        while True:
-            with self._lock:
-                while not self._stopping and not (todo := self._pending()):
-                    self._compile_wake.wait()
-                if self._stopping:
-                    return
-                program = min(todo, key=_rank)
-                self._compiling.add(program)
-                self._in_flight += 1
-            try:
-                self._compile(program)
-            except Exception:  # noqa: BLE001 - e.g. out of device memory for one large program
-                log.exception("compiling %s failed; going on without it", program.cost_key)
-            with self._lock:
-                self._in_flight -= 1
-                self._wake.notify()  # the engine thread may time it
-
-    def _pending(self) -> list[Program]:
-        return [p for p in self.programs.values() if p.fn is None and p.variant in self._wanted
-                and p not in self._compiling]
-
-    def _quiet(self) -> bool:
-        """No compilation running or waiting: a timing now is not slowed by the compiler's threads. Read without the
-        lock (the engine thread calls it holding it): counters and membership tests only."""
-        return self._in_flight == 0 and not self._pending()
-
-    def _to_time(self, free: int) -> list[Program]:
-        """Compiled programs that ``free`` slots can hold and that need timing: never timed, or (when the engine is
-        quiet) timed while compilations ran, or loaded from disk, where their cost may have been inflated."""
-        quiet = self._quiet()
-        return [p for p in self.programs.values() if p.fn is not None and p.size <= free
-                and ((not p.tried and self.costs.get(p.cost_key) is None) or (quiet and not p.clean))]
-
     def _measure_ready(self) -> None:
-        """Time, on free slots turned into dummies (:func:`autorun.rewind`), each program of :meth:`_to_time` whose slot
-        batch the free slots fill (the whole batch only when every slot is free)."""
+        """Time the programs that need it (:meth:`programs.Programs.to_time`) on the free slots."""
         free = [s for s, j in enumerate(self.slots) if j is None]
-        todo = self._to_time(len(free))
-        for program in todo:
-            program.tried = True
-            program.clean = self._quiet()
-            rows = np.asarray(free[: program.size], np.int32)
-            mask = np.zeros(len(self.slots), bool)
-            mask[rows] = True
-            # rounds of at most path_len tokens from there stay within max_len
-            length = max(1, min(self._context(), self.config.max_len - self.config.rounds_per_step
-                                * self.spec.path_len - 1))
-            args = (jnp.asarray(mask), jnp.full((len(self.slots),), length, jnp.int32),
-                    jnp.full((len(self.slots),), self.config.max_len, jnp.int32))
-            sec, self.state = autorun.measure(lambda st: self._call(program, st, rows, np.zeros(len(rows), np.int32)),
-                                              self.state, lambda st: autorun.rewind(st, *args))
-            self.state = slots.mark_done(self.state, jnp.asarray(mask))
-            if sec is not None:
-                self.costs.measured(program.cost_key, sec, length)
-                log.info("timed %s: %.2f ms a round", program.cost_key, 1e3 * sec)
-        if todo:
-            self.costs.save()  # for the next start (no-op without a cost table on disk)
+        self.state = self.programs.measure(self.state, free, self._context())
 
     def _context(self) -> int:
         """Committed tokens per live sequence, on average (the shortest bucket when none is live)."""
         live = [j.emitted for j in self.slots if j is not None]
         return int(np.mean(live)) if live else MIN_BUCKET
-
-    def _call(self, program: Program, state, rows: np.ndarray, starts: np.ndarray):
-        """Run ``program`` on ``rows`` of the slot batch (all of them at max_batch): (state, its Snapshot)."""
-        rounds = jnp.int32(self.config.rounds_per_step)
-        if program.size == len(self.slots):
-            return program.fn(self.tparams, self.dparams, state, jnp.asarray(starts), rounds)
-        return program.fn(self.tparams, self.dparams, state, jnp.asarray(rows), jnp.asarray(starts), rounds)
-
-    def _choose(self, live: list[int]) -> Program:
-        """The program of the next step: among the compiled ones holding the live slots in a variant their requests
-        allow, one never timed at the smallest such slot batch (its step times it), else the policy's choice."""
-        hot = [self.slots[s].params for s in live if self.slots[s].params.temperature > 0]
-        need = "filtering" if any(accept.filters(p.top_p, p.top_k) for p in hot) else "sampling" if hot else "greedy"
-        if need not in self._wanted:
-            with self._lock:
-                self._wanted.add(need)
-                self._compile_wake.notify()
-        if self.first.fn is None:  # started without warm-up: the first program serves any request
-            self._compile(self.first)
-        ok = [p for p in self.programs.values() if p.fn is not None and p.size >= len(live)
-              and VARIANTS.index(p.variant) >= VARIANTS.index(need)]
-        smallest = min(p.size for p in ok)
-        untimed = [p for p in ok if p.size == smallest and not p.tried and self.costs.get(p.cost_key) is None]
-        if untimed:
-            program = min(untimed, key=_rank)
-            program.tried = True
-            return program
-        best: dict[tuple[str, int], tuple[float, Program]] = {}
-        for p in ok:
-            c = self.costs.get(p.cost_key)
-            if c is not None and ((p.form, p.size) not in best or c < best[p.form, p.size][0]):
-                best[p.form, p.size] = (c, p)
-        if not best:  # nothing timed yet at these sizes (steps that ran no round)
-            return min(ok, key=lambda p: (p.size, _rank(p)))
-        return best[self.policy.choose(live, {k: c for k, (c, _) in best.items()})][1]
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
@@ -525,6 +375,7 @@ class Engine:
                 self._stopping = True
                 left = [j for j in self.slots if j is not None] + list(self.waiting)
                 self.waiting.clear()
+            self.programs.stop()
             for job in left:
                 self._end(job, "error", error=reason)
 
@@ -593,21 +444,21 @@ class Engine:
 
     def _untimed(self) -> bool:
         """Whether :meth:`_measure_ready` has a program to time (the engine thread wakes for it when idle)."""
-        return bool(self._to_time(sum(j is None for j in self.slots)))
+        return bool(self.programs.to_time(sum(j is None for j in self.slots)))
 
     def _step(self) -> tuple[np.ndarray, decode.Snapshot]:
-        """Run ``rounds_per_step`` rounds of the chosen program (:meth:`_choose`) on the live slots; return (starts
-        [B], Snapshot [B]) for every slot."""
+        """Run ``rounds_per_step`` rounds of the chosen program (:meth:`programs.Programs.choose`) on the live slots;
+        return (starts [B], Snapshot [B]) for every slot."""
         starts = np.array([j.emitted if j is not None else 0 for j in self.slots], np.int32)
         live = [s for s, j in enumerate(self.slots) if j is not None]
-        program = self._choose(live)
+        program = self.programs.choose(live, [self.slots[s].params for s in live], self.policy)
         # the whole batch in slot order, or for a smaller one the live slots padded with free ones (distinct rows:
         # the scatter back stays exact)
         rows = np.array((live + [s for s, j in enumerate(self.slots) if j is None])[: program.size], np.int32)
         if program.size == len(self.slots):
             rows = np.arange(len(self.slots), dtype=np.int32)
         t0 = time.perf_counter()
-        self.state, part = self._call(program, self.state, rows, starts[rows])
+        self.state, part = self.programs.call(program, self.state, rows, starts[rows])
         part = jax.device_get(part)
         elapsed = time.perf_counter() - t0
         if program.size == len(self.slots):
@@ -651,54 +502,16 @@ class Engine:
         if new and job.first_token_at is None:
             job.first_token_at = now
             self.metrics.ttft.observe(now - job.submitted)
-        stops = job.params.stop
-        taken: list[int] = []
-        hit = False
-        if job.decoder is None:
-            taken = new
-            job.text += "".join(f"{t} " for t in new)
-        elif not stops:
-            taken = new
-            job.text += job.decoder.push(new)
-            if final:
-                job.text += job.decoder.flush()
-        else:  # token by token, so the output ends at the token that completed the stop string
-            for t in new:
-                before = len(job.text)
-                job.text += job.decoder.push([t])
-                taken.append(t)
-                if self._cut_at_stop(job, before):
-                    hit = True
-                    break
-            if not hit and final:
-                before = len(job.text)
-                job.text += job.decoder.flush()
-                hit = self._cut_at_stop(job, before)
-        job.tokens.extend(taken)
+        taken, hit = job.push(new, final=final)
         if hit:
             final, reason = True, "stop"
-        hold = 0 if final or not stops else max(len(s) for s in stops) - 1
-        visible = max(job.sent, len(job.text) - hold)
-        piece = job.text[job.sent:visible]
-        job.sent = visible
+        piece = job.unsent(final=final)
         self.metrics.delivered(len(taken))
         event = Event(tuple(taken), piece, reason if final else None, None, len(job.prompt_ids), len(job.tokens))
         if final:
             self._end(job, reason, event=event)
         elif taken or piece:
             self._emit(job, event)
-
-    @staticmethod
-    def _cut_at_stop(job: Job, before: int) -> bool:
-        """Cut job.text before the earliest stop string that ends after ``before``; True when one did."""
-        longest = max(len(s) for s in job.params.stop)
-        lo = max(0, before - longest + 1)
-        found = [i for s in job.params.stop if (i := job.text.find(s, lo)) >= 0]
-        if not found:
-            return False
-        job.text = job.text[: min(found)]
-        job.sent = min(job.sent, len(job.text))
-        return True
 
     def _emit(self, job: Job, ev: Event) -> None:
         try:

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 from ddtree_jax import decode
 
 if TYPE_CHECKING:  # annotations only: the engine imports this module
-    from ddtree_jax.engine import Engine, Program
+    from ddtree_jax.engine import Engine
+    from ddtree_jax.programs import Program
 
 
 class Metrics:

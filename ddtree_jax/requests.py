@@ -1,6 +1,6 @@
 """What a request to the engine is and what it gets back: its sampling parameters, the events its sink receives, the
-finished completion, the host-side job the engine thread keeps for it, and the errors a submission may raise (the
-HTTP server maps them to 400, 429 and 503)."""
+finished completion, the host-side job the engine thread keeps for it (its text, cut at stop strings), and the errors
+a submission may raise (the HTTP server maps them to 400, 429 and 503)."""
 
 from __future__ import annotations
 
@@ -82,3 +82,51 @@ class Job:
     decoder: object | None = None
     first_token_at: float | None = None
     finished: bool = False
+
+    def push(self, new: list[int], *, final: bool) -> tuple[list[int], bool]:
+        """Append tokens and their text, cut at a stop string; (the tokens taken, whether a stop string was hit)."""
+        stops = self.params.stop
+        taken: list[int] = []
+        hit = False
+        if self.decoder is None:
+            taken = new
+            self.text += "".join(f"{t} " for t in new)
+        elif not stops:
+            taken = new
+            self.text += self.decoder.push(new)
+            if final:
+                self.text += self.decoder.flush()
+        else:  # token by token, so the output ends at the token that completed the stop string
+            for t in new:
+                before = len(self.text)
+                self.text += self.decoder.push([t])
+                taken.append(t)
+                if self._cut_at_stop(before):
+                    hit = True
+                    break
+            if not hit and final:
+                before = len(self.text)
+                self.text += self.decoder.flush()
+                hit = self._cut_at_stop(before)
+        self.tokens.extend(taken)
+        return taken, hit
+
+    def unsent(self, *, final: bool) -> str:
+        """The text to send now, marked sent: all of it at the end, else all but what may still start a stop string."""
+        stops = self.params.stop
+        hold = 0 if final or not stops else max(len(s) for s in stops) - 1
+        visible = max(self.sent, len(self.text) - hold)
+        piece = self.text[self.sent:visible]
+        self.sent = visible
+        return piece
+
+    def _cut_at_stop(self, before: int) -> bool:
+        """Cut self.text before the earliest stop string that ends after ``before``; True when one did."""
+        longest = max(len(s) for s in self.params.stop)
+        lo = max(0, before - longest + 1)
+        found = [i for s in self.params.stop if (i := self.text.find(s, lo)) >= 0]
+        if not found:
+            return False
+        self.text = self.text[: min(found)]
+        self.sent = min(self.sent, len(self.text))
+        return True

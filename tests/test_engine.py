@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from ddtree_jax import decode, engine as engines
+from ddtree_jax import decode, engine as engines, programs
 from ddtree_jax.tokenizer import load_tokenizer
 from ddtree_jax.tuning import Tuning
 from tests.conftest import fixture_path
@@ -289,7 +289,7 @@ def test_forms_and_slot_batches_run_only_the_live_slots(target, drafter, tokeniz
                                batch_buckets=(1,))
     eng = engines.Engine(target, drafter, cfg, tokenizer=tokenizer)
     assert eng.sizes == [1, 3]
-    assert set(eng.programs) == {(f, n, v) for f in ("ar", "4") for n in (1, 3) for v in engines.VARIANTS}
+    assert set(eng.programs) == {(f, n, v) for f in ("ar", "4") for n in (1, 3) for v in programs.VARIANTS}
     eng.start()
     try:
         assert eng.first.fn is not None and eng.costs.get(eng.first.cost_key) is not None  # compiled and timed

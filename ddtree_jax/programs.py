@@ -1,0 +1,263 @@
+"""The serving engine's compiled programs: which exist, compiling them in the background, timing them, choosing one.
+
+A :class:`Program` is one compiled (form, slot batch, sampling variant) group of ``rounds_per_step`` rounds
+(:func:`table` lists them). :class:`Programs` holds them as a mapping from (form, size, variant) and:
+
+    compile  background threads compile the wanted ones in :func:`_rank`'s order (:meth:`Programs.start`)
+    time     the engine thread times a newly compiled one on free slots (:meth:`Programs.measure`)
+    choose   the engine thread picks the next step's program (:meth:`Programs.choose`) and runs it
+             (:meth:`Programs.call`)
+
+The engine gives it once its weights, the slot batch's shapes, the cost table, its lock (under which this object's
+own fields are read and written) and the engine thread's condition (notified when a compilation ends); and with each
+call what changes: the slot state, the free slots, the live requests' sampling parameters, the policy.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import logging
+import os
+import threading
+import time
+from typing import Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax import accept, autorun, costs, decode, policy, slots
+from ddtree_jax.requests import SamplingParams
+from ddtree_jax.spec import Spec
+
+log = logging.getLogger("ddtree_jax.engine")
+
+VARIANTS = ("greedy", "sampling", "filtering")  # a program's sampling support, least general first (spec.Spec)
+
+
+@dataclasses.dataclass(eq=False)
+class Program:
+    """One compiled (form, slot batch, variant) of the engine: a group of ``rounds_per_step`` rounds."""
+
+    form: str
+    size: int  # slot batch: the whole batch, or the rows gathered for a smaller one
+    variant: str  # VARIANTS
+    spec: Spec
+    fn: Callable | None = None  # the executable, once compiled
+    tried: bool = False  # timed (or run unmeasured) once
+    clean: bool = False  # its cost was timed with no compilation in flight (else, or loaded from disk: timed again)
+
+    @property
+    def cost_key(self) -> str:
+        return costs.program_key(self.form, self.size, self.variant)
+
+
+def _rank(program: Program) -> tuple:
+    """The background compiler's order: greedy first; AR steps at every slot batch (the fallback that never loses),
+    then the speculative forms, small slot batches first, the chain and small trees first."""
+    form = -1 if program.form == policy.CHAIN else policy.tree_budget(program.form) or 0
+    return VARIANTS.index(program.variant) > 0, program.form != policy.AR, program.size, form
+
+
+def table(spec: Spec, forms: Sequence[str], sizes: Sequence[int], dcfg, max_batch: int
+          ) -> tuple[dict[tuple[str, int, str], Program], Program]:
+    """The engine's programs, one per (form, slot batch, variant): ``forms`` ("auto": those of policy.allowed at each
+    slot batch of ``sizes``), and the first, compiled before start: AR (or the first form that fits) at the full
+    batch, in the variant that serves any request. Raises ValueError when no form fits a slot batch."""
+    programs: dict[tuple[str, int, str], Program] = {}
+    for size in sizes:
+        fits = policy.allowed(forms, size, dcfg.block_size) if spec.auto else forms
+        if not fits:
+            raise ValueError(f"none of the forms {','.join(forms)} fits a verify of {policy.ROW_CAP} rows at "
+                             f"slot batch {size}; add ar or smaller trees")
+        for form in fits:
+            base = spec.with_form(form, size) if spec.auto else spec
+            for v in VARIANTS:
+                variant_spec = dataclasses.replace(base, sampling=v != "greedy", filtering=v == "filtering")
+                programs[form, size, v] = Program(form, size, v, variant_spec)
+    first = next(f for f in (policy.AR, *forms) if (f, max_batch, "filtering") in programs)
+    return programs, programs[first, max_batch, "filtering"]
+
+
+# Background compilation threads: XLA compiles mostly outside Python's lock, so a few in parallel shorten the time
+# until every program is ready; one on small machines, whose cores the engine thread needs.
+COMPILE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+class Programs(collections.abc.Mapping):
+    """The engine's programs by (form, slot batch, variant) (:func:`table`), their compilation, timing and choice.
+
+    weights: (target params, draft params or None) as the engine holds them on the device; shapes: the slot batch
+    State's shapes and shardings (what a program is compiled for); batch: the slot batch's size (max_batch);
+    max_len: tokens per slot; path_len: the most tokens a round commits; cost_table: the engine's seconds per round
+    (costs.CostTable); lock: the engine's lock; wake: the engine thread's condition on it, notified when a
+    compilation ends (the engine thread may time the new program).
+    """
+
+    def __init__(self, programs: dict[tuple[str, int, str], Program], first: Program, *, weights: tuple,
+                 shapes: decode.State, batch: int, rounds_per_step: int, max_len: int, path_len: int,
+                 cost_table: costs.CostTable, lock: threading.Lock, wake: threading.Condition):
+        self._programs = programs
+        self.first = first
+        self.tparams, self.dparams = weights
+        self._shapes = shapes
+        self.batch, self.rounds_per_step, self.max_len, self.path_len = batch, rounds_per_step, max_len, path_len
+        self.costs = cost_table
+        self._lock = lock
+        self._wake = wake
+        self._compile_wake = threading.Condition(lock)
+        self._wanted = {"greedy"}  # variants the background compiler works on (a request needed the others)
+        self._compilers: list[threading.Thread] = []
+        self._compiling: set[Program] = set()  # taken by a compile thread
+        self._in_flight = 0  # compilations running now
+        self._stopping = False
+
+    def __getitem__(self, key: tuple[str, int, str]) -> Program:
+        return self._programs[key]
+
+    def __iter__(self) -> Iterator[tuple[str, int, str]]:
+        return iter(self._programs)
+
+    def __len__(self) -> int:
+        return len(self._programs)
+
+    @property
+    def ready(self) -> int:
+        return sum(p.fn is not None for p in self._programs.values())
+
+    @property
+    def wanted(self) -> int:
+        """Programs compiled or to be compiled: the first and the variants requests have needed so far."""
+        return sum(p.variant in self._wanted or p is self.first for p in self._programs.values())
+
+    # ------------------------------------------------------------------ compilation
+    def start(self) -> None:
+        """Start the background compiler's threads."""
+        self._compilers = [threading.Thread(target=self._compile_loop, name=f"ddtree-compile-{i}", daemon=True)
+                           for i in range(COMPILE_THREADS)]
+        for t in self._compilers:
+            t.start()
+
+    def stop(self) -> None:
+        """Let the compile threads end (each after the compilation it is in, which cannot be interrupted)."""
+        with self._lock:
+            self._stopping = True
+            self._compile_wake.notify()
+
+    def join(self, timeout: float) -> None:
+        for t in self._compilers:  # a compilation in progress cannot be interrupted: let it end
+            t.join(timeout)
+
+    def compile(self, program: Program) -> None:
+        """Compile ``program`` ahead of time (any thread: only shapes are read)."""
+        spec, b = program.spec, self.batch
+        args = (self.tparams, self.dparams, self._shapes)
+        starts, count = jax.ShapeDtypeStruct((program.size,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32)
+        if program.size == b:
+            lowered = decode.run_group.lower(spec, *args, starts, count, self.rounds_per_step)
+        else:
+            rows = jax.ShapeDtypeStruct((program.size,), jnp.int32)
+            lowered = slots.run_group_rows.lower(spec, *args, rows, starts, count, self.rounds_per_step)
+        t0 = time.perf_counter()
+        program.fn = lowered.compile(decode.XLA_OPTIONS)
+        log.info("compiled %s in %.1fs", program.cost_key, time.perf_counter() - t0)
+
+    def _compile_loop(self) -> None:
+        """A background compiler: the pending program first in :func:`_rank` of the wanted variants, until none. A
+        program that fails to compile is left out (logged); the engine goes on with the others."""
+        while True:
+            with self._lock:
+                while not self._stopping and not (todo := self._pending()):
+                    self._compile_wake.wait()
+                if self._stopping:
+                    return
+                program = min(todo, key=_rank)
+                self._compiling.add(program)
+                self._in_flight += 1
+            try:
+                self.compile(program)
+            except Exception:  # noqa: BLE001 - e.g. out of device memory for one large program
+                log.exception("compiling %s failed; going on without it", program.cost_key)
+            with self._lock:
+                self._in_flight -= 1
+                self._wake.notify()  # the engine thread may time it
+
+    def _pending(self) -> list[Program]:
+        return [p for p in self._programs.values() if p.fn is None and p.variant in self._wanted
+                and p not in self._compiling]
+
+    def quiet(self) -> bool:
+        """No compilation running or waiting: a timing now is not slowed by the compiler's threads. Read without the
+        lock (the engine thread calls it holding it): counters and membership tests only."""
+        return self._in_flight == 0 and not self._pending()
+
+    # ------------------------------------------------------------------ timing
+    def to_time(self, free: int) -> list[Program]:
+        """Compiled programs that ``free`` slots can hold and that need timing: never timed, or (when the engine is
+        quiet) timed while compilations ran, or loaded from disk, where their cost may have been inflated."""
+        quiet = self.quiet()
+        return [p for p in self._programs.values() if p.fn is not None and p.size <= free
+                and ((not p.tried and self.costs.get(p.cost_key) is None) or (quiet and not p.clean))]
+
+    def measure(self, state: decode.State, free: list[int], context: int) -> decode.State:
+        """Time, on the ``free`` slots of ``state`` turned into dummies (:func:`autorun.rewind`) at ``context`` tokens,
+        each program of :meth:`to_time` whose slot batch the free slots fill (the whole batch only when every slot is
+        free); return the state, those slots marked done."""
+        todo = self.to_time(len(free))
+        for program in todo:
+            program.tried = True
+            program.clean = self.quiet()
+            rows = np.asarray(free[: program.size], np.int32)
+            mask = np.zeros(self.batch, bool)
+            mask[rows] = True
+            # rounds of at most path_len tokens from there stay within max_len
+            length = max(1, min(context, self.max_len - self.rounds_per_step * self.path_len - 1))
+            args = (jnp.asarray(mask), jnp.full((self.batch,), length, jnp.int32),
+                    jnp.full((self.batch,), self.max_len, jnp.int32))
+            sec, state = autorun.measure(lambda st: self.call(program, st, rows, np.zeros(len(rows), np.int32)),
+                                         state, lambda st: autorun.rewind(st, *args))
+            state = slots.mark_done(state, jnp.asarray(mask))
+            if sec is not None:
+                self.costs.measured(program.cost_key, sec, length)
+                log.info("timed %s: %.2f ms a round", program.cost_key, 1e3 * sec)
+        if todo:
+            self.costs.save()  # for the next start (no-op without a cost table on disk)
+        return state
+
+    # ------------------------------------------------------------------ choosing and running
+    def call(self, program: Program, state, rows: np.ndarray, starts: np.ndarray):
+        """Run ``program`` on ``rows`` of the slot batch (all of them at max_batch): (state, its Snapshot)."""
+        rounds = jnp.int32(self.rounds_per_step)
+        if program.size == self.batch:
+            return program.fn(self.tparams, self.dparams, state, jnp.asarray(starts), rounds)
+        return program.fn(self.tparams, self.dparams, state, jnp.asarray(rows), jnp.asarray(starts), rounds)
+
+    def choose(self, live: list[int], params: Sequence[SamplingParams], chooser: policy.Policy) -> Program:
+        """The program of the next step for the ``live`` slots, whose requests' sampling ``params`` they are: among
+        the compiled ones holding them in a variant their requests allow, one never timed at the smallest such slot
+        batch (its step times it), else ``chooser``'s choice."""
+        hot = [p for p in params if p.temperature > 0]
+        need = "filtering" if any(accept.filters(p.top_p, p.top_k) for p in hot) else "sampling" if hot else "greedy"
+        if need not in self._wanted:
+            with self._lock:
+                self._wanted.add(need)
+                self._compile_wake.notify()
+        if self.first.fn is None:  # started without warm-up: the first program serves any request
+            self.compile(self.first)
+        ok = [p for p in self._programs.values() if p.fn is not None and p.size >= len(live)
+              and VARIANTS.index(p.variant) >= VARIANTS.index(need)]
+        smallest = min(p.size for p in ok)
+        untimed = [p for p in ok if p.size == smallest and not p.tried and self.costs.get(p.cost_key) is None]
+        if untimed:
+            program = min(untimed, key=_rank)
+            program.tried = True
+            return program
+        best: dict[tuple[str, int], tuple[float, Program]] = {}
+        for p in ok:
+            c = self.costs.get(p.cost_key)
+            if c is not None and ((p.form, p.size) not in best or c < best[p.form, p.size][0]):
+                best[p.form, p.size] = (c, p)
+        if not best:  # nothing timed yet at these sizes (steps that ran no round)
+            return min(ok, key=lambda p: (p.size, _rank(p)))
+        return best[chooser.choose(live, {k: c for k, (c, _) in best.items()})][1]
