@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import costs, policy
-from ddtree_jax.decode import State, compiled_all, donating_jit, run_group
+from ddtree_jax.decode import State, compiled, donating_jit, run_group
 from ddtree_jax.results import fault_message
 from ddtree_jax.spec import NEVER, GenerateOptions, Spec, run_forms
 
@@ -93,10 +93,11 @@ class AutoRun:
         self.policy = chooser or policy.Policy(forms, spec.predict)
         starts = jax.ShapeDtypeStruct((self.batch,), jnp.int32)
         count = jax.ShapeDtypeStruct((), jnp.int32)
-        specs = {f: spec.with_form(f, self.batch) for f in forms}
-        self.fns = dict(zip(forms, compiled_all([(run_group, sp, tparams, dparams, template, starts, count, rounds)
-                                                 for sp in specs.values()])))
-        self.keys = {f: costs.program_key(f, self.batch, variant(sp)) for f, sp in specs.items()}
+        self.fns, self.keys = {}, {}
+        for f in forms:
+            sp = spec.with_form(f, self.batch)
+            self.fns[f] = compiled(run_group, sp, tparams, dparams, template, starts, count, rounds)
+            self.keys[f] = costs.program_key(f, self.batch, variant(sp))
         self.measure_s = 0.0
 
     def _warm(self, lens: list[int]) -> None:

@@ -19,10 +19,8 @@ a finished run on the host ``results.py``'s.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import functools
-import os
 import time
 from typing import Callable
 
@@ -490,35 +488,16 @@ def compiled(fn, spec: Spec, *args):
     shapes, dtypes and shardings (what ``jax.jit`` keys on): ahead-of-time compilation is never cached by jax
     itself, and a caller that decodes many times at one shape (evaluations while training, a benchmark's prompts one at a
     time) would otherwise compile every call. Least recently used beyond ``_COMPILED_MAX`` are dropped."""
-    return compiled_all([(fn, spec, *args)])[0]
-
-
-def compiled_all(jobs: list[tuple]) -> list:
-    """:func:`compiled` of each ``(fn, spec, *args)`` of ``jobs``: those not kept yet lowered in turn (tracing holds
-    Python's lock), then compiled in parallel threads (XLA's compilation does not)."""
-    keys = []
-    for fn, spec, *args in jobs:
-        leaves, treedef = jax.tree.flatten(args)
-        keys.append((fn, spec, treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) if hasattr(x, "shape")
-                                              else x for x in leaves)))  # static arguments (ints) by value
-    lowered = {}
-    for key, (fn, spec, *args) in zip(keys, jobs):
-        if key not in _COMPILED and key not in lowered:
-            lowered[key] = fn.lower(spec, *args)
-    if len(lowered) == 1:
-        (key, low), = lowered.items()
-        _COMPILED[key] = low.compile(XLA_OPTIONS)
-    elif lowered:
-        with concurrent.futures.ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
-            done = list(pool.map(lambda low: low.compile(XLA_OPTIONS), lowered.values()))
-        _COMPILED.update(zip(lowered, done))
-    out = []
-    for key in keys:
+    leaves, treedef = jax.tree.flatten(args)
+    key = (fn, spec, treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) if hasattr(x, "shape") else x
+                                    for x in leaves))  # static arguments (ints) by value
+    if key in _COMPILED:
         _COMPILED.move_to_end(key)
-        out.append(_COMPILED[key])
-    while len(_COMPILED) > _COMPILED_MAX:
+        return _COMPILED[key]
+    exe = _COMPILED[key] = fn.lower(spec, *args).compile(XLA_OPTIONS)
+    if len(_COMPILED) > _COMPILED_MAX:
         _COMPILED.popitem(last=False)
-    return out
+    return exe
 
 
 def start(spec: Spec, prompts: list[list[int]], per_row: list[GenerateOptions], max_new_tokens: int, dtype,

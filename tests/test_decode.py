@@ -1,7 +1,6 @@
 """End-to-end parity with the official DDTree code on the tiny pair (generate.json), single and batched."""
 
 import dataclasses
-import functools
 import re
 
 import jax
@@ -144,27 +143,6 @@ def test_stop_token_and_max_tokens(target, drafter, reference_runs):
     res = decode.generate(target, [run["prompt"]], decode.GenerateOptions(method="dflash", max_new_tokens=3,
                                                                            tree_budget=1), draft=drafter)
     assert res.output_ids[0] == run["prompt"] + gen[:3]
-
-
-def test_compiled_all_lowers_each_program_once_and_compiles_them_together(monkeypatch):
-    """decode.compiled_all: one executable per job in order, a program asked twice (or kept from before) lowered and
-    compiled once, the others compiled in parallel threads; each computes what its own jit does."""
-    monkeypatch.setattr(decode, "_COMPILED", type(decode._COMPILED)())
-    lowered = []
-
-    @functools.partial(jax.jit, static_argnums=(0,))
-    def times(k, x):
-        return x * k
-
-    real = times.lower
-    monkeypatch.setattr(times, "lower", lambda *a: lowered.append(a[0]) or real(*a), raising=False)
-    x = jnp.arange(4.0)
-    kept = decode.compiled(times, 5, x)
-    exes = decode.compiled_all([(times, 2, x), (times, 3, x), (times, 2, x), (times, 5, x)])
-    assert sorted(lowered) == [2, 3, 5] and exes[0] is exes[2] and exes[3] is kept
-    for k, exe in zip((2, 3, 2, 5), exes):
-        np.testing.assert_array_equal(exe(x), x * k)
-    assert decode.compiled(times, 3, x) is exes[1]
 
 
 def test_one_shape_compiles_once(target, drafter, reference_runs, monkeypatch):
