@@ -143,7 +143,7 @@ class Programs(collections.abc.Mapping):
         """Let the compile threads end (each after the compilation it is in, which cannot be interrupted)."""
         with self._lock:
             self._stopping = True
-            self._compile_wake.notify()
+            self._compile_wake.notify_all()  # every idle compile thread, each waiting on it
 
     def join(self, timeout: float) -> None:
         for t in self._compilers:  # a compilation in progress cannot be interrupted: let it end
@@ -242,7 +242,7 @@ class Programs(collections.abc.Mapping):
         if need not in self._wanted:
             with self._lock:
                 self._wanted.add(need)
-                self._compile_wake.notify()
+                self._compile_wake.notify_all()  # the variant's programs: one for each compile thread
         if self.first.fn is None:  # started without warm-up: the first program serves any request
             self.compile(self.first)
         ok = [p for p in self._programs.values() if p.fn is not None and p.size >= len(live)

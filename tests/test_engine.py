@@ -251,6 +251,20 @@ def test_stop_answers_every_pending_request(target, drafter, engine, reference_r
         eng.submit([1, 2], greedy(2), print)
 
 
+def test_stop_ends_every_idle_compile_thread(target, drafter, engine, monkeypatch):
+    """With several background compile threads, all idle once every wanted program is compiled, stop() wakes and
+    ends each of them (waking one left the others waiting until their join timed out)."""
+    monkeypatch.setattr(programs, "COMPILE_THREADS", 3)
+    eng = engines.Engine(target, drafter, engine.config, tokenizer=engine.tokenizer).start(warmup=False)
+    threads = eng.programs._compilers
+    assert len(threads) == 3
+    wait_until(lambda: not eng.programs._pending() and eng.programs._in_flight == 0, timeout=120)
+    time.sleep(0.5)  # every compile thread back to waiting
+    t0 = time.monotonic()
+    eng.stop(timeout=10)
+    assert not any(t.is_alive() for t in threads) and time.monotonic() - t0 < 10
+
+
 def wait_until(predicate, timeout=300.0):
     deadline = time.monotonic() + timeout
     while not predicate():
