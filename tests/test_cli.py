@@ -10,6 +10,7 @@ Three groups:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import inspect
 import json
@@ -289,6 +290,27 @@ def test_streamed_text_and_summary(capsys, monkeypatch):
     assert out == "hé!\n"  # the split 'é' is written whole; the last token arrives only with the result
     summary = err.splitlines()[-1]
     assert "4 tokens" in summary and "8.0 tok/s" in summary and "mean acceptance length 1.50" in summary
+
+
+def test_the_default_pairs_speed_line_keeps_each_methods_faster_run(capsys, monkeypatch):
+    """The default pair's demo times its method and AR again, twice each, interleaved, on the decode loop alone, and
+    keeps each one's faster run: a run slowed by other work on the machine does not make the ratio."""
+    _install_fakes(monkeypatch)
+    fake, calls = decode.generate, []
+    slowed = {2: 3.0, 5: 4.0}  # the method's first timed run and AR's second
+
+    def timed(target, prompts, options, **kw):
+        calls.append(options.method)
+        seconds = (0.5 if options.method == "ar" else 0.25) * slowed.get(len(calls), 1.0)
+        return dataclasses.replace(fake(target, prompts, options, **kw), decode_s=seconds)
+
+    monkeypatch.setattr(decode, "generate", timed)
+    plan = gen.plan
+    monkeypatch.setattr(gen, "plan", lambda args: dataclasses.replace(plan(args), compare_ar=True))
+    code, out, err = run_main(capsys, "--target", TARGET, "--draft", DRAFT, "--method", "ddtree", "--prompt", "hi")
+    assert code == 0, err
+    assert calls == ["ddtree", "ddtree", "ar", "ddtree", "ar"]  # the streamed run, then the timed pairs
+    assert err.splitlines()[-1] == "speed (decode loop only): ddtree 16.0 tok/s, ar 8.0 tok/s: 2.00x AR"
 
 
 def test_streamed_ids_without_tokenizer(capsys, monkeypatch):
