@@ -265,8 +265,9 @@ def policy_choices(grid: list[dict]) -> dict:
     taus = projection.load_tau()["0.0"][PAPER_MODEL]
     return {"note": "a projection, not a measurement: the form ddtree_jax.policy.Policy.choose picks (--tree-budget "
                     "auto, a mixture-of-experts target's GPU candidates) with the measured round costs above as its "
-                    "cost table and every form's expected acceptance set to the paper's tau (the chain: dflash's; every tree: ddtree's, which the "
-                    "paper reports at its best budget, so small trees are credited with more than they accept)",
+                    "cost table and every form's expected acceptance set to the paper's tau (the chain: dflash's; "
+                    "every tree: ddtree's, which the paper reports at its best budget, so small trees are credited "
+                    "with more than they accept)",
             "candidates": list(candidates), "costs_ms": {f: round(ms[f], 3) for f in forms},
             "choices": projection.choices(taus, {f: ms[f] for f in forms})}
 

@@ -43,7 +43,8 @@ output (--json): one object on stdout,
   convention); for --method ar they are [] and mean_acceptance_length is null.
   decode_tokens_per_s = generated tokens of all prompts / decode_s (null when decode_s is 0); compile_s (the
   ahead-of-time compilation; 0 for shapes already compiled in the process; under --tree-budget auto also one run
-  of each form's program before the decode, and its timing the first time, kept in $DDTREE_JAX_CACHE/costs.json) is kept out of prefill_s and decode_s.
+  of each form's program before the decode, and its timing the first time, kept in $DDTREE_JAX_CACHE/costs.json)
+  is kept out of prefill_s and decode_s.
   Under --tree-budget auto (the default of dflash and ddtree) the summary line counts the rounds of each form.
 
 examples:

@@ -297,7 +297,7 @@ def test_the_default_pairs_speed_line_keeps_each_methods_faster_run(capsys, monk
     keeps each one's faster run: a run slowed by other work on the machine does not make the ratio."""
     _install_fakes(monkeypatch)
     fake, calls = decode.generate, []
-    slowed = {2: 3.0, 5: 4.0}  # the method's first timed run and AR's second
+    slowed = {2: 3.0, 5: 4.0}  # calls 2 and 5: the method's first timing and AR's second
 
     def timed(target, prompts, options, **kw):
         calls.append(options.method)
