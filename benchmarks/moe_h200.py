@@ -26,7 +26,8 @@
            then ``bench project`` on those records: the DDTree paper's acceptance lengths for this model x the
            measured round costs, per budget the grid measured (a projection: random weights accept about one token
            a round), and the form ``--tree-budget auto`` would pick from those costs with those lengths; last, the
-           AR step again with XLA's gather form (``--tuning expert_gemv=0``) in the same process.
+           AR step with the GEMV kernel and with XLA's gather form (``--tuning expert_gemv=0``) one after the other,
+           each with a profiler trace summarised (its kernels).
 
 Writes ``OUT/moe_h200.json`` (checks, forms, layer timings, the grid's records) and the bench's own files under
 ``OUT/bench``; prints a short table of each part. Each part is guarded: a failure is recorded and the next part runs.
@@ -63,7 +64,7 @@ ROUTINGS = 8  # different routings per timed loop
 GEMV_VARIANTS = {**{f"bn{bn}": {"block_n": bn} for bn in eg.BLOCK_N}, "bd512": {"block_d": 512},
                  "bd1024": {"block_d": 1024}, "w2": {"warps": 2}, "w8": {"warps": 8}, "s2": {"stages": 2},
                  "s4": {"stages": 4}}
-AB_S = 60.0  # seconds the grid leaves for the AR step with XLA's gather form (ar_ab)
+AB_S = 110.0  # seconds the grid leaves for the AR step's A/B with and without the GEMV kernel (ar_ab)
 GEMV_MAX_ROWS = 72  # rows up to which the GEMV kernel is timed (past them it reads each expert several times)
 KERNEL = "pallas"  # the attention implementation that selects the kernel ("pallas-interpret" on CPU: --quick)
 
@@ -272,21 +273,28 @@ def policy_choices(grid: list[dict]) -> dict:
             "choices": projection.choices(taus, {f: ms[f] for f in forms})}
 
 
-def ar_ab(grid: list[str], out: str, records) -> dict:
-    """The AR step again with XLA's gather form (``--tuning expert_gemv=0``) in this process, against the grid's AR
-    step with the decoder's default (the expert GEMV kernel where its probe passes): the kernel's worth end to end."""
+def ar_ab(grid: list[str], out: str) -> dict:
+    """The AR step with the decoder's default (the expert GEMV kernel where its probe passes) and with XLA's gather
+    form (``--tuning expert_gemv=0``), one after the other in this process, each with a profiler trace (its kernels,
+    for where the step's time above its roofline goes): the kernel's worth end to end."""
     tuning = [grid[i + 1] for i, a in enumerate(grid) if a == "--tuning"]
     rest = [a for i, a in enumerate(grid) if a != "--tuning" and (i == 0 or grid[i - 1] != "--tuning")]
-    args = [a for a in rest if a not in ("--methods", "ar,dflash,ddtree")]
-    args[args.index("--results-name") + 1] = "moe_ar_xla_gather.json"
-    args[args.index("--time-budget-s") + 1] = str(AB_S)
-    bench.main(args + ["--methods", "ar", "--no-breakdown", "--tuning", ",".join(tuning + ["expert_gemv=0"])])
-    with open(os.path.join(out, "bench", "moe_ar_xla_gather.json")) as f:
-        (xla,) = [r for r in json.load(f) if r.get("method") == "ar" and r.get("ms_per_round")]
-    (mine,) = [r for r in records if r.get("method") == "ar" and r.get("ms_per_round")]
-    return {"note": "the AR step with the decoder's default (the expert GEMV kernel) and with --tuning expert_gemv=0 "
-                    "(XLA's gather form), timed in this process", "gemv_ms": mine["ms_per_round"],
-            "xla_gather_ms": xla["ms_per_round"], "xla_gather_record": xla}
+    base = [a for a in rest if a not in ("--methods", "ar,dflash,ddtree", "--no-profile")]
+    base[base.index("--time-budget-s") + 1] = str(AB_S / 2)
+    result = {"note": "the AR step with the decoder's default (the expert GEMV kernel) and with --tuning "
+                      "expert_gemv=0 (XLA's gather form), timed one after the other in this process, each profiled"}
+    for name, extra in (("gemv", []), ("xla_gather", ["expert_gemv=0"])):
+        args = list(base)
+        args[args.index("--out") + 1] = os.path.join(out, f"ar_{name}")
+        bench.main(args + ["--methods", "ar", "--no-breakdown"]
+                   + (["--tuning", ",".join(tuning + extra)] if tuning + extra else []))
+        with open(os.path.join(out, f"ar_{name}", args[args.index("--results-name") + 1])) as f:
+            (record,) = [r for r in json.load(f) if r.get("method") == "ar" and r.get("ms_per_round")]
+        with open(os.path.join(out, f"ar_{name}", "bench_details.json")) as f:
+            profiles = [c.get("profile") for c in json.load(f).get("configs", {}).values() if c.get("profile")]
+        result[f"{name}_ms"] = record["ms_per_round"]
+        result[name] = {"record": record, "profile": profiles[0] if profiles else None}
+    return result
 
 
 def table(rows: list[dict], cols: list[str]) -> str:
@@ -393,7 +401,7 @@ def main(argv=None) -> int:
             traceback.print_exc()
             result["policy"] = {"error": repr(e)[:1000]}
         try:
-            result["ar_ab"] = ar_ab(grid, args.out, result.get("grid"))
+            result["ar_ab"] = ar_ab(grid, args.out)
             ab = result["ar_ab"]
             print(f"AR step in one process: {ab['gemv_ms']:.3f} ms with the expert GEMV kernel, "
                   f"{ab['xla_gather_ms']:.3f} ms with XLA's gather form")
