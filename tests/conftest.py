@@ -61,6 +61,7 @@ LONGEST_FIRST = (
     "test_moe_sharding.py",  # 110 (CPU seconds, a busy 2-core machine): one 4-device subprocess
     "test_kernels.py",  # 180: the Pallas interpreter
     "test_decode.py",  # 180
+    "test_auto.py",  # 47 alone, 171 beside a full run (2026-12-04): the forced forms, the oracle rounds
     "test_bench.py",  # 150
     "test_moe.py",  # 75 (CPU seconds, a busy 2-core machine)
     "test_sampling.py",  # 120: one test
@@ -71,7 +72,6 @@ LONGEST_FIRST = (
     "test_serve.py",  # 105: four servers, besides the worker
     "test_tree.py",  # 95
     "test_engine.py",  # 70
-    "test_auto.py",  # 60
     "test_notebooks.py",  # 55
     "test_model.py",  # 40
     "test_convert.py",  # 30
