@@ -115,7 +115,7 @@ def test_interleaved_ab_script(tmp_path):
             "--rounds", "2", "--pairs", "3", "--variant", "base:", "--variant", "auto:forms=ar+chain+4+8",
             "--variant", "dom:draft=stacked-out-major,layer_unroll=2",
             "--variant", "tuned:qkv_write=0,sampling=1,pallas_kernels.decode_attention.BLOCK=32",
-            "--json", str(out), "--hlo", str(tmp_path / "hlo")]
+            "--json", str(out), "--hlo", str(tmp_path / "hlo"), "--profile", str(tmp_path / "prof")]
     done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(out.read_text())
@@ -133,6 +133,7 @@ def test_interleaved_ab_script(tmp_path):
     assert got["variants"]["tuned"]["sampling"] and not base["sampling"] and not base["filtering"]
     hlo = {name: gzip.open(tmp_path / "hlo" / f"{name}.hlo.txt.gz", "rt").read() for name in ("base", "dom", "tuned")}
     assert all(text.startswith("HloModule") for text in hlo.values())  # --hlo: each variant's optimized HLO module
+    assert set(got["profiles"]) == set(got["variants"])  # --profile: each variant traced after the timings
     assert hlo["tuned"].count(" xor(") > hlo["base"].count(" xor(")  # the sampling program draws (threefry's xors)
     for variant, msg in (("nocolon", "is not NAME:FIELD=VALUE"), ("x:draft=rolled", "draft='rolled': expected one of"),
                          ("x:forms=ar+tree", "forms=ar+tree: unknown form 'tree'")):
