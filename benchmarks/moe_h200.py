@@ -25,9 +25,7 @@
            experts each round touches per layer (measured from the router's choices) with the uniform-routing figure;
            then ``bench project`` on those records: the DDTree paper's acceptance lengths for this model x the
            measured round costs, per budget the grid measured (a projection: random weights accept about one token
-           a round), and the form ``--tree-budget auto`` would pick from those costs with those lengths; last, the
-           AR step with the GEMV kernel and with XLA's gather form (``--tuning expert_gemv=0``) one after the other,
-           each with a profiler trace summarised (its kernels).
+           a round), and the form ``--tree-budget auto`` would pick from those costs with those lengths.
 
 Writes ``OUT/moe_h200.json`` (checks, forms, layer timings, the grid's records) and the bench's own files under
 ``OUT/bench``; prints a short table of each part. Each part is guarded: a failure is recorded and the next part runs.
@@ -60,11 +58,12 @@ SHAPE = shapes.SHAPES[PAPER_MODEL]
 ROWS = (1, 8, 72, 520, 2056)
 TOKENS = (1, 9, 65, 257)
 ROUTINGS = 8  # different routings per timed loop
-# the GEMV's variants timed at up to moe.GATHER_MAX_PAIRS rows, each one change from its defaults
+# the GEMV's variants timed at up to moe.GATHER_MAX_PAIRS rows, each one change from its defaults (the whole AR step
+# with and without the kernel: benchmarks/ab_interleaved.py --model qwen3-coder-30b-a3b --method ar --variant gemv:
+# --variant xla_gather:expert_gemv=0 --profile DIR)
 GEMV_VARIANTS = {**{f"bn{bn}": {"block_n": bn} for bn in eg.BLOCK_N}, "bd512": {"block_d": 512},
                  "bd1024": {"block_d": 1024}, "w2": {"warps": 2}, "w8": {"warps": 8}, "s2": {"stages": 2},
                  "s4": {"stages": 4}}
-AB_S = 110.0  # seconds the grid leaves for the AR step's A/B with and without the GEMV kernel (ar_ab)
 GEMV_MAX_ROWS = 72  # rows up to which the GEMV kernel is timed (past them it reads each expert several times)
 KERNEL = "pallas"  # the attention implementation that selects the kernel ("pallas-interpret" on CPU: --quick)
 
@@ -273,30 +272,6 @@ def policy_choices(grid: list[dict]) -> dict:
             "choices": projection.choices(taus, {f: ms[f] for f in forms})}
 
 
-def ar_ab(grid: list[str], out: str) -> dict:
-    """The AR step with the decoder's default (the expert GEMV kernel where its probe passes) and with XLA's gather
-    form (``--tuning expert_gemv=0``), one after the other in this process, each with a profiler trace (its kernels,
-    for where the step's time above its roofline goes): the kernel's worth end to end."""
-    tuning = [grid[i + 1] for i, a in enumerate(grid) if a == "--tuning"]
-    rest = [a for i, a in enumerate(grid) if a != "--tuning" and (i == 0 or grid[i - 1] != "--tuning")]
-    base = [a for a in rest if a not in ("--methods", "ar,dflash,ddtree", "--no-profile")]
-    base[base.index("--time-budget-s") + 1] = str(AB_S / 2)
-    result = {"note": "the AR step with the decoder's default (the expert GEMV kernel) and with --tuning "
-                      "expert_gemv=0 (XLA's gather form), timed one after the other in this process, each profiled"}
-    for name, extra in (("gemv", []), ("xla_gather", ["expert_gemv=0"])):
-        args = list(base)
-        args[args.index("--out") + 1] = os.path.join(out, f"ar_{name}")
-        bench.main(args + ["--methods", "ar", "--no-breakdown"]
-                   + (["--tuning", ",".join(tuning + extra)] if tuning + extra else []))
-        with open(os.path.join(out, f"ar_{name}", args[args.index("--results-name") + 1])) as f:
-            (record,) = [r for r in json.load(f) if r.get("method") == "ar" and r.get("ms_per_round")]
-        with open(os.path.join(out, f"ar_{name}", "bench_details.json")) as f:
-            profiles = [c.get("profile") for c in json.load(f).get("configs", {}).values() if c.get("profile")]
-        result[f"{name}_ms"] = record["ms_per_round"]
-        result[name] = {"record": record, "profile": profiles[0] if profiles else None}
-    return result
-
-
 def table(rows: list[dict], cols: list[str]) -> str:
     cells = [[f"{r[c]:.3f}" if isinstance(r.get(c), float) else str(r.get(c, "-")) for c in cols] for r in rows]
     widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
@@ -371,7 +346,7 @@ def main(argv=None) -> int:
         budgets, key = ("4,16", "16") if args.quick else (args.budgets, "64")
         grid = ["models", "--models", SHAPE.name, "--prompts", "512", "--batches", "1", "--methods", "ar,dflash,ddtree",
                 "--budgets", budgets, "--key-budgets", key, "--no-hlo", "--no-profile", "--no-tree-micro",
-                "--repeats", "3", "--stage-iters", "5", "--time-budget-s", str(max(60.0, left - 20 - AB_S)),
+                "--repeats", "3", "--stage-iters", "5", "--time-budget-s", str(max(60.0, left - 20)),
                 "--out", os.path.join(args.out, "bench"), "--results-name", "moe_grid.json"]
         if args.tuning:
             grid += ["--tuning", args.tuning]
@@ -400,14 +375,6 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             result["policy"] = {"error": repr(e)[:1000]}
-        try:
-            result["ar_ab"] = ar_ab(grid, args.out)
-            ab = result["ar_ab"]
-            print(f"AR step in one process: {ab['gemv_ms']:.3f} ms with the expert GEMV kernel, "
-                  f"{ab['xla_gather_ms']:.3f} ms with XLA's gather form")
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            result["ar_ab"] = {"error": repr(e)[:1000]}
     result["seconds"]["total"] = time.time() - t_start
     save()
     log(f"wrote {path} ({result['seconds']['total']:.0f}s)")
