@@ -203,7 +203,7 @@ def accept_commit(spec: Spec, state: State, tree: trees.Tree, dcache, logits, ca
         forms = forms.at[jnp.arange(b), at].set(policy.code(spec.form), mode="drop")
         if pred is not None:  # ROUNDS, ACCEPTED, the predictions (USED, CHAIN_PRED, the trees), what trees saw
             row = jnp.concatenate([jnp.ones((b, 1)), length[:, None].astype(jnp.float32), pred,
-                                   seen_trees(spec, path, length, pred)], axis=1)
+                                   seen_trees(spec, path, length)], axis=1)
             stats = stats + jnp.where(active[:, None], row, 0.0)
 
     context = None if spec.draft is None else jnp.take_along_axis(taps, path[:, :, None], axis=1)
@@ -224,20 +224,16 @@ def accept_commit(spec: Spec, state: State, tree: trees.Tree, dcache, logits, ca
     ), context, count
 
 
-def seen_trees(spec: Spec, path: Array, length: Array, pred: Array) -> Array:
-    """[B, 3 len(spec.predict)]: for each predicted tree of c nodes that this round's tree holds (a best-first tree's
-    first c nodes: c <= spec.budget, not for the chain), 1, the acceptance length it would have had (the root and the
-    accepted path up to its first node past c: node indices grow along a path) and its prediction; zeros for the
-    others (policy.seen_columns). path [B, W] tree indices root-first, length [B], pred [B, 2 + len(spec.predict)]."""
-    b = path.shape[0]
-    held = [spec.tree == "best_first" and c <= spec.budget for c in spec.predict]
-    on_path = jnp.arange(path.shape[1])[None] < length[:, None]
-    zero = jnp.zeros((b,), jnp.float32)
-    would = [1 + jnp.sum(on_path[:, 1:] & (path[:, 1:] <= c), axis=1).astype(jnp.float32) if h else zero
-             for c, h in zip(spec.predict, held)]
-    rounds = [jnp.full((b,), float(h)) for h in held]
-    preds = [pred[:, 2 + i] if h else zero for i, h in enumerate(held)]
-    return jnp.stack(rounds + would + preds, axis=1) if held else jnp.zeros((b, 0), jnp.float32)
+def seen_trees(spec: Spec, path: Array, length: Array) -> Array:
+    """[B, len(spec.predict)] f32: for each predicted tree of c nodes that this round's tree holds (a best-first tree's
+    first c nodes: c <= spec.budget, not for the chain), the acceptance length it would have had: the root and the
+    accepted path up to its first node past c (node indices grow along a path); 0 for the others
+    (policy.seen_column). path [B, W] tree indices root-first, length [B]."""
+    on_path = (jnp.arange(path.shape[1])[None] < length[:, None])[:, 1:, None]  # [B, W-1, 1]
+    budgets = jnp.asarray(spec.predict, jnp.int32)  # [T]
+    held = (spec.tree == "best_first") & (budgets <= spec.budget)
+    would = 1 + jnp.sum(on_path & (path[:, 1:, None] <= budgets), axis=1)  # [B, T]
+    return jnp.where(held, would, 0).astype(jnp.float32)
 
 
 def _pad_nodes(x: Array, width: int) -> Array:

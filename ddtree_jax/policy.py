@@ -12,11 +12,13 @@ under-confident, so :class:`Policy` keeps per sequence an exponential moving rat
 
     r_i = (accepted - 1) / (predicted for the form used - 1)        (clipped to [0, RATIO_MAX])
 
-and expects E_i(c) = 1 + r_i (pred_i(c) - 1) tokens a round from form c (an AR step: exactly 1). A tree round also
-shows what every smaller tree would have accepted (its c best nodes are that tree: the accepted path up to its first
-node past c), so each tree form c keeps its own ratio r_i(c) from those rounds, and a larger tree, never seen, takes
-the ratio of the largest smaller one seen: a form whose extra nodes the drafter overrates is seen to accept less than
-its prediction and is left, while the smaller trees' ratios are not lowered by it. It picks the (form,
+and expects E_i(c) = 1 + r_i k_i(c) (pred_i(c) - 1) tokens a round from form c (an AR step: exactly 1). A tree round
+also shows what every smaller tree would have accepted (its c best nodes are that tree: the accepted path up to its
+first node past c), so each tree form c keeps a moving factor k_i(c): its own ratio in those rounds over the ratio of
+the form they ran (1 until seen; a larger tree never seen takes the largest smaller one's; the chain 1). A large tree
+whose extra nodes the drafter overrates is then seen to accept less than its prediction and is left, while the smaller
+trees are not underrated by its low ratio; and as factors, not ratios, they follow r_i when only the chain probes (a
+drafter useless for a while, then useful again). It picks the (form,
 slot batch) with the most expected tokens per second, sum_i E_i(c) / cost(c, n), among the ready programs whose cost
 is known (``costs.CostTable``: seconds a round, measured on the device). When AR wins no prediction arrives any more,
 so after N AR groups one group probes the cheapest speculative form; N doubles after each probe that changes nothing
@@ -45,29 +47,29 @@ CPU_TREES = (8, 16, 32)  # ... on CPU, where a verify costs in proportion to its
 # ones at --max-batch 32 with the GPU forms) and the logits' memory (rows x vocabulary x 4 bytes: 0.6 GB for Qwen3).
 ROW_CAP = 1024
 
-# Columns of decode.State.stats [B, STATS + 4 len(trees)] float32 (:func:`width`): per sequence, sums over its rounds.
+# Columns of decode.State.stats [B, STATS + 2 len(trees)] float32 (:func:`width`): per sequence, sums over its rounds.
 # Only rounds that drafted (not AR steps) add to them.
 ROUNDS, ACCEPTED, USED, CHAIN_PRED = 0, 1, 2, 3  # rounds; their acceptance lengths; the prediction of the form used;
 # the chain's prediction. Column STATS + i: the prediction of a tree of trees[i] nodes (0 where the round's tree was
-# built smaller: not predicted). Then, per tree i, three blocks of len(trees) columns (:func:`seen_columns`) over
-# the rounds whose tree held trees[i] nodes or more: their count, the acceptance length a tree of trees[i] nodes
-# would have had in them, and its prediction in them.
+# built smaller: not predicted). Column STATS + len(trees) + i (:func:`seen_column`): the acceptance length a tree of
+# trees[i] nodes would have had, in the rounds whose tree held it (0 in the others). A group of rounds runs one form,
+# so the host knows which those were: all of the group's rounds when its form is a tree of trees[i] nodes or more.
 STATS = 4
 
 
 def width(trees: Sequence[int]) -> int:
     """Columns of decode.State.stats for the tree budgets ``trees`` (Spec.predict)."""
-    return STATS + 4 * len(trees)
+    return STATS + 2 * len(trees)
 
 
-def seen_columns(trees: Sequence[int], i: int) -> tuple[int, int, int]:
-    """The columns (rounds, acceptance length, prediction) of tree i in the rounds whose tree held it."""
-    t = len(trees)
-    return STATS + t + i, STATS + 2 * t + i, STATS + 3 * t + i
+def seen_column(trees: Sequence[int], i: int) -> int:
+    """The column of what a tree of trees[i] nodes would have accepted in the rounds whose tree held it."""
+    return STATS + len(trees) + i
 
 
 SMOOTHING = 0.1  # weight of one round in the moving averages: a group of 8 rounds weighs 1 - 0.9^8 = 0.57
 RATIO_MAX = 2.0
+FACTOR_MAX = 4.0  # a tree's factor on the ratio (k_i(c)), at most
 FIRST_PROBE_EVERY = 2  # AR groups before the first probe of a speculative form
 MAX_PROBE_EVERY = 64
 
@@ -135,7 +137,7 @@ class Estimate:
 
     ratio: float = 1.0  # of the forms used (any tree, the chain)
     preds: dict[str, float] = dataclasses.field(default_factory=dict)  # form -> predicted acceptance length
-    ratios: dict[str, float] = dataclasses.field(default_factory=dict)  # tree form -> its own ratio, where seen
+    factors: dict[str, float] = dataclasses.field(default_factory=dict)  # tree form -> its factor k on ratio, where seen
     observed: bool = False
 
 
@@ -167,7 +169,7 @@ class Policy:
     # ---------------------------------------------------------------- sequences
     def start(self, seq) -> None:
         """A new sequence: it starts from the prior (what the sequences before it showed)."""
-        self.seqs[seq] = Estimate(self.prior.ratio, dict(self.prior.preds), dict(self.prior.ratios), False)
+        self.seqs[seq] = Estimate(self.prior.ratio, dict(self.prior.preds), dict(self.prior.factors), False)
 
     def end(self, seq) -> None:
         self.seqs.pop(seq, None)
@@ -183,11 +185,12 @@ class Policy:
         preds = {CHAIN: float(sums[CHAIN_PRED]) / rounds}
         preds.update({str(b): float(s) / rounds for b, s in zip(self.columns, sums[STATS:]) if s > 0})
         ratio = _ratio(rounds, float(sums[ACCEPTED]), float(sums[USED]))
-        seen = {}  # tree form -> (its ratio, rounds) in the rounds whose tree held it
+        factors = {}  # tree form -> its ratio over the form used's, for every tree the group's tree held
+        used = tree_budget(form) or 0
         for i, b in enumerate(self.columns):
-            n, acc, pred = (float(sums[c]) for c in seen_columns(self.columns, i))
-            if n > 0 and (r := _ratio(n, acc, pred)) is not None:
-                seen[str(b)] = (r, n)
+            if b <= used and ratio and (r := _ratio(rounds, float(sums[seen_column(self.columns, i)]),
+                                                    float(sums[STATS + i]))) is not None:
+                factors[str(b)] = min(r / ratio, FACTOR_MAX)
         weight = 1.0 - (1.0 - SMOOTHING) ** rounds
         for est in (self.seqs[seq], self.prior):
             first = not est.observed
@@ -196,9 +199,9 @@ class Policy:
             for f, p in preds.items():
                 old = est.preds.get(f)
                 est.preds[f] = p if old is None or first else old + weight * (p - old)
-            for f, (r, n) in seen.items():
-                old = est.ratios.get(f)
-                est.ratios[f] = r if old is None or first else old + (1.0 - (1.0 - SMOOTHING) ** n) * (r - old)
+            for f, k in factors.items():
+                old = est.factors.get(f)
+                est.factors[f] = k if old is None or first else old + weight * (k - old)
             est.observed = True
         if form != AR and self._probe_out:  # a probe's, not those of speculation that ran before AR won
             self._probed, self._probe_out = True, False
@@ -217,14 +220,11 @@ class Policy:
 
     @staticmethod
     def ratio(est: Estimate, form: str) -> float:
-        """r_i(form): a tree's own ratio where seen, else the largest smaller seen tree's, else the forms' used."""
+        """r_i k_i(form): the ratio times a tree's factor (its own where seen, else the largest smaller seen tree's,
+        else 1; the chain's 1), at most RATIO_MAX."""
         b = tree_budget(form)
-        if b is None:
-            return est.ratio
-        if form in est.ratios:
-            return est.ratios[form]
-        smaller = [(int(f), r) for f, r in est.ratios.items() if int(f) < b]
-        return max(smaller)[1] if smaller else est.ratio
+        smaller = [(int(f), k) for f, k in est.factors.items() if int(f) <= (b or 0)]
+        return min(est.ratio * (max(smaller)[1] if smaller else 1.0), RATIO_MAX)
 
     def expected(self, seq, form: str) -> float | None:
         """E_i(form): tokens a round of ``form`` is expected to commit for sequence ``seq``; None when unknown."""

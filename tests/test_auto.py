@@ -260,12 +260,11 @@ def test_a_tree_round_shows_what_each_smaller_tree_would_have_accepted(target, d
         seen[form] = np.asarray(after.stats)
     t = len(spec.predict)
     for i, c in enumerate(spec.predict):
-        cols = policy.seen_columns(spec.predict, i)
-        np.testing.assert_array_equal(seen["8"][:, cols[0]], 1)
-        np.testing.assert_array_equal(seen["8"][:, cols[1]], rounds[str(c)])  # what that tree's own round accepted
-        np.testing.assert_allclose(seen["8"][:, cols[2]], seen[str(c)][:, policy.USED], rtol=1e-6)
-    small = policy.seen_columns(spec.predict, 0)
-    np.testing.assert_array_equal(seen["2"][:, small[1]], rounds["2"])
-    assert not seen["2"][:, list(policy.seen_columns(spec.predict, 2))].any()  # a tree of 2 does not hold 8 nodes
-    assert not seen["chain"][:, policy.STATS + t:].any()
+        col = policy.seen_column(spec.predict, i)
+        np.testing.assert_array_equal(seen["8"][:, col], rounds[str(c)])  # what that tree's own round accepted
+        # ... and its prediction there is the one that tree's own round used
+        np.testing.assert_allclose(seen["8"][:, policy.STATS + i], seen[str(c)][:, policy.USED], rtol=1e-6)
+    np.testing.assert_array_equal(seen["2"][:, policy.seen_column(spec.predict, 0)], rounds["2"])
+    assert not seen["2"][:, policy.seen_column(spec.predict, 2)].any()  # a tree of 2 does not hold 8 nodes
+    assert seen["chain"].shape[1] == policy.width(spec.predict) and not seen["chain"][:, policy.STATS + t:].any()
     assert len({tuple(r) for r in rounds.values()}) >= 3, rounds  # the trees accepted differently

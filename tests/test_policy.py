@@ -14,12 +14,13 @@ FORMS = ("ar", "chain") + tuple(map(str, TREES))
 
 def stats(rounds, accepted, used, chain, trees, seen=None):
     """One group's statistics row (policy's columns) for ``rounds`` rounds with the per-round values given; ``seen``:
-    {tree budget: acceptance length} of the trees the rounds' tree held (none by default)."""
-    seen = seen or {}
-    held = [str(b) in seen for b in TREES]
+    {tree budget: acceptance length} the trees the rounds' tree held would have had (the policy reads those up to the
+    group's form; default: each tree's prediction corrected by the ratio of the form used, as if one ratio held)."""
+    if seen is None:
+        r = (accepted - 1) / (used - 1) if used > 1 else 0.0
+        seen = {str(b): 1 + r * (t - 1) for b, t in zip(TREES, trees)}
     return np.asarray([rounds, rounds * accepted, rounds * used, rounds * chain] + [rounds * t for t in trees]
-                      + [rounds * h for h in held] + [rounds * seen.get(str(b), 0) for b in TREES]
-                      + [rounds * t * h for t, h in zip(trees, held)], np.float32)
+                      + [rounds * seen.get(str(b), 0) for b in TREES], np.float32)
 
 
 def curve(top, scale=64.0, budgets=TREES):
@@ -108,10 +109,10 @@ def test_each_tree_keeps_its_own_ratio_so_overrated_extra_nodes_do_not_hide_a_be
         assert p.expected(0, f) == pytest.approx(true[f], rel=1e-5)
     assert p.expected(0, "256") < pred[4]  # never seen: the ratio of 128, the largest tree seen
     assert p.choose([0], options()) == ("64", 1)
-    blind = policy.Policy(FORMS, TREES)  # the same round without what the smaller trees saw
-    blind.start(0)
-    blind.observe(0, "128", stats(8, true["128"], pred[3], 1.1, pred))
-    assert blind.expected(0, "64") < 0.9 * true["64"] and blind.choose([0], options()) == ("128", 1)
+    r = p.seqs[0].ratio  # the one ratio of the round of 128: by it every smaller tree is underrated, 128 kept
+    single = {f: (1.0 if f == "ar" else 1 + r * (pred[TREES.index(int(f))] - 1)) / c for f, c in COSTS.items()
+              if f not in ("chain", "256")}
+    assert 1 + r * (pred[2] - 1) < 0.9 * true["64"] and max(single, key=single.get) == "128"
 
 
 def test_falls_back_to_ar_when_the_drafter_is_useless_and_probes_less_and_less():
