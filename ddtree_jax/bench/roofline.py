@@ -9,7 +9,8 @@ import time
 
 
 def measure_ceilings(quick: bool) -> dict:
-    """Copy bandwidth (read + write bytes), bf16 GEMV read bandwidth, bf16 matmul rate, on random data."""
+    """Copy bandwidth (read + write bytes), bf16 GEMV read bandwidth, bf16 matmul rate, on random data: 4 GiB and
+    1 GiB buffers on a GPU, 1/16 of that elsewhere (a CPU machine's memory), tiny ones when ``quick``."""
     import jax
     import jax.numpy as jnp
 
@@ -24,13 +25,14 @@ def measure_ceilings(quick: bool) -> dict:
             out.append(1e3 * (time.perf_counter() - t0) / k)
         return statistics.median(out)
 
-    n = (1 << 24) if quick else (1 << 31)  # bf16 elements: 4 GiB
+    small = 1 if jax.default_backend() == "gpu" else 16  # the buffers' divisor off a GPU
+    n = (1 << 24) if quick else (1 << 31) // small  # bf16 elements: 4 GiB on a GPU
     keys = jax.random.split(jax.random.key(7), 4)
     x = jax.random.normal(keys[0], (n,), jnp.float32).astype(jnp.bfloat16)
     copy_ms = med_ms(jax.jit(lambda a: a + jnp.bfloat16(1)), [(x,)], 5)
     copy_gbps = 2 * x.nbytes / copy_ms / 1e6
     del x
-    d, f = (256, 512) if quick else (8192, 65536)  # 1 GiB of weights
+    d, f = (256, 512) if quick else (8192, 65536 // small)  # 1 GiB of weights on a GPU
     w = jax.random.normal(keys[1], (d, f), jnp.float32).astype(jnp.bfloat16)
     gemv = {}
     for b in (1, 8):
@@ -38,7 +40,7 @@ def measure_ceilings(quick: bool) -> dict:
         ms = med_ms(jax.jit(lambda a, m: jnp.dot(a, m, preferred_element_type=jnp.float32)), [(v, w)], 10)
         gemv[f"batch{b}_gbps"] = w.nbytes / ms / 1e6
     del w
-    m = 256 if quick else 8192
+    m = 256 if quick else 8192 // (4 if small > 1 else 1)
     a = jax.random.normal(keys[3], (m, m), jnp.float32).astype(jnp.bfloat16)
     mm_ms = med_ms(jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.float32).astype(jnp.bfloat16)),
                    [(a, a)], 10)
