@@ -334,14 +334,16 @@ class Engine:
             self._ended.append(0)
             self._mark_ended()
         self.programs.compile(self.first)
-        self._measure_ready()
+        self._measure_ready(most=None)
         log.info("engine warm in %.1fs", time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ programs
-    def _measure_ready(self) -> None:
-        """Time the programs that need it (:meth:`programs.Programs.to_time`) on the free slots."""
+    def _measure_ready(self, most: int | None = 1) -> None:
+        """Time ``most`` of the programs that need it (:meth:`programs.Programs.to_time`) on the free slots: one a
+        pass of the loop, so that requests are admitted and stepped between timings (timing every program at once
+        held a lone request for as long as 30 s on 2 CPU cores)."""
         free = [s for s, j in enumerate(self.slots) if j is None]
-        self.state = self.programs.measure(self.state, free, self._context())
+        self.state = self.programs.measure(self.state, free, self._context(), most)
 
     def _context(self) -> int:
         """Committed tokens per live sequence, on average (the shortest bucket when none is live)."""
@@ -457,10 +459,12 @@ class Engine:
         rows = np.array((live + [s for s, j in enumerate(self.slots) if j is None])[: program.size], np.int32)
         if program.size == len(self.slots):
             rows = np.arange(len(self.slots), dtype=np.int32)
+        quiet = self.programs.quiet()
         t0 = time.perf_counter()
         self.state, part = self.programs.call(program, self.state, rows, starts[rows])
         part = jax.device_get(part)
         elapsed = time.perf_counter() - t0
+        quiet = quiet and self.programs.quiet()
         if program.size == len(self.slots):
             snap = part
         else:
@@ -472,7 +476,10 @@ class Engine:
         rounds = int(snap.new_rounds.max()) if snap.new_rounds.size else 0
         if rounds:
             self.metrics.round_latency.observe(elapsed / rounds)
-            self.costs.observe(program.cost_key, elapsed / rounds, self._context())
+            if quiet:
+                self.costs.observe(program.cost_key, elapsed / rounds, self._context())
+            else:  # slowed by the compiler's threads (2 CPU cores: 2x); timed again once none runs (to_time)
+                program.clean = False
         if snap.new_stats is not None:
             for s in live:
                 self.policy.observe(s, program.form, snap.new_stats[s])

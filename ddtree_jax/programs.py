@@ -200,11 +200,11 @@ class Programs(collections.abc.Mapping):
         return [p for p in self._programs.values() if p.fn is not None and p.size <= free
                 and ((not p.tried and self.costs.get(p.cost_key) is None) or (quiet and not p.clean))]
 
-    def measure(self, state: decode.State, free: list[int], context: int) -> decode.State:
+    def measure(self, state: decode.State, free: list[int], context: int, most: int | None = None) -> decode.State:
         """Time, on the ``free`` slots of ``state`` turned into dummies (:func:`autorun.rewind`) at ``context`` tokens,
         each program of :meth:`to_time` whose slot batch the free slots fill (the whole batch only when every slot is
-        free); return the state, those slots marked done."""
-        todo = self.to_time(len(free))
+        free), at most ``most`` of them (never-timed ones first); return the state, those slots marked done."""
+        todo = sorted(self.to_time(len(free)), key=lambda p: self.costs.get(p.cost_key) is not None)[:most]
         for program in todo:
             program.tried = True
             program.clean = self.quiet()

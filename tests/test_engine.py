@@ -292,6 +292,58 @@ def test_costs_timed_during_compilation_are_timed_again_when_it_is_done(target, 
         eng.stop()
 
 
+def test_steps_beside_a_compilation_leave_the_cost_to_a_timing_when_it_is_done(target, drafter):
+    """A step slowed by the compiler's threads (2x on 2 CPU cores) does not move its program's cost: once the cost
+    of a slot batch of one rose so, a lone request ran on the slot batch of two ever after (never chosen, it was
+    never corrected). The program is timed again once no compilation runs."""
+    cfg = engines.EngineConfig(method="ddtree", forms=("ar",), max_batch=2, max_len=MAX_LEN, batch_buckets=(1,))
+    eng = engines.Engine(target, drafter, cfg)
+    eng.start()
+    try:
+        wait_until(lambda: eng.programs_ready == 3 and not eng._untimed())
+        p = eng.programs["ar", 1, "greedy"]
+        before = eng.costs.get(p.cost_key)
+        with eng._lock:  # the next steps run "beside a compilation"
+            eng.programs.quiet = lambda: False
+        res = eng.generate([1, 2, 3], greedy(12), timeout=120)
+        assert len(res.token_ids) == 12 and eng.step_programs["ar", 1, "greedy"] > 0
+        assert eng.costs.get(p.cost_key) == before and not p.clean
+        with eng._lock:
+            del eng.programs.quiet  # the class's again: nothing compiles
+            eng._wake.notify()
+        wait_until(lambda: p.clean)
+        assert eng.costs.get(p.cost_key) != before  # timed anew
+    finally:
+        eng.stop()
+
+
+def test_programs_are_timed_one_at_a_time_never_timed_first(target, drafter):
+    """The engine times one program a pass of its loop, so requests are admitted and stepped between timings
+    (timing all at once held a lone request up to 30 s on 2 CPU cores); programs never timed go first."""
+    cfg = engines.EngineConfig(method="ddtree", forms=("ar", "4"), max_batch=2, max_len=MAX_LEN, batch_buckets=(1,))
+    eng = engines.Engine(target, drafter, cfg)
+    eng.warmup()
+    progs = eng.programs
+    for p in progs.values():
+        if p.variant == "greedy":
+            progs.compile(p)
+    assert progs.quiet()
+    known = progs["ar", 1, "greedy"]
+    progs.costs.measured(known.cost_key, 1.0, 64)
+    known.tried, known.clean = True, False  # its cost known but timed beside a compilation: to be timed again
+    todo = progs.to_time(2)
+    costed = [p for p in todo if progs.costs.get(p.cost_key) is not None]
+    assert known in costed and len(todo) > len(costed)
+    timed = []
+    while progs.to_time(2):
+        left = progs.to_time(2)
+        eng._measure_ready()
+        timed += [p for p in left if p not in progs.to_time(2)]
+        assert len(left) - len(progs.to_time(2)) == 1  # one a pass
+    assert set(timed[len(todo) - len(costed):]) == set(costed)  # after the ones never timed
+    assert progs.costs.get(known.cost_key) != 1.0 and known.clean
+
+
 def test_forms_and_slot_batches_run_only_the_live_slots(target, drafter, tokenizer, reference_runs, monkeypatch):
     """Under --tree-budget auto each step runs the (form, slot batch) the policy picks among the compiled programs:
     the warm-up compiles the full batch's AR step (in the variant that serves any request), the background compiler
