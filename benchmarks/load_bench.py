@@ -4,7 +4,7 @@ A configuration is METHOD or METHOD:BUDGET (ar; dflash and ddtree under --tree-b
 e.g. ddtree:64). For each: start ``python -m ddtree_jax.serve --target T --method M [--tree-budget B] --max-batch 32
 ...`` in the background, time it to /health 200 (``startup_s``; the servers' cache directory is OUT/cache unless
 --cache-dir says otherwise, so the first start compiles everything), optionally wait until every program is compiled
-(--wait-compiled: the steady state; ``compiled_s``), run ``python -m ddtree_jax.loadtest --json`` once per
+and timed (--wait-compiled: the steady state; ``compiled_s``), run ``python -m ddtree_jax.loadtest --json`` once per
 concurrency level (max(K x c, MIN) closed-loop requests of exactly --max-tokens tokens), stop the server, and for the
 configurations of --restart start it once more to time a second start on the persistent compilation cache
 (``restart_s``). Each configuration gets an equal share of what is left of --time-limit; a level that would overrun it
@@ -88,7 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=1024, help="server --max-len (default: %(default)s)")
     p.add_argument("--wait-compiled", type=float, default=0.0, metavar="S",
                    help="before the levels, wait up to S seconds until the server has compiled every program "
-                        "(/health's programs_compiled), so that the levels measure the steady state (default: 0)")
+                        "and timed (/health's programs_compiled and programs_timed), so that the levels measure the steady "
+                        "state (default: 0)")
     p.add_argument("--restart", type=_configs, default=[], metavar="CONFIGS",
                    help="configurations to start a second time, on the persistent compilation cache, to time it "
                         "(default: none)")
@@ -172,11 +173,13 @@ def _start(args, config: str, log, deadline: float) -> tuple[subprocess.Popen, s
 
 
 def _wait_compiled(url: str, limit: float) -> tuple[float | None, dict]:
-    """Seconds until /health says every program is compiled (None when ``limit`` passed first), and its last JSON."""
+    """Seconds until /health says every program is compiled and timed (None when ``limit`` passed first), and its
+    last JSON."""
     t0 = time.monotonic()
     while True:
         health = _health(url) or {}
-        if health.get("programs_compiled", 0) >= health.get("programs", 1):
+        compiled = health.get("programs_compiled", 0)
+        if compiled >= health.get("programs", 1) and health.get("programs_timed", compiled) >= compiled:
             return round(time.monotonic() - t0, 1), health
         if time.monotonic() - t0 > limit:
             return None, health

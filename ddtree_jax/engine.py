@@ -58,6 +58,8 @@ from ddtree_jax.weight_layout import device_layout, layout_method
 Array = jax.Array
 log = logging.getLogger("ddtree_jax.engine")
 
+IDLE_S = 0.5  # an engine idle this long times the programs that need it on free slots (Engine._timing_due)
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -166,6 +168,7 @@ class Engine:
         self.step_sizes: collections.Counter[int] = collections.Counter()  # steps run per slot-batch size
         self.step_programs: collections.Counter[tuple] = collections.Counter()  # steps per (form, size, variant)
         self._ended: list[int] = []  # slots of jobs that ended since the last device update
+        self._busy = 0.0  # time.monotonic() of the last step (idle timings wait IDLE_S after it)
         self.waiting: collections.deque[Job] = collections.deque()
         self._cancels: set[str] = set()
         self._lock = threading.Lock()
@@ -196,6 +199,11 @@ class Engine:
     @property
     def programs_ready(self) -> int:
         return self.programs.ready
+
+    @property
+    def programs_timed(self) -> int:
+        """Compiled programs whose cost was timed with no compilation running."""
+        return self.programs.timed
 
     @property
     def programs_wanted(self) -> int:
@@ -339,9 +347,10 @@ class Engine:
 
     # ------------------------------------------------------------------ programs
     def _measure_ready(self, most: int | None = 1) -> None:
-        """Time ``most`` of the programs that need it (:meth:`programs.Programs.to_time`) on the free slots: one a
-        pass of the loop, so that requests are admitted and stepped between timings (timing every program at once
-        held a lone request for as long as 30 s on 2 CPU cores)."""
+        """Time ``most`` of the programs that need it (:meth:`programs.Programs.to_time`) on the free slots of an
+        engine idle for ``IDLE_S``: one a pass of the loop, so that arriving requests are admitted between timings.
+        Under load the steps time the programs they need instead (:meth:`programs.Programs.choose`): timing every
+        program on free slots held a lone request for as long as 30 s on 2 CPU cores."""
         free = [s for s, j in enumerate(self.slots) if j is None]
         self.state = self.programs.measure(self.state, free, self._context(), most)
 
@@ -355,19 +364,23 @@ class Engine:
         try:
             while True:
                 with self._lock:
-                    while (not self._stopping and not self._cancels and not self.active_slots and not self.waiting
-                           and not self._untimed()):
-                        self._wake.wait()
+                    while not self._stopping and not self._cancels and not self.active_slots and not self.waiting:
+                        due = self._timing_due()
+                        if due == 0.0:
+                            break
+                        self._wake.wait(due)
                     if self._stopping:
                         break
                     cancels, self._cancels = self._cancels, set()
                 self._cancel(cancels)
                 self._mark_ended()  # before admission, which may reuse the freed slots
                 self._admit()
-                self._measure_ready()
+                if not self.active_slots and self._timing_due() == 0.0:
+                    self._measure_ready()
                 if self.active_slots:
                     self._deliver(*self._step())
                     self._mark_ended()
+                    self._busy = time.monotonic()
         except BaseException as e:  # noqa: BLE001 - every request must hear about it
             self.failure = f"engine failed: {type(e).__name__}: {e}"
             log.exception("engine loop failed")
@@ -448,6 +461,13 @@ class Engine:
         """Whether :meth:`_measure_ready` has a program to time (the engine thread wakes for it when idle)."""
         return bool(self.programs.to_time(sum(j is None for j in self.slots)))
 
+    def _timing_due(self) -> float | None:
+        """Seconds until the idle engine times a program on free slots (0.0: now; None: none to time): ``IDLE_S``
+        after its last step, so that a client's next request (closed loop: a few ms later) does not wait for it."""
+        if not self._untimed():
+            return None
+        return max(0.0, self._busy + IDLE_S - time.monotonic())
+
     def _step(self) -> tuple[np.ndarray, decode.Snapshot]:
         """Run ``rounds_per_step`` rounds of the chosen program (:meth:`programs.Programs.choose`) on the live slots;
         return (starts [B], Snapshot [B]) for every slot."""
@@ -460,6 +480,7 @@ class Engine:
         if program.size == len(self.slots):
             rows = np.arange(len(self.slots), dtype=np.int32)
         quiet = self.programs.quiet()
+        jax.block_until_ready(self.state)  # an admission's insert, queued before: not this step's time
         t0 = time.perf_counter()
         self.state, part = self.programs.call(program, self.state, rows, starts[rows])
         part = jax.device_get(part)
@@ -476,10 +497,7 @@ class Engine:
         rounds = int(snap.new_rounds.max()) if snap.new_rounds.size else 0
         if rounds:
             self.metrics.round_latency.observe(elapsed / rounds)
-            if quiet:
-                self.costs.observe(program.cost_key, elapsed / rounds, self._context())
-            else:  # slowed by the compiler's threads (2 CPU cores: 2x); timed again once none runs (to_time)
-                program.clean = False
+            self.programs.stepped(program, elapsed / rounds, self._context(), quiet)
         if snap.new_stats is not None:
             for s in live:
                 self.policy.observe(s, program.form, snap.new_stats[s])

@@ -273,7 +273,8 @@ class Server:
         if not e.alive:
             return JSONResponse({"status": "starting" if not e.ready else "stopped"}, status_code=503)
         return JSONResponse({"status": "ok", "active_slots": e.active_slots, "queue_length": e.queue_length,
-                             "programs_compiled": e.programs_ready, "programs": e.programs_wanted})
+                             "programs_compiled": e.programs_ready, "programs_timed": e.programs_timed,
+                             "programs": e.programs_wanted})
 
     async def metrics(self, request):
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

@@ -47,6 +47,8 @@ class Program:
     fn: Callable | None = None  # the executable, once compiled
     tried: bool = False  # timed (or run unmeasured) once
     clean: bool = False  # its cost was timed with no compilation in flight (else, or loaded from disk: timed again)
+    checked: bool = False  # timed again once because its cost exceeded the same form's at a larger slot batch
+    timing: bool = False  # chosen for a step that times it (Programs.stepped)
 
     @property
     def cost_key(self) -> str:
@@ -127,6 +129,11 @@ class Programs(collections.abc.Mapping):
         return sum(p.fn is not None for p in self._programs.values())
 
     @property
+    def timed(self) -> int:
+        """Compiled programs whose cost was timed with no compilation running."""
+        return sum(p.fn is not None and p.clean for p in self._programs.values())
+
+    @property
     def wanted(self) -> int:
         """Programs compiled or to be compiled: the first and the variants requests have needed so far."""
         return sum(p.variant in self._wanted or p is self.first for p in self._programs.values())
@@ -193,12 +200,24 @@ class Programs(collections.abc.Mapping):
         return self._in_flight == 0 and not self._pending()
 
     # ------------------------------------------------------------------ timing
+    def needs_timing(self, p: Program) -> bool:
+        """Compiled and never timed, or (no compilation running) timed beside one or loaded from disk, where its cost
+        may have been inflated, or its cost above the same form's at a larger slot batch (a subset of that work:
+        likely a slowed timing, and a program never chosen is never corrected; timed again once)."""
+        if p.fn is None:
+            return False
+        cost = self.costs.get(p.cost_key)
+        if cost is None:
+            return not p.tried
+        if not self.quiet():
+            return False
+        return not p.clean or (not p.checked and any(
+            q.size > p.size and (c := self.costs.get(q.cost_key)) is not None and c < cost
+            for q in self._programs.values() if (q.form, q.variant) == (p.form, p.variant)))
+
     def to_time(self, free: int) -> list[Program]:
-        """Compiled programs that ``free`` slots can hold and that need timing: never timed, or (when the engine is
-        quiet) timed while compilations ran, or loaded from disk, where their cost may have been inflated."""
-        quiet = self.quiet()
-        return [p for p in self._programs.values() if p.fn is not None and p.size <= free
-                and ((not p.tried and self.costs.get(p.cost_key) is None) or (quiet and not p.clean))]
+        """Compiled programs that ``free`` slots can hold and that need timing (:meth:`needs_timing`)."""
+        return [p for p in self._programs.values() if p.size <= free and self.needs_timing(p)]
 
     def measure(self, state: decode.State, free: list[int], context: int, most: int | None = None) -> decode.State:
         """Time, on the ``free`` slots of ``state`` turned into dummies (:func:`autorun.rewind`) at ``context`` tokens,
@@ -206,8 +225,9 @@ class Programs(collections.abc.Mapping):
         free), at most ``most`` of them (never-timed ones first); return the state, those slots marked done."""
         todo = sorted(self.to_time(len(free)), key=lambda p: self.costs.get(p.cost_key) is not None)[:most]
         for program in todo:
+            program.checked |= program.clean  # a clean cost timed again: for exceeding a larger slot batch's
             program.tried = True
-            program.clean = self.quiet()
+            quiet = self.quiet()
             rows = np.asarray(free[: program.size], np.int32)
             mask = np.zeros(self.batch, bool)
             mask[rows] = True
@@ -221,9 +241,23 @@ class Programs(collections.abc.Mapping):
             if sec is not None:
                 self.costs.measured(program.cost_key, sec, length)
                 log.info("timed %s: %.2f ms a round", program.cost_key, 1e3 * sec)
+            program.clean = quiet and self.quiet()
         if todo:
             self.costs.save()  # for the next start (no-op without a cost table on disk)
         return state
+
+    def stepped(self, program: Program, seconds: float, context: int, quiet: bool) -> None:
+        """A step's timing of ``program`` (seconds a round at ``context`` tokens; ``quiet``: no compilation ran
+        meanwhile): its cost when :meth:`choose` picked it to be timed, else a refinement of it. A step beside a
+        compilation (2x slower on 2 CPU cores) leaves the cost alone and marks the program to be timed again."""
+        timing, program.timing = program.timing, False
+        if not quiet:
+            program.clean = False
+        elif timing or self.costs.get(program.cost_key) is None:
+            self.costs.measured(program.cost_key, seconds, context)
+            program.clean = True
+        else:
+            self.costs.observe(program.cost_key, seconds, context)
 
     # ------------------------------------------------------------------ choosing and running
     def call(self, program: Program, state, rows: np.ndarray, starts: np.ndarray):
@@ -235,8 +269,8 @@ class Programs(collections.abc.Mapping):
 
     def choose(self, live: list[int], params: Sequence[SamplingParams], chooser: policy.Policy) -> Program:
         """The program of the next step for the ``live`` slots, whose requests' sampling ``params`` they are: among
-        the compiled ones holding them in a variant their requests allow, one never timed at the smallest such slot
-        batch (its step times it), else ``chooser``'s choice."""
+        the compiled ones holding them in a variant their requests allow, one that needs timing at the smallest such
+        slot batch (:meth:`needs_timing`: its step times it, :meth:`stepped`), else ``chooser``'s choice."""
         hot = [p for p in params if p.temperature > 0]
         need = "filtering" if any(accept.filters(p.top_p, p.top_k) for p in hot) else "sampling" if hot else "greedy"
         if need not in self._wanted:
@@ -248,10 +282,11 @@ class Programs(collections.abc.Mapping):
         ok = [p for p in self._programs.values() if p.fn is not None and p.size >= len(live)
               and VARIANTS.index(p.variant) >= VARIANTS.index(need)]
         smallest = min(p.size for p in ok)
-        untimed = [p for p in ok if p.size == smallest and not p.tried and self.costs.get(p.cost_key) is None]
+        untimed = [p for p in ok if p.size == smallest and self.needs_timing(p)]
         if untimed:
-            program = min(untimed, key=_rank)
-            program.tried = True
+            program = min(untimed, key=lambda p: (self.costs.get(p.cost_key) is not None, _rank(p)))
+            program.checked |= program.clean
+            program.tried = program.timing = True
             return program
         best: dict[tuple[str, int], tuple[float, Program]] = {}
         for p in ok:

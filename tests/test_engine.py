@@ -335,13 +335,49 @@ def test_programs_are_timed_one_at_a_time_never_timed_first(target, drafter):
     costed = [p for p in todo if progs.costs.get(p.cost_key) is not None]
     assert known in costed and len(todo) > len(costed)
     timed = []
-    while progs.to_time(2):
-        left = progs.to_time(2)
+    measured = progs.costs.measured
+    progs.costs.measured = lambda key, *a: (timed.append(key), measured(key, *a))[1]
+    for n in range(1, len(todo) + 1):
         eng._measure_ready()
-        timed += [p for p in left if p not in progs.to_time(2)]
-        assert len(left) - len(progs.to_time(2)) == 1  # one a pass
-    assert set(timed[len(todo) - len(costed):]) == set(costed)  # after the ones never timed
-    assert progs.costs.get(known.cost_key) != 1.0 and known.clean
+        assert len(timed) == n  # one a pass
+    never = {p.cost_key for p in todo if p not in costed}
+    assert set(timed[: len(never)]) == never  # the ones never timed first
+    assert known.cost_key in timed and progs.costs.get(known.cost_key) != 1.0 and known.clean
+
+
+def test_under_load_steps_time_the_programs_they_need(target, drafter):
+    """With requests live the engine times nothing on free slots (that held them); a program of the live slot batch
+    whose cost needs timing runs the next step, whose timing becomes its cost. A cost above the same form's at a
+    larger slot batch is timed again once: a slowed timing would otherwise keep a program unchosen for good."""
+    cfg = engines.EngineConfig(method="ddtree", forms=("ar",), max_batch=2, max_len=MAX_LEN, batch_buckets=(1,))
+    eng = engines.Engine(target, drafter, cfg)
+    eng.start()
+    try:
+        wait_until(lambda: eng.programs_ready == 3 and not eng._untimed())
+        progs = eng.programs
+        p, big = progs["ar", 1, "greedy"], progs["ar", 2, "greedy"]
+        timed_live = []
+        measure = progs.measure
+        progs.measure = lambda *a, **k: (timed_live.append(eng.active_slots), measure(*a, **k))[1]
+        with eng._lock:
+            eng.costs.measured(p.cost_key, 100.0, 64)  # as if timed beside a compilation
+            p.clean = False
+        res = eng.generate([1, 2, 3], greedy(12), timeout=120)
+        assert len(res.token_ids) == 12 and eng.step_programs["ar", 1, "greedy"] > 0
+        assert not any(timed_live) and p.clean and eng.costs.get(p.cost_key) < 10.0
+
+        with eng._lock:  # a clean cost above the slot batch of two's: timed again, once
+            eng.costs.measured(p.cost_key, 100.0, 64)
+            p.checked = False  # (the idle engine may have checked the step's timing against ar@2's already)
+            assert progs.needs_timing(p)
+            eng._wake.notify()
+        wait_until(lambda: eng.costs.get(p.cost_key) < 10.0)
+        assert p.checked
+        with eng._lock:
+            eng.costs.measured(p.cost_key, 100.0, 64)  # as if that timing confirmed it
+            assert eng.costs.get(big.cost_key) < 100.0 and not progs.needs_timing(p)
+    finally:
+        eng.stop()
 
 
 def test_forms_and_slot_batches_run_only_the_live_slots(target, drafter, tokenizer, reference_runs, monkeypatch):

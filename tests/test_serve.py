@@ -191,6 +191,7 @@ def test_models_health_and_metrics(server):
     assert models.data[0].model_extra["max_model_len"] == MAX_LEN
     health = httpx.get(f"{server.url}/health").json()
     assert health["status"] == "ok" and 1 <= health["programs_compiled"] <= 9 and health["programs"] >= 3
+    assert 0 <= health["programs_timed"] <= health["programs_compiled"]
     server.client().completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=8, temperature=0)
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("ddtree_requests_total", "ddtree_generated_tokens_total", "ddtree_mean_acceptance_length",
