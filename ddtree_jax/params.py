@@ -72,6 +72,9 @@ class TargetParams:
     final_norm: Array  # [D]
     lm_head: Array | None  # [D, V] ([V, D] when output_major); None when tied to embed
     output_major: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # lm_head is a float32 copy of the tied embedding (weight_layout.device_layout on CPU) for one-row products;
+    # products of several rows read the embedding itself (model.logits)
+    head_copy: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def head(self) -> Array:
         """The output projection [D, V] (the transposed embedding when tied)."""

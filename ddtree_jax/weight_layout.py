@@ -31,9 +31,11 @@ def device_layout(params, backend: str | None = None, layout: str = "auto", meth
     that decode many times lay out once at load for their method (``generate`` then has nothing to do; weights laid
     out for the rounds and then decoded by AR are turned output-major in that call, a copy of every matrix).
 
-    On CPU a tied output projection is also materialised once, in float32 ([D, V]): otherwise XLA:CPU
-    converts and transposes the embedding outside the round loop of every call (82 ms per call for
-    SmolLM2-135M's 49152 x 576, whatever the number of rounds); the math is the same (CPU dots run in f32)."""
+    On CPU a tied output projection is also materialised once, in float32 ([D, V]), for one-row products:
+    otherwise XLA:CPU converts and transposes the embedding outside the round loop of every call (82 ms per call for
+    SmolLM2-135M's 49152 x 576, whatever the number of rounds), and its one-row bf16 product is 10x slower than
+    the f32 one; products of several rows (a verify, the drafter's block) read the bf16 embedding, 1.6-1.9x faster
+    there (``TargetParams.head_copy``, model.logits). The math is the same."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
     if params is None:
@@ -45,7 +47,7 @@ def device_layout(params, backend: str | None = None, layout: str = "auto", meth
     elif layout == "auto":
         layout = (GPU_AR_LAYOUT if method == "ar" else GPU_LAYOUT) if target else DRAFT_GPU_LAYOUT
     if backend == "cpu" and target and params.lm_head is None and "out-major" not in (layout or ""):
-        params = dataclasses.replace(params, lm_head=params.embed.T.astype(jnp.float32))
+        params = dataclasses.replace(params, lm_head=params.embed.T.astype(jnp.float32), head_copy=True)
     if layout is None:
         return params
     params = output_major(params) if "out-major" in layout else input_major(params)
