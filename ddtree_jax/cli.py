@@ -173,14 +173,14 @@ def form_list(text: str) -> tuple[str, ...]:
 TREE_BUDGET_HELP = (
     "an integer N: every round the same, a tree of N nodes (ddtree; dflash: the chain); or auto (the default of "
     "dflash and ddtree): every group of rounds takes the form with the most expected tokens per second among an AR "
-    "step, the DFlash chain and trees of 16-256 nodes (8-128 for a mixture-of-experts target; 8-32 on CPU; "
+    "step, the DFlash chain and trees of 16-256 nodes (8-128 for a mixture-of-experts target; 4-16 on CPU; "
     "--forms), expecting from each what the drafter's own path probabilities predict, corrected by what the target "
     "has accepted, over its cost measured on the device at the live slot batch (kept in $DDTREE_JAX_CACHE/costs.json, "
     "default ~/.cache/ddtree_jax); speculation stops where it would lose to AR. "
     "Greedy output is AR's token for token, sampled output AR's for the same seed, whatever the forms")
 FORMS_HELP = ("the forms --tree-budget auto chooses among, comma-separated: ar (an AR step), chain (DFlash's chain) "
               "and tree budgets, e.g. ar,chain,32,128 (default: ar,chain,16,32,64,128,256 on a GPU, "
-              "ar,chain,8,16,32,64,128 there for a mixture-of-experts target, ar,chain,8,16,32 elsewhere; dflash: "
+              "ar,chain,8,16,32,64,128 there for a mixture-of-experts target, ar,chain,4,8,16 elsewhere; dflash: "
               "ar,chain). Each is compiled at each slot batch")
 
 

@@ -40,7 +40,7 @@ GPU_TREES = (16, 32, 64, 128, 256)  # tree budgets auto chooses among on a GPU (
 # ... for a mixture-of-experts target, whose verify reads more experts the more nodes it holds: on an H200 at
 # Qwen3-Coder-30B-A3B's shape a tree of 8 costs 0.90x one of 16, 256 costs 1.20x 128 (docs/MOE.md)
 MOE_GPU_TREES = (8, 16, 32, 64, 128)
-CPU_TREES = (8, 16, 32)  # ... on CPU, where a verify costs in proportion to its rows: small trees only
+CPU_TREES = (4, 8, 16)  # ... on CPU, where a verify costs in proportion to its rows: small trees only
 # Verify rows (slot batch x (1 + nodes)) above which a tree is no candidate. On an H200 a bf16 GEMM turns
 # compute-bound at about 200 rows (989 TFLOP/s over 4.8 TB/s), so a verify of 1024 rows costs about five AR steps of
 # the same batch: only an acceptance above five could pay for it. The cap bounds the programs to compile (32 greedy

@@ -40,7 +40,7 @@ def test_forms_and_their_codes():
     assert policy.candidates("ar", "gpu") == ("ar",)
     assert policy.candidates("dflash", "cpu") == ("ar", "chain")
     assert policy.candidates("ddtree", "gpu") == FORMS
-    assert policy.candidates("ddtree", "cpu") == ("ar", "chain", "8", "16", "32")
+    assert policy.candidates("ddtree", "cpu") == ("ar", "chain", "4", "8", "16")
     assert policy.candidates("ddtree", "gpu", moe=True) == ("ar", "chain", "8", "16", "32", "64", "128")
     assert policy.candidates("ddtree", "cpu", moe=True) == policy.candidates("ddtree", "cpu")
     assert [policy.name(policy.code(f)) for f in FORMS] == list(FORMS)
