@@ -66,6 +66,11 @@ class CostTable:
             c = self._costs.get(key)
             return None if c is None else c.seconds
 
+    def seconds(self) -> dict[str, float]:
+        """Every known cost: program key -> seconds a round (one read of the table)."""
+        with self._lock:
+            return {k: c.seconds for k, c in self._costs.items()}
+
     def measured(self, key: str, seconds: float, context: int) -> None:
         """A fresh timing of the program (after its compilation): replaces what was known."""
         with self._lock:

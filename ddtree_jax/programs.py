@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -200,24 +200,30 @@ class Programs(collections.abc.Mapping):
         return self._in_flight == 0 and not self._pending()
 
     # ------------------------------------------------------------------ timing
-    def needs_timing(self, p: Program) -> bool:
-        """Compiled and never timed, or (no compilation running) timed beside one or loaded from disk, where its cost
-        may have been inflated, or its cost above the same form's at a larger slot batch (a subset of that work:
-        likely a slowed timing, and a program never chosen is never corrected; timed again once)."""
-        if p.fn is None:
-            return False
-        cost = self.costs.get(p.cost_key)
-        if cost is None:
-            return not p.tried
-        if not self.quiet():
-            return False
-        return not p.clean or (not p.checked and any(
-            q.size > p.size and (c := self.costs.get(q.cost_key)) is not None and c < cost
-            for q in self._programs.values() if (q.form, q.variant) == (p.form, p.variant)))
+    def needing_timing(self, programs: Iterable[Program]) -> list[Program]:
+        """Those of ``programs`` compiled and never timed, or (no compilation running) timed beside one or loaded from
+        disk, where their cost may have been inflated, or whose cost exceeds the same form's at a larger slot batch (a
+        subset of that work: likely a slowed timing, and a program never chosen is never corrected; timed again
+        once)."""
+        quiet, cost = self.quiet(), self.costs.seconds()
+        cheapest: dict[tuple[str, str], list[tuple[int, float]]] = collections.defaultdict(list)
+        for q in self._programs.values():
+            if q.cost_key in cost:
+                cheapest[q.form, q.variant].append((q.size, cost[q.cost_key]))
+
+        def needs(p: Program) -> bool:
+            if p.fn is None:
+                return False
+            if p.cost_key not in cost:
+                return not p.tried
+            return quiet and (not p.clean or (not p.checked and any(
+                size > p.size and c < cost[p.cost_key] for size, c in cheapest[p.form, p.variant])))
+
+        return [p for p in programs if needs(p)]
 
     def to_time(self, free: int) -> list[Program]:
-        """Compiled programs that ``free`` slots can hold and that need timing (:meth:`needs_timing`)."""
-        return [p for p in self._programs.values() if p.size <= free and self.needs_timing(p)]
+        """Compiled programs that ``free`` slots can hold and that need timing (:meth:`needing_timing`)."""
+        return self.needing_timing(p for p in self._programs.values() if p.size <= free)
 
     def measure(self, state: decode.State, free: list[int], context: int, most: int | None = None) -> decode.State:
         """Time, on the ``free`` slots of ``state`` turned into dummies (:func:`autorun.rewind`) at ``context`` tokens,
@@ -270,7 +276,7 @@ class Programs(collections.abc.Mapping):
     def choose(self, live: list[int], params: Sequence[SamplingParams], chooser: policy.Policy) -> Program:
         """The program of the next step for the ``live`` slots, whose requests' sampling ``params`` they are: among
         the compiled ones holding them in a variant their requests allow, one that needs timing at the smallest such
-        slot batch (:meth:`needs_timing`: its step times it, :meth:`stepped`), else ``chooser``'s choice."""
+        slot batch (:meth:`needing_timing`: its step times it, :meth:`stepped`), else ``chooser``'s choice."""
         hot = [p for p in params if p.temperature > 0]
         need = "filtering" if any(accept.filters(p.top_p, p.top_k) for p in hot) else "sampling" if hot else "greedy"
         if need not in self._wanted:
@@ -282,7 +288,7 @@ class Programs(collections.abc.Mapping):
         ok = [p for p in self._programs.values() if p.fn is not None and p.size >= len(live)
               and VARIANTS.index(p.variant) >= VARIANTS.index(need)]
         smallest = min(p.size for p in ok)
-        untimed = [p for p in ok if p.size == smallest and self.needs_timing(p)]
+        untimed = self.needing_timing(p for p in ok if p.size == smallest)
         if untimed:
             program = min(untimed, key=lambda p: (self.costs.get(p.cost_key) is not None, _rank(p)))
             program.checked |= program.clean

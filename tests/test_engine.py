@@ -369,13 +369,13 @@ def test_under_load_steps_time_the_programs_they_need(target, drafter):
         with eng._lock:  # a clean cost above the slot batch of two's: timed again, once
             eng.costs.measured(p.cost_key, 100.0, 64)
             p.checked = False  # (the idle engine may have checked the step's timing against ar@2's already)
-            assert progs.needs_timing(p)
+            assert progs.needing_timing([p]) == [p]
             eng._wake.notify()
         wait_until(lambda: eng.costs.get(p.cost_key) < 10.0)
         assert p.checked
         with eng._lock:
             eng.costs.measured(p.cost_key, 100.0, 64)  # as if that timing confirmed it
-            assert eng.costs.get(big.cost_key) < 100.0 and not progs.needs_timing(p)
+            assert eng.costs.get(big.cost_key) < 100.0 and not progs.needing_timing([p])
     finally:
         eng.stop()
 
