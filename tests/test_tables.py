@@ -15,7 +15,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 PAIR_RECORDS = [("default_pair_h200.json", "batch1_budgets_32_64", "H200, batch 1"),
                 ("default_pair_h200.json", "batch1_budgets_16_128_256", "H200, batch 1"),
                 ("default_pair_h200.json", "batch8_budget_64", "H200, batch 8"),
-                ("default_pair_cpu.json", None, "2 CPU cores, batch 1")]
+                ("default_pair_cpu.json", None, "2 CPU cores, batch 1"),
+                ("auto_pair_cpu.json", None, "2 CPU cores, batch 1")]
 
 
 def headline_rows() -> list[str]:
@@ -112,7 +113,7 @@ def test_the_default_pairs_tables_are_its_records():
     """docs/PERFORMANCE.md's default-pair table is the `bench pair` records row for row, and every row README shows
     is one of them."""
     rows = pair_rows()
-    assert len(rows) == 4 + 5 + 3 + 7
+    assert len(rows) == 4 + 5 + 3 + 7 + 6
     page_rows = [line for line in PERFORMANCE.read_text().splitlines() if line.startswith(("| H200, batch", "| 2 CPU"))]
     assert page_rows == rows
     readme_rows = [line for line in (ROOT / "README.md").read_text().splitlines()
