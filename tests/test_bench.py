@@ -168,6 +168,31 @@ def test_interleaved_ab_script(tmp_path):
             module.variant(f"x:{bad}")
 
 
+def test_auto_overhead_script(tmp_path):
+    """benchmarks/auto_overhead.py on the tiny shape (CPU, in this process): the fixed budget and each auto variant
+    decoded alike, auto's rounds taking only the variant's forms in groups of the asked size, which is restored after;
+    a malformed variant is refused."""
+    from ddtree_jax import autorun
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "auto_overhead.py"
+    loaded = importlib.util.spec_from_file_location("auto_overhead", script)
+    module = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(module)
+    out = tmp_path / "ao.json"
+    assert module.main(["--model", "tiny", "--budget", "4", "--tokens", "6", "--prompt-len", "8", "--reps", "1",
+                        "--variant", "one:forms=4,group=2", "--variant", "two:forms=4+8", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())["variants"]
+    assert list(got) == ["fixed", "one", "two"] and autorun.GROUP_ROUNDS == 8
+    assert got["fixed"]["forms_run"] is None and got["fixed"]["vs_fixed"] == 1.0
+    assert set(got["one"]["forms_run"]) == {"4"} and got["one"]["group_rounds"] == 2
+    assert set(got["two"]["forms_run"]) <= {"4", "8"} and got["two"]["group_rounds"] == 8
+    assert all(len(v["ms_per_round"]) == 1 and v["median_ms"] > 0 for v in got.values())
+    for bad, msg in (("x:forms=4,rounds=2", "is not NAME:forms"), ("x:forms=tree", "unknown form"),
+                     ("x:forms=4,group=0", "at least 1 round")):
+        with pytest.raises(argparse.ArgumentTypeError, match=msg):
+            module.variant(bad)
+
+
 def test_the_recorded_h200_results_hold_issue_5s_fields_and_grid():
     """benchmarks/results/h200.json as issue 5 asks: every record has its fields (budget null exactly for ar and
     dflash, a roofline for every ar record); the current layout covers both models at prompts 512 and 2k, batches 1

@@ -1,0 +1,108 @@
+"""What ``--tree-budget auto`` adds to a decode, whole: ``decode.generate`` with a fixed budget against auto runs of
+given forms and group sizes, on random weights of one shape, timed interleaved in one process.
+
+A round of a random drafter accepts one token, so every run of ``--tokens`` tokens has the same number of rounds and
+its decode time per round compares directly: the fixed budget's one device call of every round against auto's groups
+(the host's reading and choosing between them, each form's program taking the decode state) and auto's rounds (the
+tree built at the largest tree form for the predictions, their bookkeeping). A variant is NAME:forms=F+F+...[,group=N]
+(auto among those forms, groups of N rounds: ``autorun.GROUP_ROUNDS``, default 8; the first groups stay
+``autorun.FIRST_GROUPS``). Reports each variant's median ms a round and its ratio to the fixed budget's.
+
+    PYTHONPATH=. python benchmarks/auto_overhead.py --model smollm2-135m --budget 32 --variant one:forms=32 \\
+        --variant one-g32:forms=32,group=32 --variant two:forms=32+256 --json OUT/auto_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shlex
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from ddtree_jax import autorun, cli, decode, policy  # noqa: E402
+from ddtree_jax.bench import records  # noqa: E402
+from ddtree_jax.shapes import SHAPES, build_params, model_configs  # noqa: E402
+from ddtree_jax.spec import AUTO, GenerateOptions  # noqa: E402
+
+
+def variant(text: str) -> tuple[str, tuple[str, ...], int]:
+    """NAME:forms=F+F...[,group=N] -> (NAME, forms, group rounds)."""
+    name, colon, rest = text.partition(":")
+    fields = dict(x.split("=", 1) for x in rest.split(",") if "=" in x)
+    if not (name and colon and "forms" in fields) or set(fields) - {"forms", "group"}:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME:forms=F+F...[,group=N]")
+    try:
+        forms = policy.parse_forms(fields["forms"].split("+"))
+        group = int(fields.get("group", autorun.GROUP_ROUNDS))
+        if group < 1:
+            raise ValueError(f"group={group}: at least 1 round")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name, forms, group
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m", choices=sorted(SHAPES), help="random weights of this shape")
+    p.add_argument("--budget", type=cli.positive_int, default=32, help="the fixed budget compared against (ddtree)")
+    p.add_argument("--tokens", type=cli.positive_int, default=256, help="tokens a decode (= rounds: nothing accepted)")
+    p.add_argument("--prompt-len", type=cli.positive_int, default=128, help="prompt tokens")
+    p.add_argument("--reps", type=cli.positive_int, default=3, help="timed passes over the variants (after one untimed)")
+    p.add_argument("--variant", type=variant, action="append", required=True, help="NAME:forms=F+F...[,group=N]")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    tcfg, dcfg = model_configs(SHAPES[args.model])
+    tp, dp = build_params(tcfg, dcfg, jnp.bfloat16)
+    target, draft = (tcfg, tp), (dcfg, dp)
+    prompts = [[1 + i % (tcfg.vocab_size - 1) for i in range(args.prompt_len)]]
+    runs = {"fixed": (GenerateOptions(method="ddtree", tree_budget=args.budget, max_new_tokens=args.tokens),
+                      autorun.GROUP_ROUNDS)}
+    for name, forms, group in args.variant:
+        runs[name] = (GenerateOptions(method="ddtree", tree_budget=AUTO, forms=forms, max_new_tokens=args.tokens),
+                      group)
+    default_group = autorun.GROUP_ROUNDS
+    ms: dict[str, list[float]] = {k: [] for k in runs}
+    forms_run: dict[str, dict] = {}
+    try:
+        for rep in range(args.reps + 1):  # the first pass compiles and loads every program
+            for name in (list(runs) if rep % 2 == 0 else list(runs)[::-1]):
+                options, group = runs[name]
+                autorun.GROUP_ROUNDS = group
+                res = decode.generate(target, prompts, options, draft=draft)
+                rounds = len(res.acceptance_lengths[0])
+                if rep:
+                    ms[name].append(1e3 * res.decode_s / rounds)
+                if res.round_forms:
+                    forms_run[name] = dict(collections.Counter(res.round_forms[0]))
+    finally:
+        autorun.GROUP_ROUNDS = default_group
+    base = statistics.median(ms["fixed"])
+    command = " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    out = {"model": args.model, "budget": args.budget, "tokens": args.tokens, "prompt_len": args.prompt_len,
+           "reps": args.reps, "device": jax.devices()[0].device_kind, "date": records.now(),
+           "command": f"PYTHONPATH=. python benchmarks/auto_overhead.py {command}", "variants": {}}
+    for name, (options, group) in runs.items():
+        med = statistics.median(ms[name])
+        out["variants"][name] = {"forms": list(options.forms) or [str(args.budget)], "group_rounds": group,
+                                 "ms_per_round": ms[name], "median_ms": med, "vs_fixed": med / base,
+                                 "forms_run": forms_run.get(name)}
+        print(f"{name:>12}: {med:.3f} ms a round ({med / base:.3f}x fixed {args.budget}), runs "
+              f"{[round(x, 3) for x in ms[name]]}", flush=True)
+    if args.json:
+        records.write_json(args.json, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
