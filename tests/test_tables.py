@@ -14,6 +14,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 # the default pair's records shown, in table order: (file, key or None for the whole file, the rows' label)
 PAIR_RECORDS = [("default_pair_h200.json", "batch1_budgets_32_64", "H200, batch 1"),
                 ("default_pair_h200.json", "batch1_budgets_16_128_256", "H200, batch 1"),
+                ("auto_pair_h200.json", None, "H200, batch 1"),
                 ("default_pair_h200.json", "batch8_budget_64", "H200, batch 8"),
                 ("default_pair_cpu.json", None, "2 CPU cores, batch 1"),
                 ("auto_pair_cpu.json", None, "2 CPU cores, batch 1")]
@@ -113,7 +114,7 @@ def test_the_default_pairs_tables_are_its_records():
     """docs/PERFORMANCE.md's default-pair table is the `bench pair` records row for row, and every row README shows
     is one of them."""
     rows = pair_rows()
-    assert len(rows) == 4 + 5 + 3 + 7 + 6
+    assert len(rows) == 4 + 5 + 8 + 3 + 7 + 6
     page_rows = [line for line in PERFORMANCE.read_text().splitlines() if line.startswith(("| H200, batch", "| 2 CPU"))]
     assert page_rows == rows
     readme_rows = [line for line in (ROOT / "README.md").read_text().splitlines()
