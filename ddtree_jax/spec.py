@@ -9,7 +9,7 @@ turns them into the :class:`Spec` of a run's first program (``Spec.with_form`` g
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -123,18 +123,31 @@ class Spec:
         return {"root": policy.AR, "chain": policy.CHAIN}.get(self.tree, str(self.budget))
 
     def with_form(self, form: str, batch: int = 1) -> "Spec":
-        """The program of ``form`` in this run (auto) at slot batch ``batch``: the same State layout; trees built at
-        the largest tree budget allowed at that batch (policy.allowed) when there are predictions to record."""
+        """The program of ``form`` in this run (auto) at slot batch ``batch``: the same State layout; when there are
+        predictions to record (``predict``), the tree built for them at :func:`build_budget`."""
         tree = {policy.AR: "root", policy.CHAIN: "chain"}.get(form, "best_first")
         budget = policy.nodes(form, self.draft.block_size) if self.draft else 0
-        build = max((b for b in self.predict if policy.allowed((str(b),), batch, self.draft.block_size)),
-                    default=0) if self.draft and tree != "root" else 0
-        if tree == "best_first" and build < budget:
+        fits = [b for b in self.predict if policy.allowed((str(b),), batch, self.draft.block_size)] if self.draft else []
+        if tree == "best_first" and budget not in fits:
             raise ValueError(f"a tree of {budget} nodes is not allowed at slot batch {batch}")
+        build = build_budget(tree, budget, fits)
         tuning = self.tuning
         if tuning.verify_align == default_verify_align(self.tree):  # the default: the form's own
             tuning = dataclasses.replace(tuning, verify_align=default_verify_align(tree))
         return dataclasses.replace(self, tree=tree, budget=budget, build_budget=build, tuning=tuning)
+
+
+def build_budget(tree: str, budget: int, fits: Sequence[int]) -> int:
+    """Nodes of the best-first tree an auto round builds for its predictions (0: none), among the predicted tree
+    budgets ``fits`` allowed at its slot batch: for a tree, the next larger one (itself if it is the largest), so that
+    its rounds show the drafter's prediction of the next tree up without paying for the largest tree's build (the
+    vocabulary top-k and the selections grow with the nodes; the policy climbs a size a group); for the chain, the
+    cheapest probe after AR steps, the largest, so that its rounds predict every tree; none for an AR step."""
+    if tree == "root" or not fits:
+        return 0
+    if tree == "chain":
+        return max(fits)
+    return min((b for b in fits if b > budget), default=budget)
 
 
 def run_forms(options: GenerateOptions, moe: bool = False) -> tuple[str, ...]:

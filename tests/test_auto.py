@@ -241,8 +241,9 @@ def test_every_form_runs_once_before_the_decode_and_only_unknown_ones_are_timed(
 
 def test_a_tree_round_shows_what_each_smaller_tree_would_have_accepted(target, drafter, batch):
     """From one state, a round of a tree of 8 nodes records, for the trees of 2 and 4 nodes it holds, the acceptance
-    length a round of that tree accepts from the same state, and that tree's prediction; nothing for the chain. An
-    oracle drafter with decoys makes the three trees accept different lengths."""
+    length a round of that tree accepts from the same state, and that tree's prediction; nothing for the chain. Each
+    round predicts the trees up to the next size above its own. An oracle drafter with decoys makes the three trees
+    accept different lengths."""
     prompts, n = batch
     (tcfg, tparams), (dcfg, dparams) = target, drafter
     ar = decode.generate(target, prompts, decode.GenerateOptions(max_new_tokens=n + dcfg.block_size))
@@ -268,3 +269,10 @@ def test_a_tree_round_shows_what_each_smaller_tree_would_have_accepted(target, d
     assert not seen["2"][:, policy.seen_column(spec.predict, 2)].any()  # a tree of 2 does not hold 8 nodes
     assert seen["chain"].shape[1] == policy.width(spec.predict) and not seen["chain"][:, policy.STATS + t:].any()
     assert len({tuple(r) for r in rounds.values()}) >= 3, rounds  # the trees accepted differently
+    # A round predicts the trees up to the one it builds: a tree's next size up (the largest: itself), the chain's
+    # every tree; the same predictions wherever made (a best-first tree's first c nodes are the c-node tree).
+    assert [spec.with_form(f).build_budget for f in ("ar", "chain", "2", "4", "8")] == [0, 8, 4, 8, 8]
+    pred = {f: seen[f][:, policy.STATS : policy.STATS + t] for f in seen}
+    assert pred["2"][:, :2].all() and not pred["2"][:, 2].any() and pred["4"].all() and pred["chain"].all()
+    np.testing.assert_allclose(pred["2"][:, :2], pred["8"][:, :2], rtol=1e-6)
+    np.testing.assert_allclose(pred["chain"], pred["8"], rtol=1e-6)

@@ -74,6 +74,25 @@ def test_picks_the_form_with_the_most_tokens_per_second():
     assert {"32", "256"} <= winners and len(winners) >= 3, winners
 
 
+def test_rounds_that_predict_the_next_tree_up_climb_to_the_best_one():
+    """Tree rounds predict only up to the next tree size (spec.build_budget): each group's choice then moves at most
+    one size up, and a confident drafter's run climbs from the smallest tree to the one full predictions pick."""
+    pred = curve(8.0, 128)
+    rate = {f: pred[TREES.index(int(f))] / COSTS[f] for f in map(str, TREES)}
+    best = max(rate, key=rate.get)
+    assert best == "128"
+    p = policy.Policy(FORMS, TREES)
+    p.start(0)
+    form, path = "16", ["16"]
+    for _ in range(6):
+        shown = [t if b <= 2 * int(form) else 0 for b, t in zip(TREES, pred)]  # up to the next size
+        used = pred[TREES.index(int(form))]
+        p.observe(0, form, stats(8, used, used, 1.2, shown))
+        form = p.choose([0], options())[0]
+        path.append(form)
+    assert path == ["16", "32", "64", "128", "128", "128", "128"], path
+
+
 def test_the_ratio_corrects_an_overconfident_drafter_and_the_slot_batch_counts():
     pred = curve(12.0, 256)
     p = policy.Policy(FORMS, TREES)
