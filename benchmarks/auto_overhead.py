@@ -1,8 +1,8 @@
 """What ``--tree-budget auto`` adds to a decode, whole: ``decode.generate`` with a fixed budget against auto runs of
 given forms and group sizes, on random weights of one shape, timed interleaved in one process.
 
-A round of a random drafter accepts one token, so every run of ``--tokens`` tokens has the same number of rounds and
-its decode time per round compares directly: the fixed budget's one device call of every round against auto's groups
+A round of a random drafter almost always accepts one token, so the runs have about ``--tokens`` rounds each and
+their decode time per round (decode time over the rounds run) compares directly: the fixed budget's one device call of every round against auto's groups
 (the host's reading and choosing between them, each form's program taking the decode state) and auto's rounds (the
 tree built at the largest tree form for the predictions, their bookkeeping). A variant is NAME:forms=F+F+...[,group=N]
 (auto among those forms, groups of N rounds: ``autorun.GROUP_ROUNDS``, default 8; the first groups stay
@@ -52,9 +52,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", choices=sorted(SHAPES), help="random weights of this shape")
     p.add_argument("--budget", type=cli.positive_int, default=32, help="the fixed budget compared against (ddtree)")
-    p.add_argument("--tokens", type=cli.positive_int, default=256, help="tokens a decode (= rounds: nothing accepted)")
+    p.add_argument("--tokens", type=cli.positive_int, default=256, help="tokens a decode (about as many rounds)")
     p.add_argument("--prompt-len", type=cli.positive_int, default=128, help="prompt tokens")
-    p.add_argument("--reps", type=cli.positive_int, default=3, help="timed passes over the variants (after one untimed)")
+    p.add_argument("--reps", type=cli.positive_int, default=3,
+                   help="timed passes over the variants (after one untimed)")
     p.add_argument("--variant", type=variant, action="append", required=True, help="NAME:forms=F+F...[,group=N]")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)

@@ -8,8 +8,8 @@ The rounds record, per sequence, what the drafter expected and what the target a
 over rounds in the columns below). The expected acceptance of a tree of c nodes, if the target behaved like the drafter,
 is 1 + the sum of the path probabilities of its c best nodes (a best-first tree gives every smaller one as its prefix;
 a tree round builds at the next tree size up, a chain round at the largest: ``spec.build_budget``, so a tree round's
-group predicts one size up and a run climbs a size a group); the chain's is 1 + sum_d prod_{j<=d} p_top1(j). The drafter is over- or
-under-confident, so :class:`Policy` keeps per sequence an exponential moving ratio
+group predicts one size up and a run climbs a size a group); the chain's is 1 + sum_d prod_{j<=d} p_top1(j). The
+drafter is over- or under-confident, so :class:`Policy` keeps per sequence an exponential moving ratio
 
     r_i = (accepted - 1) / (predicted for the form used - 1)        (clipped to [0, RATIO_MAX])
 

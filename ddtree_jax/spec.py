@@ -127,7 +127,8 @@ class Spec:
         predictions to record (``predict``), the tree built for them at :func:`build_budget`."""
         tree = {policy.AR: "root", policy.CHAIN: "chain"}.get(form, "best_first")
         budget = policy.nodes(form, self.draft.block_size) if self.draft else 0
-        fits = [b for b in self.predict if policy.allowed((str(b),), batch, self.draft.block_size)] if self.draft else []
+        bs = self.draft.block_size if self.draft else 0
+        fits = [b for b in self.predict if policy.allowed((str(b),), batch, bs)] if self.draft else []
         if tree == "best_first" and budget not in fits:
             raise ValueError(f"a tree of {budget} nodes is not allowed at slot batch {batch}")
         build = build_budget(tree, budget, fits)
