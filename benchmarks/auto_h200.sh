@@ -2,7 +2,7 @@
 # --tree-budget auto on one GPU (docs/ADAPTIVE.md), in one call of under 9 minutes per part.
 # Usage: benchmarks/auto_h200.sh OUTDIR PART        (from the repo root; PYTHONPATH=. is set here)
 #   PART 8b    serve random:qwen3-8b --max-batch 32: ar and ddtree (auto) at concurrency 1,2,4,8,16,32,64
-#              (2 requests a client, at least 4, 64 tokens each, prompt 128: the levels are cut to fit), each after
+#              (4 requests a client, at least 8, 64 tokens each, prompt 128: the levels are cut to fit), each after
 #              every program compiled; start-up to /health on an empty cache, and ddtree's second start on the
 #              persistent compilation cache. -> OUTDIR/load_8b/summary.md (the first target table)
 #   PART 8b-dflash  the same for ar and dflash (auto), without the second start -> OUTDIR/load_8b_dflash/summary.md
@@ -21,7 +21,7 @@ case "$PART" in
     if [ "$PART" = 8b ]; then methods=ar,ddtree; extra=(--restart ddtree); dir=load_8b
     else methods=ar,dflash; extra=(); dir=load_8b_dflash; fi
     python3 benchmarks/load_bench.py "$OUT/$dir" --target random:qwen3-8b --methods $methods \
-      --max-batch 32 --concurrency 1,2,4,8,16,32,64 --requests-per-client 2 --min-requests 4 --max-tokens 64 \
+      --max-batch 32 --concurrency 1,2,4,8,16,32,64 --requests-per-client 4 --min-requests 8 --max-tokens 64 \
       --prompt-len 128 --wait-compiled 200 "${extra[@]}" --time-limit 470
     ;;
   pair)
