@@ -21,6 +21,7 @@ import os
 import shlex
 import statistics
 import sys
+from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -72,22 +73,18 @@ def main(argv=None) -> int:
     for name, forms, group in args.variant:
         runs[name] = (GenerateOptions(method="ddtree", tree_budget=AUTO, forms=forms, max_new_tokens=args.tokens),
                       group)
-    default_group = autorun.GROUP_ROUNDS
     ms: dict[str, list[float]] = {k: [] for k in runs}
     forms_run: dict[str, dict] = {}
-    try:
-        for rep in range(args.reps + 1):  # the first pass compiles and loads every program
-            for name in (list(runs) if rep % 2 == 0 else list(runs)[::-1]):
-                options, group = runs[name]
-                autorun.GROUP_ROUNDS = group
+    for rep in range(args.reps + 1):  # the first pass compiles and loads every program
+        for name in (list(runs) if rep % 2 == 0 else list(runs)[::-1]):
+            options, group = runs[name]
+            with mock.patch.object(autorun, "GROUP_ROUNDS", group):
                 res = decode.generate(target, prompts, options, draft=draft)
-                rounds = len(res.acceptance_lengths[0])
-                if rep:
-                    ms[name].append(1e3 * res.decode_s / rounds)
-                if res.round_forms:
-                    forms_run[name] = dict(collections.Counter(res.round_forms[0]))
-    finally:
-        autorun.GROUP_ROUNDS = default_group
+            rounds = len(res.acceptance_lengths[0])
+            if rep:
+                ms[name].append(1e3 * res.decode_s / rounds)
+            if res.round_forms:
+                forms_run[name] = dict(collections.Counter(res.round_forms[0]))
     base = statistics.median(ms["fixed"])
     command = " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     out = {"model": args.model, "budget": args.budget, "tokens": args.tokens, "prompt_len": args.prompt_len,

@@ -127,8 +127,9 @@ class Spec:
         predictions to record (``predict``), the tree built for them at :func:`build_budget`."""
         tree = {policy.AR: "root", policy.CHAIN: "chain"}.get(form, "best_first")
         budget = policy.nodes(form, self.draft.block_size) if self.draft else 0
-        bs = self.draft.block_size if self.draft else 0
-        fits = [b for b in self.predict if policy.allowed((str(b),), batch, bs)] if self.draft else []
+        fits = ()  # the predicted tree budgets allowed at this slot batch
+        if self.draft:
+            fits = policy.trees(policy.allowed([str(b) for b in self.predict], batch, self.draft.block_size))
         if tree == "best_first" and budget not in fits:
             raise ValueError(f"a tree of {budget} nodes is not allowed at slot batch {batch}")
         build = build_budget(tree, budget, fits)
