@@ -72,14 +72,14 @@ class State:
 
 
 def draft_logits(spec: Spec, target: TargetParams, drafter: DraftParams, state: State):
-    """The draft stage (dflash/ddtree): (draft logits [B, bs-1, V], the drafter cache with the block's K/V written
-    in its scratch slots past the committed length)."""
+    """The draft stage (dflash/ddtree): (draft logits [B, spec.draft_depths, V] (the depths the round's tree can
+    reach), the drafter cache with the block's K/V written in its scratch slots past the committed length)."""
     if spec.proposer is not None:
         logits = spec.proposer(drafter, spec.draft, target, state.dcache, state.bonus, attention=spec.attention)
-        return logits, state.dcache
+        return logits[:, : spec.draft_depths], state.dcache
     # Keep the cache the drafter wrote its block into (scratch slots only): no copy of the draft cache.
     return dflash.propose(drafter, spec.draft, target, state.dcache, state.bonus, attention=spec.attention,
-                          tuning=spec.tuning, return_cache=True)
+                          tuning=spec.tuning, return_cache=True, depths=spec.draft_depths)
 
 
 def build_tree(spec: Spec, logits: Array) -> tuple[trees.Tree, Array | None]:
@@ -98,7 +98,8 @@ def build_tree(spec: Spec, logits: Array) -> tuple[trees.Tree, Array | None]:
 def predictions(spec: Spec, top1: Array, scores: Array | None) -> Array:
     """[B, 2 + len(spec.predict)]: the expected acceptance length (if the target behaved like the drafter) of the
     form this round runs, of the chain (1 + sum_d prod_{j<=d} p_top1(j), top1 [B, Dp] the per-depth best
-    log-probabilities) and of a tree of each ``spec.predict`` budget c (1 + the summed path probabilities of the c best
+    log-probabilities of the depths drafted: spec.draft_depths, a lower bound where a small tree's round drafts fewer
+    than the chain's) and of a tree of each ``spec.predict`` budget c (1 + the summed path probabilities of the c best
     nodes, from ``scores`` [B, P] sorted descending; 0 for c > P: not predicted)."""
     chain = 1 + jnp.sum(jnp.exp(jnp.cumsum(top1.astype(jnp.float32), axis=1)), axis=1)  # [B]
     if scores is None:

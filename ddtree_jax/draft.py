@@ -75,8 +75,10 @@ def propose(
     attention: str = "xla",
     tuning: Tuning = Tuning(),
     return_cache: bool = False,
+    depths: int | None = None,
 ) -> Array | tuple[Array, kvcache.KVCache]:
-    """Draft logits [B, bs-1, V] (f32) for the bs-1 positions after ``bonus`` [B].
+    """Draft logits [B, depths, V] (f32) for the first ``depths`` (default all bs-1) positions after ``bonus`` [B]:
+    the whole block runs; only the output head is cut to those rows.
 
     The block [bonus, mask x (bs-1)] sits at positions dcache.length[b] + i. The committed cache is
     not changed: the block's K/V go to scratch slots (>= length) that the next :func:`extend`
@@ -122,7 +124,7 @@ def propose(
         carry, _ = jax.lax.scan(layer, carry, (params.layers, jnp.arange(lc.num_layers)))
     x, k_all, v_all = carry
     hidden = model.rms_norm(x, params.final_norm, lc.rms_norm_eps)
-    logits = model.logits(target, hidden[:, 1:])
+    logits = model.logits(target, hidden[:, 1 : bs if depths is None else 1 + depths])
     if return_cache:
         return logits, kvcache.KVCache(k_all, v_all, dcache.length)
     return logits

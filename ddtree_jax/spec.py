@@ -103,6 +103,16 @@ class Spec:
         return 0 if self.draft is None else self.draft.block_size - 1
 
     @property
+    def draft_depths(self) -> int:
+        """Depths of draft logits a round uses (the rows of the drafter's output head): the chain's every depth; a
+        best-first tree of c nodes (the one built: ``build_budget`` under auto) reaches depth c at most, so only its
+        first min(c, max_depth) depths. The drafter still runs its whole block (its attention inside the block is
+        bidirectional); only the vocabulary product, the largest part of a draft on CPU, is cut."""
+        if self.tree != "best_first":
+            return self.max_depth
+        return min(self.max_depth, self.build_budget or self.budget)
+
+    @property
     def path_len(self) -> int:
         return self.max_depth + 1
 

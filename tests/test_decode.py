@@ -333,6 +333,30 @@ def test_round_positions_are_the_blocks_a_round_writes_before_padding(target, dr
     assert spec["ddtree"].scratch_slots == 24 + bs > spec["ddtree"].round_positions
 
 
+def test_a_small_tree_drafts_only_the_depths_it_can_reach(target, drafter, reference_runs):
+    """A best-first tree of c nodes reaches depth c at most: its round computes the draft head for the first
+    min(c, bs - 1) depths (under auto: those of the tree it builds), the same rows as the chain's round gets."""
+    (cfg, tparams), (dcfg, dparams) = target, drafter
+    bs = dcfg.block_size
+
+    def spec(budget, method="ddtree"):
+        return decode.make_spec(cfg, dcfg, decode.GenerateOptions(method=method, tree_budget=budget))
+
+    assert [spec(b).draft_depths for b in (1, 4, bs - 1, 64)] == [1, 4, bs - 1, bs - 1]
+    assert spec(4, "dflash").draft_depths == bs - 1
+    auto = decode.make_spec(cfg, dcfg, decode.GenerateOptions(method="ddtree", tree_budget="auto",
+                                                              forms=("ar", "chain", "2", "4", "64")))
+    assert [auto.with_form(f).draft_depths for f in ("2", "4", "64", "chain")] == [4, bs - 1, bs - 1, bs - 1]
+    run = reference_runs[0]
+    opts = decode.GenerateOptions(method="ddtree", tree_budget=4)
+    state, tokens = decode.start(spec(4), [run["prompt"]], [opts], 8, tparams.embed.dtype)
+    state = decode.prefill(spec(4), tparams, dparams, state, tokens)
+    small = decode.draft_logits(spec(4), tparams, dparams, state)[0]
+    full = decode.draft_logits(spec(4, "dflash"), tparams, dparams, state)[0]
+    assert small.shape[1] == 4 and full.shape[1] == bs - 1
+    np.testing.assert_allclose(small, full[:, :4], rtol=1e-5, atol=1e-5)
+
+
 def test_greedy_runs_compile_the_greedy_choice_alone(target):
     """make_spec specialises on the options' temperature and filters (Spec.sampling, Spec.filtering), and a state
     asking for a sample from a greedy-only program, or for a filter from one without, is a clear error, not a silent
