@@ -49,6 +49,7 @@ def main(argv=None) -> int:
 
     from ddtree_jax import decode, policy, shapes
     from ddtree_jax.bench import timing
+    from ddtree_jax.round import round_step
     from ddtree_jax.spec import GenerateOptions, make_spec, round_up
     from ddtree_jax.weight_layout import device_layout, layout_method
 
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
 
     @jax.jit
     def switch_rounds(target, drafter, state, which, n):
-        branches = [lambda t, d, s, sp=sp: decode.round_step(sp, t, d, s) for sp in specs]
+        branches = [lambda t, d, s, sp=sp: round_step(sp, t, d, s) for sp in specs]
 
         def body(carry):
             s, i = carry

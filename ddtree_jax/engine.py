@@ -1,6 +1,6 @@
 """Continuous batching over the on-device round loop: a fixed set of slots, a queue, one host thread.
 
-The engine owns one batch :class:`decode.State` of ``max_batch`` slots, each sized for ``max_len``
+The engine owns one batch :class:`round.State` of ``max_batch`` slots, each sized for ``max_len``
 tokens (prompt + generated), and compiled groups of ``rounds_per_step`` rounds (``programs.py``: one per form,
 slot batch and sampling variant) that return what the host needs. Its thread loops::
 
@@ -50,6 +50,7 @@ from ddtree_jax import autorun, decode, metrics, policy, programs, sharding, slo
 from ddtree_jax.programs import Program, Programs
 from ddtree_jax.requests import (SEED_LIMIT, Completion, EngineClosed, Event, Job, QueueFull, RequestError,
                                  SamplingParams)
+from ddtree_jax.round import State
 from ddtree_jax.slots import MIN_BUCKET, Layout, check_batch_buckets, default_buckets
 from ddtree_jax.spec import DEFAULT_TREE_BUDGET, MAX_STOP_IDS, GenerateOptions, Spec, make_spec, run_forms
 from ddtree_jax.tuning import Tuning
@@ -82,7 +83,7 @@ class EngineConfig:
 
 
 @functools.partial(decode.donating_jit, static_argnums=(0,), donate_argnums=(3,), compiler_options=decode.XLA_OPTIONS)
-def prefill(spec: Spec, target, drafter, state: decode.State, tokens: Array) -> decode.State:
+def prefill(spec: Spec, target, drafter, state: State, tokens: Array) -> State:
     """decode.prefill compiled with decode.XLA_OPTIONS."""
     return decode.prefill(spec, target, drafter, state, tokens)
 

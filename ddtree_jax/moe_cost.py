@@ -52,17 +52,17 @@ def uniform_distinct(cfg: ModelConfig, tokens: int) -> float:
 
 
 def routed(spec, target, drafter, state) -> dict:
-    """One round of ``spec`` (``decode.round_step``, its verify over the batch's 1 + budget rows and their padding)
+    """One round of ``spec`` (``round.round_step``, its verify over the batch's 1 + budget rows and their padding)
     from ``state``, traced afresh with the MoE layers recording their choices: {"distinct": experts touched per sparse
     layer, "mean", "min", "max", "tokens": rows of the verify, "uniform": :func:`uniform_distinct` of them}. One device
     (each device of a mesh would report its own copy of the choices)."""
-    from ddtree_jax import decode
+    from ddtree_jax.round import round_step
 
     if spec.mesh is not None:
         raise ValueError("routed experts are measured on one device")
     seen: list = []
     with moe.recording(seen):
-        jax.block_until_ready(jax.jit(lambda t, d, s: decode.round_step(spec, t, d, s))(target, drafter, state))
+        jax.block_until_ready(jax.jit(lambda t, d, s: round_step(spec, t, d, s))(target, drafter, state))
     distinct = [len(np.unique(ids)) for ids in seen]
     tokens = int(seen[0].shape[0])
     return {"distinct": distinct, "mean": float(np.mean(distinct)), "min": min(distinct), "max": max(distinct),

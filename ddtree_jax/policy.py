@@ -4,7 +4,7 @@ A *form* is what one round verifies: "ar" (the root alone: an autoregressive ste
 block_size - 1 nodes) or a best-first tree of b nodes (the form "b", e.g. "64"). Each form at each slot batch is its own
 compiled program; every program of a run shares one decode State, so the host may switch between groups of rounds.
 
-The rounds record, per sequence, what the drafter expected and what the target accepted (``decode.State.stats``, sums
+The rounds record, per sequence, what the drafter expected and what the target accepted (``round.State.stats``, sums
 over rounds in the columns below). The expected acceptance of a tree of c nodes, if the target behaved like the drafter,
 is 1 + the sum of the path probabilities of its c best nodes (a best-first tree gives every smaller one as its prefix;
 a tree round builds at the next tree size up, a chain round at the largest: ``spec.build_budget``, so a tree round's
@@ -48,7 +48,7 @@ CPU_TREES = (4, 8, 16)  # ... on CPU, where a verify costs in proportion to its 
 # ones at --max-batch 32 with the GPU forms) and the logits' memory (rows x vocabulary x 4 bytes: 0.6 GB for Qwen3).
 ROW_CAP = 1024
 
-# Columns of decode.State.stats [B, STATS + 2 len(trees)] float32 (:func:`width`): per sequence, sums over its rounds.
+# Columns of round.State.stats [B, STATS + 2 len(trees)] float32 (:func:`width`): per sequence, sums over its rounds.
 # Only rounds that drafted (not AR steps) add to them.
 ROUNDS, ACCEPTED, USED, CHAIN_PRED = 0, 1, 2, 3  # rounds; their acceptance lengths; the prediction of the form used;
 # the chain's prediction. Column STATS + i: the prediction of a tree of trees[i] nodes (0 where the round's tree was
@@ -59,7 +59,7 @@ STATS = 4
 
 
 def width(trees: Sequence[int]) -> int:
-    """Columns of decode.State.stats for the tree budgets ``trees`` (Spec.predict)."""
+    """Columns of round.State.stats for the tree budgets ``trees`` (Spec.predict)."""
     return STATS + 2 * len(trees)
 
 
@@ -86,7 +86,7 @@ def nodes(form: str, block_size: int) -> int:
 
 
 def code(form: str) -> int:
-    """The form as decode.State.forms stores it: 0 for ar, -1 for the chain, b for a tree of b nodes."""
+    """The form as round.State.forms stores it: 0 for ar, -1 for the chain, b for a tree of b nodes."""
     return 0 if form == AR else -1 if form == CHAIN else int(form)
 
 
@@ -154,7 +154,7 @@ def _ratio(rounds: float, accepted: float, predicted: float) -> float | None:
 class Policy:
     """Chooses the (form, slot batch) of the next group of rounds; host-side, one per engine or generate call.
 
-    forms: the candidate forms; columns: the tree budgets of decode.State.stats' tree columns (in order).
+    forms: the candidate forms; columns: the tree budgets of round.State.stats' tree columns (in order).
     Sequences are keyed by any hashable (the engine's slots, generate's rows)."""
 
     def __init__(self, forms: Sequence[str], columns: Sequence[int]):
@@ -176,7 +176,7 @@ class Policy:
         self.seqs.pop(seq, None)
 
     def observe(self, seq, form: str, sums: np.ndarray) -> None:
-        """One group's statistics of sequence ``seq`` (a row of decode.State.stats' growth over the group), whose
+        """One group's statistics of sequence ``seq`` (a row of round.State.stats' growth over the group), whose
         rounds ran ``form``."""
         rounds = float(sums[ROUNDS])
         if rounds <= 0:

@@ -29,6 +29,7 @@ import numpy as np
 
 from ddtree_jax import accept, autorun, costs, decode, policy, slots
 from ddtree_jax.requests import SamplingParams
+from ddtree_jax.round import State
 from ddtree_jax.spec import Spec
 
 log = logging.getLogger("ddtree_jax.engine")
@@ -98,7 +99,7 @@ class Programs(collections.abc.Mapping):
     """
 
     def __init__(self, programs: dict[tuple[str, int, str], Program], first: Program, *, weights: tuple,
-                 shapes: decode.State, batch: int, rounds_per_step: int, max_len: int, path_len: int,
+                 shapes: State, batch: int, rounds_per_step: int, max_len: int, path_len: int,
                  cost_table: costs.CostTable, lock: threading.Lock, wake: threading.Condition):
         self._programs = programs
         self.first = first
@@ -225,7 +226,7 @@ class Programs(collections.abc.Mapping):
         """Compiled programs that ``free`` slots can hold and that need timing (:meth:`needing_timing`)."""
         return self.needing_timing(p for p in self._programs.values() if p.size <= free)
 
-    def measure(self, state: decode.State, free: list[int], context: int, most: int | None = None) -> decode.State:
+    def measure(self, state: State, free: list[int], context: int, most: int | None = None) -> State:
         """Time, on the ``free`` slots of ``state`` turned into dummies (:func:`autorun.rewind`) at ``context`` tokens,
         each program of :meth:`to_time` whose slot batch the free slots fill (the whole batch only when every slot is
         free), at most ``most`` of them (never-timed ones first); return the state, those slots marked done."""

@@ -12,7 +12,7 @@ from ddtree_jax import policy
 from ddtree_jax.spec import NEVER, Spec
 
 if TYPE_CHECKING:  # annotations only: decode builds on this module
-    from ddtree_jax.decode import State
+    from ddtree_jax.round import State
 
 
 @dataclasses.dataclass

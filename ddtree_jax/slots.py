@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax import decode
-from ddtree_jax.decode import State, donating_jit, init_state
+from ddtree_jax.decode import donating_jit, init_state
+from ddtree_jax.round import State
 from ddtree_jax.spec import GenerateOptions, Spec, round_up
 
 Array = jax.Array

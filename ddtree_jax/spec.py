@@ -3,7 +3,7 @@
 :class:`GenerateOptions` are what a caller asks for (method, tree budget, sampling, stop tokens); :func:`make_spec`
 turns them into the :class:`Spec` of a run's first program (``Spec.with_form`` gives the others under
 ``--tree-budget auto``), checking them on the way, with the per-form defaults of how the verify runs on the device
-(:func:`default_verify_align`, :func:`default_layer_unroll`). ``decode.py`` runs the programs.
+(:func:`default_verify_align`, :func:`default_layer_unroll`). ``round.py`` and ``decode.py`` run the programs.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from ddtree_jax.tuning import Tuning
 AUTO = "auto"  # tree_budget: the form of every group of rounds chosen on the host (policy.py)
 DEFAULT_TREE_BUDGET = AUTO
 METHODS = ("ar", "dflash", "ddtree")
-MAX_STOP_IDS = 8  # stop token ids per sequence: the width of decode.State.stop_ids
-NEVER = np.iinfo(np.int32).max  # decode.State.stop_at of a sequence that met no stop token
+MAX_STOP_IDS = 8  # stop token ids per sequence: the width of round.State.stop_ids
+NEVER = np.iinfo(np.int32).max  # round.State.stop_at of a sequence that met no stop token
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ import pytest
 
 from ddtree_jax import accept, autorun, decode, policy
 from ddtree_jax import tree as trees
+from ddtree_jax.round import draft_logits, predictions
 from tests.test_decode import tree_paths
 from tests.test_oracle import check_caches, oracle
 
@@ -63,7 +64,7 @@ def test_a_large_trees_prefix_is_the_smaller_tree_and_its_scores_are_the_drafter
         np.testing.assert_allclose(top1[b], logp[b].max(-1), rtol=1e-6, atol=1e-6)
 
     spec = dataclasses.replace(_spec_stub(), predict=(4, 24, 64), tree="best_first", budget=6)
-    pred = np.asarray(decode.predictions(spec, top1, scores))
+    pred = np.asarray(predictions(spec, top1, scores))
     mass = np.cumsum(np.exp(np.asarray(scores)), axis=1)
     chain = 1 + np.cumsum(np.exp(np.cumsum(np.asarray(top1), axis=1)), axis=1)[:, -1]
     np.testing.assert_allclose(pred, np.stack([1 + mass[:, 5], chain, 1 + mass[:, 3], 1 + mass[:, 23],
@@ -108,7 +109,7 @@ def test_ar_steps_keep_the_drafters_context(target, drafter, reference_runs):
     assert length == int(by_chain.dcache.length[0]) == int(by_ar.cache.length[0]) == n + 3
     for a, b in ((by_ar.dcache.k, by_chain.dcache.k), (by_ar.dcache.v, by_chain.dcache.v)):
         np.testing.assert_allclose(a[:, :, :length], b[:, :, :length], rtol=1e-5, atol=1e-5)
-    draft = jax.jit(lambda s: decode.draft_logits(spec, tparams, dparams, s)[0])
+    draft = jax.jit(lambda s: draft_logits(spec, tparams, dparams, s)[0])
     np.testing.assert_allclose(draft(by_ar), draft(by_chain), rtol=1e-4, atol=1e-4)
     one = jnp.int32(1)
     after = decode.compiled(decode.run_rounds, spec.with_form("chain"), tparams, dparams, by_ar, one)

@@ -11,6 +11,7 @@ import pytest
 from ddtree_jax import accept, decode, engine, projection, slots, tuning, weight_layout
 from ddtree_jax import spec as spec_lib
 from ddtree_jax.params import LayerWeights
+from ddtree_jax.round import draft_logits
 from ddtree_jax.tuning import Tuning
 
 
@@ -316,10 +317,10 @@ def test_an_unrolled_layer_loop_changes_nothing(target, drafter, reference_runs,
 
 
 def test_the_default_unroll_is_for_one_row_on_gpu_only(monkeypatch):
-    assert decode.default_layer_unroll(1) == 1  # CPU
+    assert spec_lib.default_layer_unroll(1) == 1  # CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert decode.default_layer_unroll(1) == spec_lib.GPU_AR_LAYER_UNROLL > 1
-    assert decode.default_layer_unroll(8) == decode.default_layer_unroll(72) == 1
+    assert spec_lib.default_layer_unroll(1) == spec_lib.GPU_AR_LAYER_UNROLL > 1
+    assert spec_lib.default_layer_unroll(8) == spec_lib.default_layer_unroll(72) == 1
 
 
 def test_round_positions_are_the_blocks_a_round_writes_before_padding(target, drafter):
@@ -351,8 +352,8 @@ def test_a_small_tree_drafts_only_the_depths_it_can_reach(target, drafter, refer
     opts = decode.GenerateOptions(method="ddtree", tree_budget=4)
     state, tokens = decode.start(spec(4), [run["prompt"]], [opts], 8, tparams.embed.dtype)
     state = decode.prefill(spec(4), tparams, dparams, state, tokens)
-    small = decode.draft_logits(spec(4), tparams, dparams, state)[0]
-    full = decode.draft_logits(spec(4, "dflash"), tparams, dparams, state)[0]
+    small = draft_logits(spec(4), tparams, dparams, state)[0]
+    full = draft_logits(spec(4, "dflash"), tparams, dparams, state)[0]
     assert small.shape[1] == 4 and full.shape[1] == bs - 1
     np.testing.assert_allclose(small, full[:, :4], rtol=1e-5, atol=1e-5)
 

@@ -210,7 +210,7 @@ def test_tree_attention_rejects_unsupported():
 
 @pytest.mark.parametrize("n,t", [(5, 5), (5, 8), (31, 40), (65, 72), (33, 96)])
 def test_pad_rows_adds_rows_that_see_themselves_only(n, t):
-    """A verify block padded from n to t rows (decode.verify): the old rows see exactly what they saw, the new
+    """A verify block padded from n to t rows (round.verify): the old rows see exactly what they saw, the new
     rows only themselves."""
     from pallas_kernels.bitmask import pad_rows
 

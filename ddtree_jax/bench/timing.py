@@ -20,6 +20,7 @@ def _jitted():
     import jax.numpy as jnp
 
     from ddtree_jax import cache as kvcache, decode
+    from ddtree_jax.round import accept_commit, build_tree, draft_logits, hand_over, verify
 
     @functools.partial(decode.donating_jit, static_argnums=(2, 3), donate_argnums=(0,))
     def randomize(state, key, prompt_len: int, vocab: int):
@@ -38,24 +39,24 @@ def _jitted():
 
     @functools.partial(decode.donating_jit, static_argnums=(0,), donate_argnums=(3,))
     def stage_draft(spec, tp, dp, state):
-        logits, dcache = decode.draft_logits(spec, tp, dp, state)
+        logits, dcache = draft_logits(spec, tp, dp, state)
         return logits, dataclasses.replace(state, dcache=dcache)
 
     @functools.partial(jax.jit, static_argnums=(0,))
     def stage_tree(spec, logits):
-        return decode.build_tree(spec, logits)[0]
+        return build_tree(spec, logits)[0]
 
     @functools.partial(decode.donating_jit, static_argnums=(0,), donate_argnums=(2,))
     def stage_verify(spec, tp, state, tree):
-        logits, cache, taps, tokens, depths = decode.verify(spec, tp, state, tree)
+        logits, cache, taps, tokens, depths = verify(spec, tp, state, tree)
         return (logits, taps, tokens, depths), dataclasses.replace(state, cache=cache)
 
     @functools.partial(decode.donating_jit, static_argnums=(0,), donate_argnums=(2,))
     def stage_accept(spec, dp, state, tree, outs):
         logits, taps, tokens, depths = outs
-        state, context, count = decode.accept_commit(spec, state, tree, state.dcache, logits, state.cache, taps,
-                                                     tokens, depths)
-        return decode.hand_over(spec, dp, state, context, count)  # the drafter's extension counts in this stage
+        state, context, count = accept_commit(spec, state, tree, state.dcache, logits, state.cache, taps, tokens,
+                                              depths)
+        return hand_over(spec, dp, state, context, count)  # the drafter's extension counts in this stage
 
     return dict(randomize=randomize, stage_draft=stage_draft, stage_tree=stage_tree, stage_verify=stage_verify,
                 stage_accept=stage_accept)

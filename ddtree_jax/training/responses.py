@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import decode, slots
+from ddtree_jax.round import State
 from ddtree_jax.results import final_length
 from ddtree_jax.spec import NEVER, GenerateOptions, make_spec
 from ddtree_jax.weight_layout import device_layout
@@ -69,7 +70,7 @@ class Stats:
         return d
 
 
-def _put_rows(state: decode.State, rows, sub: decode.State) -> decode.State:
+def _put_rows(state: State, rows, sub: State) -> State:
     return slots.put_rows(state, rows, sub)
 
 
