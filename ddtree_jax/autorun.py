@@ -79,8 +79,8 @@ def rewind(state: State, mask: Array, length: Array, limit: Array) -> State:
 
 class AutoRun:
     """generate's loop of groups of ``rounds`` rounds under ``tree_budget="auto"``: one compiled group per form allowed
-    at the batch (policy.allowed), each run once before the decode on a fresh state of the batch's shape (``fresh()``,
-    its caches at the prompt lengths) and timed there unless ``cost_table`` knows it already."""
+    at the batch (policy.allowed), each run and timed before the decode on a fresh state of the batch's shape
+    (``fresh()``, its caches at the prompt lengths); ``cost_table`` keeps the timings."""
 
     def __init__(self, spec: Spec, options: GenerateOptions, tparams, dparams, fresh: Callable[[], State],
                  n_prompts: int, rounds: int, cost_table, chooser):
@@ -102,9 +102,13 @@ class AutoRun:
         self.measure_s = 0.0
 
     def _warm(self, lens: list[int]) -> None:
-        """Run every form once before decoding, on a fresh state whose caches hold the prompts' lengths, timing those
-        the cost table does not know: a program's first execution in a process loads it onto the device (tens of ms a
-        form on a GPU), which would otherwise fall inside the decode."""
+        """Run and time every form before decoding, on a fresh state whose caches hold the prompts' lengths: a
+        program's first execution in a process loads it onto the device (tens of ms a form on a GPU), which would
+        otherwise fall inside the decode. Every form is timed afresh, one after another (``MEASURE_CALLS`` calls when
+        the cost table does not know it, one when it does), so that the costs compared are this moment's: the decode
+        refines only the forms it runs, and a cost kept from a run in a slower phase of a shared machine would keep
+        its form out for good (on 2 CPU cores a tree of 4 kept at 52 ms a round, against 33 measured, made later
+        runs take trees of 8 at 1.14-1.30x AR instead of 1.48x)."""
         t0 = time.perf_counter()
         dummy = self.fresh()
         everyone, length = jnp.ones((self.batch,), bool), jnp.asarray(lens, jnp.int32)
@@ -112,7 +116,7 @@ class AutoRun:
         for f, fn in self.fns.items():
             known = self.costs.get(self.keys[f]) is not None
             sec, dummy = measure(lambda s: fn(self.tparams, self.dparams, s, length, rounds), dummy,
-                                 lambda s: rewind(s, everyone, length, limit), calls=0 if known else MEASURE_CALLS)
+                                 lambda s: rewind(s, everyone, length, limit), calls=1 if known else MEASURE_CALLS)
             if sec is not None:
                 self.costs.measured(self.keys[f], sec, int(np.mean(lens)))
         jax.block_until_ready(dummy)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax import accept, autorun, decode, policy
+from ddtree_jax import accept, autorun, costs, decode, policy
 from ddtree_jax import tree as trees
 from ddtree_jax.round import draft_logits, predictions
 from tests.test_decode import tree_paths
@@ -215,12 +215,12 @@ def test_sampled_output_is_ars_for_the_same_seed_whatever_the_forms(target, draf
     assert max(deep) >= 4 and np.mean(deep) > 2, deep
 
 
-def test_every_form_runs_once_before_the_decode_and_only_unknown_ones_are_timed(target, drafter, batch, monkeypatch,
-                                                                               tmp_path):
-    """A program's first execution in a process loads it onto the device, so AutoRun runs each form once before
-    decoding: timed (autorun.MEASURE_CALLS calls) when the cost table does not know it, untimed when it does (another
-    generate call reading the costs the earlier one kept on disk). (Traced: the programs of the forced-forms test
-    above, compiled once.)"""
+def test_every_form_is_timed_afresh_before_the_decode(target, drafter, batch, monkeypatch, tmp_path):
+    """A program's first execution in a process loads it onto the device, so AutoRun runs each form before decoding,
+    and times it there: autorun.MEASURE_CALLS calls when the cost table does not know it, one when it does (another
+    generate call reading the costs the earlier one kept on disk), replacing the cost kept: a stale cost (a run in a
+    slower phase of the machine) must not keep a form out of later runs. (Traced: the programs of the forced-forms
+    test above, compiled once.)"""
     monkeypatch.setenv("DDTREE_JAX_CACHE", str(tmp_path))
     prompts, n = batch
     opts = decode.GenerateOptions(method="ddtree", max_new_tokens=n, forms=FORMS, trace=True)
@@ -235,9 +235,16 @@ def test_every_form_runs_once_before_the_decode_and_only_unknown_ones_are_timed(
     first = decode.generate(target, prompts, opts, draft=drafter, persist_costs=True)
     assert seen == [autorun.MEASURE_CALLS] * len(FORMS)
     seen.clear()
+    spec = decode.make_spec(target[0], drafter[0], opts, batch=len(prompts))
+    key = costs.program_key("4", len(prompts), "greedy")
+    table = autorun.cost_table_for(spec, target[1].embed.dtype)
+    assert table.get(key) is not None
+    table.measured(key, 1e3, 64)  # a stale cost: 1000 s a round
+    table.save()
     second = decode.generate(target, prompts, opts, draft=drafter, persist_costs=True)
-    assert seen == [0] * len(FORMS)
+    assert seen == [1] * len(FORMS)
     assert second.output_ids == first.output_ids
+    assert autorun.cost_table_for(spec, target[1].embed.dtype).get(key) < 1.0
 
 
 def test_a_tree_round_shows_what_each_smaller_tree_would_have_accepted(target, drafter, batch):
