@@ -46,15 +46,16 @@ def variant(spec: Spec) -> str:
     return "filtering" if spec.filtering else "sampling" if spec.sampling else "greedy"
 
 
-def measure(fn: Callable, state: State, rewind: Callable[[State], State], calls: int = MEASURE_CALLS):
+def measure(fn: Callable, state: State, rewind: Callable[[State], State], calls: int = MEASURE_CALLS,
+            first: Callable | None = None):
     """Seconds per round of a compiled group ``fn`` (state -> (state, Snapshot)): the median of ``calls`` timed calls
-    after an untimed one, each from ``rewind(state)`` and waited for; (seconds, or None when no round ran; the state
-    it left)."""
+    after an untimed one (``first``, default ``fn``: e.g. the same program for fewer rounds), each from
+    ``rewind(state)`` and waited for; (seconds, or None when no round ran; the state it left)."""
     per_round = []
     for i in range(calls + 1):
         state = jax.block_until_ready(rewind(state))
         t0 = time.perf_counter()
-        state, snap = fn(state)
+        state, snap = (fn if i or first is None else first)(state)
         ran = int(np.max(jax.device_get(snap.new_rounds)))
         if i and ran:
             per_round.append((time.perf_counter() - t0) / ran)
@@ -108,7 +109,8 @@ class AutoRun:
         the cost table does not know it, one when it does), so that the costs compared are this moment's: the decode
         refines only the forms it runs, and a cost kept from a run in a slower phase of a shared machine would keep
         its form out for good (on 2 CPU cores a tree of 4 kept at 52 ms a round, against 33 measured, made later
-        runs take trees of 8 at 1.14-1.30x AR instead of 1.48x)."""
+        runs take trees of 8 at 1.14-1.30x AR instead of 1.48x). The untimed first call, which loads the program,
+        runs one round."""
         t0 = time.perf_counter()
         dummy = self.fresh()
         everyone, length = jnp.ones((self.batch,), bool), jnp.asarray(lens, jnp.int32)
@@ -116,7 +118,8 @@ class AutoRun:
         for f, fn in self.fns.items():
             known = self.costs.get(self.keys[f]) is not None
             sec, dummy = measure(lambda s: fn(self.tparams, self.dparams, s, length, rounds), dummy,
-                                 lambda s: rewind(s, everyone, length, limit), calls=1 if known else MEASURE_CALLS)
+                                 lambda s: rewind(s, everyone, length, limit), calls=1 if known else MEASURE_CALLS,
+                                 first=lambda s: fn(self.tparams, self.dparams, s, length, jnp.int32(1)))
             if sec is not None:
                 self.costs.measured(self.keys[f], sec, int(np.mean(lens)))
         jax.block_until_ready(dummy)

@@ -227,9 +227,9 @@ def test_every_form_is_timed_afresh_before_the_decode(target, drafter, batch, mo
     seen = []
     measure = autorun.measure
 
-    def spy(fn, state, rewind, calls=autorun.MEASURE_CALLS):
+    def spy(fn, state, rewind, calls=autorun.MEASURE_CALLS, first=None):
         seen.append(calls)
-        return measure(fn, state, rewind, calls)
+        return measure(fn, state, rewind, calls, first)
 
     monkeypatch.setattr(autorun, "measure", spy)
     first = decode.generate(target, prompts, opts, draft=drafter, persist_costs=True)
