@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax import sharding
+from ddtree_jax import sharding, vocab_parallel
 from ddtree_jax.tree import Tree
 from pallas_kernels import tree_accept as tree_accept_lib
 
@@ -34,7 +34,7 @@ def node_keys(seq_keys: Array, positions: Array) -> Array:
 
 def filter_logits(logits: Array, temperature: Array, top_p: Array, top_k: Array, filtering: bool = True) -> Array:
     """Tempered logits [B, T, V] with top-k (0 = off) and top-p (1 = off) applied per sequence [B]
-    (``sharding.filter_logits``: by a search for the cutoff or by a sort, as the logits' size says; over a split
+    (``vocab_parallel.filter_logits``: by a search for the cutoff or by a sort, as the logits' size says; over a split
     vocabulary under a mesh).
 
     filtering (static): False when no sequence filters, so the program only divides by the temperature. With True
@@ -44,7 +44,7 @@ def filter_logits(logits: Array, temperature: Array, top_p: Array, top_k: Array,
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None, None]
     if not filtering:
         return scaled
-    return sharding.filter_logits(scaled, top_p, top_k)
+    return vocab_parallel.filter_logits(scaled, top_p, top_k)
 
 
 def filters(top_p, top_k) -> bool:
@@ -63,12 +63,12 @@ def choose(logits: Array, keys: Array, temperature: Array, top_p: Array, top_k: 
     device-to-host copy and a wait inside every round, so a sampling program draws for every row and keeps the
     draw where the temperature is > 0.
     """
-    greedy = sharding.argmax(logits)
+    greedy = vocab_parallel.argmax(logits)
     if not sampling:
         return greedy
     filt = filter_logits(logits, temperature, top_p, top_k, filtering)
     gumbel = jax.vmap(jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],))))(keys)
-    return jnp.where(temperature[:, None] > 0, sharding.argmax(filt + gumbel), greedy)
+    return jnp.where(temperature[:, None] > 0, vocab_parallel.argmax(filt + gumbel), greedy)
 
 
 def walk(tree: Tree, choice: Array, max_depth: int, impl: str = "xla") -> tuple[Array, Array, Array]:

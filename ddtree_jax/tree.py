@@ -34,7 +34,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax import sharding
+from ddtree_jax import sharding, vocab_parallel
 from pallas_kernels import ancestor_bits as bits_kernel, best_first as best_first_kernel, selection, vocab_top_k
 from pallas_kernels.bitmask import pack_bits
 from pallas_kernels.ranking import comes_before
@@ -210,7 +210,7 @@ def top_log_probs(draft_logits: Array, k: int, chunk: int | tuple[int, ...] | st
     else:
         top = functools.partial(top_k_chunked, chunk=chunk, top=select) if chunk else select
         logits_in = logits
-    vals, ids = sharding.top_k(logits_in, k, top)  # top(logits, k); per vocabulary shard under a mesh
+    vals, ids = vocab_parallel.top_k(logits_in, k, top)  # top(logits, k); per vocabulary shard under a mesh
     return vals - jax.nn.logsumexp(logits, axis=-1, keepdims=True), ids.astype(jnp.int32)
 
 
@@ -274,7 +274,7 @@ def best_first(
     ``chunk``, ``unroll``, ``select`` and ``bits`` change how, never what: see :func:`top_log_probs`, the depth
     scan, the module doc and :func:`ancestor_bits`. Defaults: on GPU the Pallas kernels (:func:`default_kernels`:
     the vocabulary top-k, the depth scan through :func:`default_select`, the ancestor bits), elsewhere the chunked
-    top-k (:func:`default_topk_chunk`; on each vocabulary shard under a mesh, see ``sharding.top_k``) and XLA's
+    top-k (:func:`default_topk_chunk`; on each vocabulary shard under a mesh, see ``vocab_parallel.top_k``) and XLA's
     ancestor bits; a fully unrolled depth loop and :func:`default_select`; each measured faster on an H200
     (docs/PERFORMANCE.md)."""
     b = draft_logits.shape[0]
@@ -351,7 +351,7 @@ def tree_from_lists(lp: Array, ids: Array, budget: int, *, select: str, unroll: 
 def chain(draft_logits: Array) -> Tree:
     """Chain DFlash: one path of the draft argmax tokens, depths 1..Dp."""
     b, depth_count, _ = draft_logits.shape
-    tokens = sharding.argmax(draft_logits)
+    tokens = vocab_parallel.argmax(draft_logits)
     depths = jnp.broadcast_to(jnp.arange(1, depth_count + 1, dtype=jnp.int32), (b, depth_count))
     parents = jnp.broadcast_to(jnp.arange(-1, depth_count, dtype=jnp.int32), (b, depth_count + 1))
     bits = pack_bits(jnp.tril(jnp.ones((depth_count + 1, depth_count + 1), bool)))

@@ -192,10 +192,10 @@ def sorted_filter(x, top_p, top_k):
 def test_filter_matches_a_sorted_cumulative_sum_on_random_logits(seed, form, monkeypatch):
     """Both forms of the filter (the search for the cutoff, the sort of larger logits) keep what sorting and summing
     in float64 keeps, row by row, over random logits (sharp and flat, with ties), every top-p / top-k mix."""
-    from ddtree_jax import sharding
+    from ddtree_jax import vocab_parallel
 
-    monkeypatch.setattr(sharding, "FILTER_SEARCH_MAX_BYTES", 1 << 30 if form == "search" else 0)
-    monkeypatch.setattr(sharding, "_filtered_by_" + ("sort" if form == "search" else "search"), None)  # not taken
+    monkeypatch.setattr(vocab_parallel, "FILTER_SEARCH_MAX_BYTES", 1 << 30 if form == "search" else 0)
+    monkeypatch.setattr(vocab_parallel, "_filtered_by_" + ("sort" if form == "search" else "search"), None)  # not taken
     rng = np.random.default_rng(seed)
     b, t, v = 6, 5, 3000
     x = rng.standard_normal((b, t, v)) * rng.choice([0.3, 1.0, 4.0], size=(b, t, 1))
@@ -203,7 +203,7 @@ def test_filter_matches_a_sorted_cumulative_sum_on_random_logits(seed, form, mon
     x = x.astype(np.float32)
     top_p = np.asarray([1.0, 0.9, 0.5, 0.99, 1.0, 0.7], np.float32)
     top_k = np.asarray([0, 0, 0, 40, 7, 300], np.int32)
-    # a fresh function to trace: the patched sharding module decides the form while tracing
+    # a fresh function to trace: the patched vocab_parallel module decides the form while tracing
     out = np.asarray(jax.jit(lambda *a: accept.filter_logits(*a))(jnp.asarray(x), jnp.ones(b), jnp.asarray(top_p),
                                                                    jnp.asarray(top_k)))
     for i in range(b):

@@ -252,12 +252,12 @@ def _script(out_path: str) -> None:
 
     # the vocabulary top-k kernels (interpreter) on each vocabulary shard: the log-probs and ids of one device
     t0 = time.time()
-    from ddtree_jax import tree as trees
+    from ddtree_jax import tree as trees, vocab_parallel
 
     logits = jnp.round(3 * jax.random.normal(jax.random.key(5), (2, 3, 8192)), 1)  # ties across shards
     want = trees.top_log_probs(logits, 16, (64, 8))
     with sharding.use_mesh(mesh_of("1x4")):
-        split = sharding._vocab_split() is not None
+        split = vocab_parallel._vocab_split() is not None
         got = jax.jit(lambda x: trees.top_log_probs(x, 16, "kernel"))(logits)
     report["vocab_top_k"] = {"same": all(bool(jnp.array_equal(w, g)) for w, g in zip(want, got)), "split": split,
                              "ids_beyond_first_shard": int(jnp.sum(want[1] >= 2048))}
@@ -553,13 +553,13 @@ def test_fused_weights_are_refused_by_shard_model():
 def test_no_mesh_is_the_identity():
     import jax.numpy as jnp
 
-    from ddtree_jax import sharding
+    from ddtree_jax import sharding, vocab_parallel
 
     x = jnp.ones((2, 3, 4))
     assert sharding.active() is None and sharding.constrain(x, ("batch", "seq", "vocab")) is x
     with sharding.use_mesh(None):
         assert sharding.active() is None
-    assert (sharding.filter_logits(x, jnp.ones(2), jnp.zeros(2, jnp.int32)) == x).all()  # no filter: all kept
+    assert (vocab_parallel.filter_logits(x, jnp.ones(2), jnp.zeros(2, jnp.int32)) == x).all()  # no filter: all kept
     assert sharding.padded_batch(3, None) == 3
 
 
