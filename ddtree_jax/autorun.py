@@ -21,8 +21,8 @@ import numpy as np
 
 from ddtree_jax import costs, policy
 from ddtree_jax.decode import compiled, donating_jit, run_group
-from ddtree_jax.round import State
 from ddtree_jax.results import fault_message
+from ddtree_jax.round import State
 from ddtree_jax.spec import NEVER, GenerateOptions, Spec, run_forms
 
 Array = jax.Array

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import decode, slots
-from ddtree_jax.round import State
 from ddtree_jax.results import final_length
+from ddtree_jax.round import State
 from ddtree_jax.spec import NEVER, GenerateOptions, make_spec
 from ddtree_jax.weight_layout import device_layout
 
