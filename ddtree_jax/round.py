@@ -65,8 +65,9 @@ def draft_logits(spec: Spec, target: TargetParams, drafter: DraftParams, state: 
 
 
 def build_tree(spec: Spec, logits: Array) -> tuple[trees.Tree, Array | None]:
-    """The tree stage: the DFlash chain or DDTree's best-first tree from draft logits [B, bs-1, V], and under auto
-    the round's predictions [B, 2 + len(spec.predict)] (:func:`predictions`; None otherwise)."""
+    """The tree stage: the DFlash chain or DDTree's best-first tree from draft logits [B, Dp, V] (Dp =
+    ``spec.draft_depths``), and under auto the round's predictions [B, 2 + len(spec.predict)] (:func:`predictions`;
+    None otherwise)."""
     if not spec.auto:
         return (trees.chain(logits) if spec.tree == "chain" else trees.best_first(logits, spec.budget)), None
     if not spec.build_budget:  # dflash: the chain's prediction alone
@@ -95,8 +96,8 @@ def predictions(spec: Spec, top1: Array, scores: Array | None) -> Array:
 
 def draft_step(spec: Spec, target: TargetParams, drafter: DraftParams | None, state: State):
     """draft + tree: (tree, drafter cache, predictions or None). An AR step (tree "root") drafts nothing; its token's
-    context still reaches the drafter (:func:`hand_over`; a chunk of steps at a time, :func:`_ar_steps`), so a later
-    round drafts as if every round had been speculative."""
+    context still reaches the drafter (:func:`hand_over`; a chunk of steps at a time, ``decode._ar_steps``), so a
+    later round drafts as if every round had been speculative."""
     b = state.bonus.shape[0]
     if spec.tree == "root":
         return trees.root_only(b), state.dcache, None
