@@ -4,7 +4,8 @@ A :class:`Program` is one compiled (form, slot batch, sampling variant) group of
 (:func:`table` lists them). :class:`Programs` holds them as a mapping from (form, size, variant) and:
 
     compile  background threads compile the wanted ones in :func:`_rank`'s order (:meth:`Programs.start`)
-    time     the engine thread times a newly compiled one on free slots (:meth:`Programs.measure`)
+    time     the engine thread times a newly compiled one on free slots (:meth:`Programs.measure`), and under load
+             the next step times one whose cost is missing, doubtful or older than ``COST_TTL_S``
     choose   the engine thread picks the next step's program (:meth:`Programs.choose`) and runs it
              (:meth:`Programs.call`)
 
@@ -35,6 +36,11 @@ from ddtree_jax.spec import Spec
 log = logging.getLogger("ddtree_jax.engine")
 
 VARIANTS = ("greedy", "sampling", "filtering")  # a program's sampling support, least general first (spec.Spec)
+# Seconds a cost is trusted without a new timing. Under load only the chosen program's steps refine its own cost; a
+# cost timed once in a slower phase (2-4x on 2 CPU cores: the HTTP stack, the load generator, the machine itself)
+# would keep a faster program unchosen for good. Past this, the next step that may run it times it (Programs.choose):
+# at most one step per form and slot batch in this time (a step of a few ms on a GPU; 0.1-0.3 s on 2 CPU cores).
+COST_TTL_S = 20.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -50,6 +56,7 @@ class Program:
     clean: bool = False  # its cost was timed with no compilation in flight (else, or loaded from disk: timed again)
     checked: bool = False  # timed again once because its cost exceeded the same form's at a larger slot batch
     timing: bool = False  # chosen for a step that times it (Programs.stepped)
+    timed_at: float = -float("inf")  # time.monotonic() of its cost's last timing (COST_TTL_S)
 
     @property
     def cost_key(self) -> str:
@@ -247,6 +254,7 @@ class Programs(collections.abc.Mapping):
             state = slots.mark_done(state, jnp.asarray(mask))
             if sec is not None:
                 self.costs.measured(program.cost_key, sec, length)
+                program.timed_at = time.monotonic()
                 log.info("timed %s: %.2f ms a round", program.cost_key, 1e3 * sec)
             program.clean = quiet and self.quiet()
         if todo:
@@ -262,9 +270,10 @@ class Programs(collections.abc.Mapping):
             program.clean = False
         elif timing or self.costs.get(program.cost_key) is None:
             self.costs.measured(program.cost_key, seconds, context)
-            program.clean = True
+            program.clean, program.timed_at = True, time.monotonic()
         else:
             self.costs.observe(program.cost_key, seconds, context)
+            program.timed_at = time.monotonic()
 
     # ------------------------------------------------------------------ choosing and running
     def call(self, program: Program, state, rows: np.ndarray, starts: np.ndarray):
@@ -277,7 +286,8 @@ class Programs(collections.abc.Mapping):
     def choose(self, live: list[int], params: Sequence[SamplingParams], chooser: policy.Policy) -> Program:
         """The program of the next step for the ``live`` slots, whose requests' sampling ``params`` they are: among
         the compiled ones holding them in a variant their requests allow, one that needs timing at the smallest such
-        slot batch (:meth:`needing_timing`: its step times it, :meth:`stepped`), else ``chooser``'s choice."""
+        slot batch (:meth:`needing_timing`; or, no compilation running, the cheapest variant of a form whose cost is
+        older than ``COST_TTL_S``: its step times it, :meth:`stepped`), else ``chooser``'s choice."""
         hot = [p for p in params if p.temperature > 0]
         need = "filtering" if any(accept.filters(p.top_p, p.top_k) for p in hot) else "sampling" if hot else "greedy"
         if need not in self._wanted:
@@ -302,4 +312,10 @@ class Programs(collections.abc.Mapping):
                 best[p.form, p.size] = (c, p)
         if not best:  # nothing timed yet at these sizes (steps that ran no round)
             return min(ok, key=lambda p: (p.size, _rank(p)))
+        now = time.monotonic()
+        stale = [p for (_, size), (_, p) in best.items() if size == smallest and now - p.timed_at > COST_TTL_S]
+        if stale and self.quiet():
+            program = min(stale, key=lambda p: p.timed_at)
+            program.timing = True
+            return program
         return best[chooser.choose(live, {k: c for k, (c, _) in best.items()})][1]

@@ -381,6 +381,31 @@ def test_under_load_steps_time_the_programs_they_need(target, drafter):
         eng.stop()
 
 
+def test_a_cost_older_than_its_ttl_is_timed_again_by_a_step(target, drafter):
+    """Under load only the chosen program's steps refine its cost: a cost timed once in a slower phase (the server's
+    table on 2 CPU cores held AR at 98.6 ms a round, 22-25 alone) kept a faster program unchosen for good. A cost is
+    trusted for programs.COST_TTL_S; after that the next step that may run its program does, and its timing
+    replaces the cost."""
+    cfg = engines.EngineConfig(method="ddtree", forms=("ar", "chain", "4"), max_batch=1, max_len=MAX_LEN,
+                               batch_buckets=())
+    eng = engines.Engine(target, drafter, cfg)
+    eng.start()
+    try:
+        wait_until(lambda: eng.programs_ready == 4 and not eng._untimed())
+        p = eng.programs["4", 1, "greedy"]
+        with eng._lock:  # a slowed timing, fresh: trusted, so the tree of 4 is never chosen
+            eng.costs.measured(p.cost_key, 1000.0, 64)
+            p.timed_at = time.monotonic()
+        assert len(eng.generate([1, 2, 3], greedy(12), timeout=120).token_ids) == 12
+        assert eng.step_programs["4", 1, "greedy"] == 0 and eng.costs.get(p.cost_key) == 1000.0
+        with eng._lock:  # the same cost, past its time
+            p.timed_at -= programs.COST_TTL_S
+        assert len(eng.generate([1, 2, 3], greedy(12), timeout=120).token_ids) == 12
+        assert eng.step_programs["4", 1, "greedy"] >= 1 and eng.costs.get(p.cost_key) < 10.0
+    finally:
+        eng.stop()
+
+
 def test_forms_and_slot_batches_run_only_the_live_slots(target, drafter, tokenizer, reference_runs, monkeypatch):
     """Under --tree-budget auto each step runs the (form, slot batch) the policy picks among the compiled programs:
     the warm-up compiles the full batch's AR step (in the variant that serves any request), the background compiler
