@@ -115,6 +115,8 @@ def main() -> None:
     p.add_argument("--method", default="ddtree", choices=("ar", "dflash", "ddtree"))
     p.add_argument("--budget", type=cli.positive_int, default=64)
     p.add_argument("--prompt", type=cli.positive_int, default=512)
+    p.add_argument("--max-new-tokens", type=cli.positive_int, default=256,
+                   help="room past the prompt: the cache's capacity is prompt + this + a round's scratch slots")
     p.add_argument("--batch", type=cli.positive_int, default=1)
     p.add_argument("--rounds", type=cli.positive_int, default=10, help="rounds per timed call")
     p.add_argument("--temperature", type=cli.nonneg_float, default=0.0,
@@ -141,11 +143,11 @@ def main() -> None:
         prompts laid out for it (the same prompts for every variant)."""
         s = spec
         if forms:
-            opts = spec_lib.GenerateOptions(method=args.method, max_new_tokens=256, tree_budget=spec_lib.AUTO,
-                                            forms=forms, **sample)
+            opts = spec_lib.GenerateOptions(method=args.method, max_new_tokens=args.max_new_tokens,
+                                            tree_budget=spec_lib.AUTO, forms=forms, **sample)
             form = policy.AR if args.method == "ar" else policy.CHAIN if args.method == "dflash" else str(args.budget)
             s = spec_lib.make_spec(tcfg, dcfg, opts, batch=args.batch).with_form(form, args.batch)
-        _, capacity, out_len = decode.layout(s, [args.prompt] * args.batch, 256)
+        _, capacity, out_len = decode.layout(s, [args.prompt] * args.batch, args.max_new_tokens)
         return s, timing.make_state(s, shape.vocab, args.batch, args.prompt, capacity, out_len, jnp.bfloat16, **sample)
     laid: dict[tuple, object] = {}
 
@@ -206,7 +208,8 @@ def main() -> None:
 
     base = runs[names[0]]["ms"]
     out = {"model": args.model, "method": args.method, "budget": args.budget if args.method == "ddtree" else None,
-           "prompt_len": args.prompt, "batch": args.batch, "rounds_per_call": args.rounds, "pairs": args.pairs,
+           "prompt_len": args.prompt, "max_new_tokens": args.max_new_tokens, "batch": args.batch,
+           "rounds_per_call": args.rounds, "pairs": args.pairs,
            **sample, "device": jax.devices()[0].device_kind, "date": records.now(), "variants": {}}
     for name in names:
         r = runs[name]

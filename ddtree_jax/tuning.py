@@ -34,6 +34,8 @@ class Tuning:
     # (ddtree_jax.moe.gemv_fn); False: XLA's row reductions
     moe_gather_pairs: int | None = None  # (token, slot) pairs up to which an MoE layer takes its gather form
     # (None: ddtree_jax.moe.GATHER_MAX_PAIRS)
+    live_spans: bool = True  # on CPU, XLA's attention over the shortest key span holding the live slots
+    # (model.live_spans: a lax.switch a layer); False: over the whole cache. Inert on GPU (its kernels read live slots)
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -47,12 +49,13 @@ class Tuning:
                 raise ValueError(f"tuning {name}={value!r}: expected a positive integer")
 
 
-SWITCHES = ("qkv_write", "add_norm", "decode_attention", "grouped_matmul", "expert_gemv")
+SWITCHES = ("qkv_write", "add_norm", "decode_attention", "grouped_matmul", "expert_gemv", "live_spans")
 COUNTS = ("verify_align", "layer_unroll", "prefill_chunk", "moe_gather_pairs")
 FIELDS = ("layout", *SWITCHES, *COUNTS)
 HELP = ("how the decode runs on the device, never what it computes: comma-separated KEY=VALUE among layout (one of "
         f"{', '.join(LAYOUTS)}; the weights' form), qkv_write, add_norm, decode_attention, grouped_matmul, expert_gemv "
-        "(0 or 1: the layer kernels; 0 gives XLA's ops, or the tree kernel for one-row steps), verify_align, "
+        "(0 or 1: the layer kernels; 0 gives XLA's ops, or the tree kernel for one-row steps), live_spans (0 or 1: CPU "
+        "attention over the live key span or the whole cache), verify_align, "
         "layer_unroll, prefill_chunk, moe_gather_pairs (positive integers); unset: the backend's defaults "
         "(ddtree_jax.tuning)")
 

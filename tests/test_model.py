@@ -160,3 +160,25 @@ def test_mlp_rounds_gate_and_up_to_the_operand_dtype(target, fused):
     got = np.asarray(jax.jit(model.mlp)(x, w))
     np.testing.assert_allclose(got, np.asarray(jax.jit(want, static_argnums=0)(jnp.bfloat16)), **close)
     assert np.abs(np.asarray(jax.jit(want, static_argnums=0)(jnp.float32)) - got).max() > 1e-3
+
+
+@pytest.mark.parametrize("lengths, t", [((5, 40), 1), ((60, 127), 1), ((100, 128), 1), ((100, 130), 16), ((3, 300), 4),
+                                         ((500, 506), 1)])
+def test_cpu_attention_over_live_spans_equals_the_whole_cache(lengths, t):
+    """On CPU the XLA attention reads only the smallest of model.key_spans holding every sequence's prefix and block
+    (a lax.switch), not the whole cache; slots past it are invisible, so the output is the reference's, from the
+    shortest span (both lengths in it) to the capacity."""
+    layers, b, s, kv, hd, heads, layer = 3, 2, 512 + 24, 2, 16, 4, 1
+    assert model.key_spans(s) == (128, 256, 512, s)
+    rng = np.random.default_rng(t)
+    k, v = (jnp.asarray(rng.standard_normal((layers, b, s, kv, hd)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((b, t, heads, hd)), jnp.float32)
+    prefix = jnp.asarray(lengths, jnp.int32)
+    bits = causal_bits(b, t)
+    want = model.tree_attention_lib.tree_attention_reference(q, k, v, prefix, bits, layer=layer)
+    got = jax.jit(model.live_spans(model.tree_attention_lib.tree_attention_reference))(
+        q, k, v, prefix, bits, layer=jnp.int32(layer))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    # a span too short for the longest sequence would differ: the test sees the spans' effect
+    short = model.tree_attention_lib.tree_attention_reference(q, k[:, :, :8], v[:, :, :8], prefix, bits, layer=layer)
+    assert not np.allclose(np.asarray(short), np.asarray(want), atol=1e-3)
