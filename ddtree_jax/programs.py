@@ -36,10 +36,12 @@ from ddtree_jax.spec import Spec
 log = logging.getLogger("ddtree_jax.engine")
 
 VARIANTS = ("greedy", "sampling", "filtering")  # a program's sampling support, least general first (spec.Spec)
-# Seconds a cost is trusted without a new timing. Under load only the chosen program's steps refine its own cost; a
-# cost timed once in a slower phase (2-4x on 2 CPU cores: the HTTP stack, the load generator, the machine itself)
-# would keep a faster program unchosen for good. Past this, the next step that may run it times it (Programs.choose):
-# at most one step per form and slot batch in this time (a step of a few ms on a GPU; 0.1-0.3 s on 2 CPU cores).
+# Seconds a cost is trusted without a new timing, times its ratio to the cheapest program's at its slot batch. Under
+# load only the chosen program's steps refine its own cost; a cost timed once in a slower phase (2-4x on 2 CPU cores:
+# the HTTP stack, the load generator, the machine itself) would keep a faster program unchosen for good. Past this,
+# the next step that may run it times it (Programs.choose). A program k times the cheapest's cost is timed once in
+# k x COST_TTL_S, so each form's timings add at most one cheapest step's time in COST_TTL_S (0.1-0.2 s on 2 CPU
+# cores: about 1% a form; a few ms on a GPU).
 COST_TTL_S = 20.0
 
 
@@ -287,7 +289,8 @@ class Programs(collections.abc.Mapping):
         """The program of the next step for the ``live`` slots, whose requests' sampling ``params`` they are: among
         the compiled ones holding them in a variant their requests allow, one that needs timing at the smallest such
         slot batch (:meth:`needing_timing`; or, no compilation running, the cheapest variant of a form whose cost is
-        older than ``COST_TTL_S``: its step times it, :meth:`stepped`), else ``chooser``'s choice."""
+        older than ``COST_TTL_S`` times its ratio to the cheapest's there: its step times it, :meth:`stepped`), else
+        ``chooser``'s choice."""
         hot = [p for p in params if p.temperature > 0]
         need = "filtering" if any(accept.filters(p.top_p, p.top_k) for p in hot) else "sampling" if hot else "greedy"
         if need not in self._wanted:
@@ -312,8 +315,9 @@ class Programs(collections.abc.Mapping):
                 best[p.form, p.size] = (c, p)
         if not best:  # nothing timed yet at these sizes (steps that ran no round)
             return min(ok, key=lambda p: (p.size, _rank(p)))
-        now = time.monotonic()
-        stale = [p for (_, size), (_, p) in best.items() if size == smallest and now - p.timed_at > COST_TTL_S]
+        now, here = time.monotonic(), [cp for (_, size), cp in best.items() if size == smallest]
+        cheapest = min((c for c, _ in here), default=0.0)
+        stale = [p for c, p in here if now - p.timed_at > COST_TTL_S * c / cheapest]
         if stale and self.quiet():
             program = min(stale, key=lambda p: p.timed_at)
             program.timing = True
