@@ -72,7 +72,8 @@ def run_rounds(spec: Spec, target: TargetParams, drafter: DraftParams | None, st
     def body(carry):
         state, i = carry
         if spec.tree == "root" and spec.draft is not None:
-            return _ar_steps(spec, target, drafter, state, max_rounds - i)
+            state, steps = _ar_steps(spec, target, drafter, state, max_rounds - i)
+            return state, i + steps
         return round_step(spec, target, drafter, state), i + 1
 
     state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))

@@ -138,6 +138,25 @@ def test_more_ar_steps_than_path_len_leave_the_drafters_cache_complete(target, d
     check_caches(target, drafter, state)
 
 
+def test_ar_steps_stop_at_the_round_count_beyond_path_len(target, drafter, reference_runs):
+    """run_rounds(max_rounds=N) runs N AR steps of a speculative run, also when N exceeds path_len (the steps run
+    path_len at a time: the count once restarted at each batch of them, and the loop ran until every row was done);
+    a second call finishes the output as AR's."""
+    (tcfg, tparams), (dcfg, dparams) = target, drafter
+    run = reference_runs[0]
+    opts = decode.GenerateOptions(method="ddtree", max_new_tokens=2 * dcfg.block_size + 3)
+    spec = decode.make_spec(tcfg, dcfg, opts).with_form("ar")
+    state, tokens = decode.start(spec, [run["prompt"]], [opts], opts.max_new_tokens, tparams.embed.dtype)
+    state = decode.compiled(decode.prefill, spec, tparams, dparams, state, tokens)(tparams, dparams, state, tokens)
+    step = decode.compiled(decode.run_rounds, spec, tparams, dparams, state, jnp.int32(1))
+    first = spec.path_len + 3
+    state = step(tparams, dparams, state, jnp.int32(first))
+    assert int(state.n_rounds[0]) == first and not bool(state.done[0])
+    state = step(tparams, dparams, state, jnp.int32(opts.max_new_tokens))
+    n = len(run["prompt"]) + opts.max_new_tokens
+    assert bool(state.done[0]) and np.asarray(state.out)[0, :n].tolist() == run["ar"][:n]
+
+
 def test_ar_steps_hand_the_drafter_their_tokens_once_per_path_len_steps(target, drafter):
     """The AR form of a speculative run, compiled as the engine compiles its group of rounds: the drafter's input
     projection (and so its K/V products and cache writes) runs outside the loop of AR steps, once for up to path_len
