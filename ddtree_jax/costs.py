@@ -3,8 +3,9 @@
 ``--tree-budget auto`` (ddtree_jax/policy.py) weighs each form's expected tokens against its cost at the live slot
 batch. Costs are never guessed: each program is timed right after it is compiled (a few rounds on a state of its
 shape, the median), then refined by an exponential moving average of the engine's own step timings (elapsed time /
-rounds); the engine times a program again when its cost was timed beside a compilation, read from disk, or is older
-than ``programs.COST_TTL_S``, and ``generate`` times every form afresh before each decode.
+rounds); the engine times a program again when its cost was timed beside a compilation, read from disk, or has
+aged past ``programs.COST_TTL_S`` (times its ratio to the cheapest's), and ``generate`` times every form afresh
+before each decode.
 They are kept per (model shapes, dtype, device kind, attention) signature and program key in
 ``$DDTREE_JAX_CACHE/costs.json`` (default ``~/.cache/ddtree_jax``), so the next start and ``generate`` know them.
 

@@ -73,7 +73,8 @@ def attention_fn(impl: str, tuning: Tuning = Tuning()):
     cache [L, B, S, K, hd]: 'pallas' slices it (XLA copies a slice for a custom call), the others do not."""
     if impl == "xla":
         reference = tree_attention_lib.tree_attention_reference
-        return live_spans(reference) if tuning.live_spans and jax.default_backend() == "cpu" else reference
+        one_cpu = jax.default_backend() == "cpu" and sharding.active() is None
+        return live_spans(reference) if tuning.live_spans and one_cpu else reference
     if impl in ATTENTION_IMPLS:  # per device under shard_map when a mesh is active
         interpret = impl.endswith("-interpret")
         kernel = functools.partial(tree_attention_lib.tree_attention, interpret=interpret)
@@ -119,11 +120,12 @@ def live_spans(attend):
     """``attend`` (the reference) over the stacked cache's first s slots only, s the smallest of :func:`key_spans`
     holding every sequence's prefix and block (``lax.switch`` on max(prefix_len) + T, one branch a span). The
     reference reads every slot of the cache, however few are live: on 2 CPU cores an AR step of SmolLM2-135M costs
-    20 ms without attention and 24, 36 or 57 ms with it at 192, 1088 or 4160 slots (docs/PERFORMANCE.md). Slots past
-    the span are invisible to every query (softmax terms of exactly 0), so the result is the reference's. Used on CPU
-    only: a GPU runtime reads a conditional's predicate on the host (a synchronisation a layer), and the GPU kernels
-    read the live prefix only anyway (``Tuning.live_spans``). Calls without ``layer``, or with the reference's
-    keywords, run it whole."""
+    20 ms without attention and 24, 36 or 57 ms with it at 192, 1088 or 4160 slots
+    (benchmarks/results/cpu_attention_spans.md). Slots past the span are invisible to every query (softmax terms of
+    exactly 0), so the result is the reference's. Used on one CPU device only (``Tuning.live_spans``): a GPU runtime
+    reads a conditional's predicate on the host (a synchronisation a layer), and the GPU kernels read the live prefix
+    only anyway; on a mesh the batch's longest sequence would take a collective a layer. Calls without ``layer``, or
+    with the reference's keywords, run it whole."""
 
     def run(q, k, v, prefix_len, tree_bits, layer=None, **kw):
         spans = key_spans(k.shape[-3])

@@ -34,8 +34,8 @@ class Tuning:
     # (ddtree_jax.moe.gemv_fn); False: XLA's row reductions
     moe_gather_pairs: int | None = None  # (token, slot) pairs up to which an MoE layer takes its gather form
     # (None: ddtree_jax.moe.GATHER_MAX_PAIRS)
-    live_spans: bool = True  # on CPU, XLA's attention over the shortest key span holding the live slots
-    # (model.live_spans: a lax.switch a layer); False: over the whole cache. Inert on GPU (its kernels read live slots)
+    live_spans: bool = True  # on one CPU device, XLA's attention over the shortest key span holding the live slots
+    # (model.live_spans: a lax.switch a layer); False: over the whole cache. Inert on GPU and on meshes
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
