@@ -235,7 +235,8 @@ def run_config(args, config: str, deadline: float) -> dict:
                     info["failures"].append(f"concurrency {c}: {level['errors']} failed requests, first: "
                                             f"{level['first_error']}")
                 print(f"[{config}] c={c}: {level['output_tokens_per_s'] or 0:.1f} tok/s, p50 "
-                      f"{level['latency_s']['p50'] or 0:.3f}s, forms {level.get('form_rounds')}, {level['errors']} "
+                      f"{level['latency_s']['p50'] or 0:.3f}s, forms {level.get('form_rounds')}, reasons "
+                      f"{level.get('reason_rounds')}, {level['errors']} "
                       f"errors", file=sys.stderr, flush=True)
                 with open(out_json, "w") as f:
                     json.dump(results, f, indent=1)
@@ -261,12 +262,16 @@ def _f(x, spec=".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def _forms(counts: dict | None) -> str:
-    """'64 71%, ar 29%': the forms auto ran at a level, by share of sequence rounds."""
+def _forms(counts: dict | None, reasons: dict | None = None) -> str:
+    """'64 71%, ar 29% (probes 5%)': the forms auto ran at a level, by share of sequence rounds, and the shares of
+    rounds its probes and its timings of stale costs took (loadtest's reason_rounds)."""
     if not counts:
         return "-"
     total = sum(counts.values())
-    return ", ".join(f"{f} {100 * n / total:.0f}%" for f, n in sorted(counts.items(), key=lambda x: -x[1]))
+    cell = ", ".join(f"{f} {100 * n / total:.0f}%" for f, n in sorted(counts.items(), key=lambda x: -x[1]))
+    why = [f"{label} {100 * reasons[key] / total:.0f}%" for key, label in (("probe", "probes"), ("timing", "timings"))
+           if reasons and reasons.get(key)]
+    return f"{cell} ({', '.join(why)})" if why else cell
 
 
 def summarize(out: str) -> str:
@@ -315,7 +320,7 @@ def summarize(out: str) -> str:
                 f"| {m} | {c} | {r['requests']} | {r['errors']} | {_f(r['requests_per_s'], '.2f')} | {_f(tps, '.1f')} "
                 f"| {_f(tps / ar if tps and ar else None, '.2f')} | {lat} | {_f(r['ttft_s']['p50'])} "
                 f"| {_f(tpot * 1000 if tpot is not None else None, '.1f')} "
-                f"| {_f(r['mean_acceptance_length'], '.2f')} | {_forms(r.get('form_rounds'))} |")
+                f"| {_f(r['mean_acceptance_length'], '.2f')} | {_forms(r.get('form_rounds'), r.get('reason_rounds'))} |")
     fails = [f"- {m['config']}: {x}" for m in run.get("configs", []) for x in m.get("failures", [])]
     if fails:
         lines += ["", "Failures:", *fails]

@@ -474,7 +474,9 @@ class Engine:
         return (starts [B], Snapshot [B]) for every slot."""
         starts = np.array([j.emitted if j is not None else 0 for j in self.slots], np.int32)
         live = [s for s, j in enumerate(self.slots) if j is not None]
+        probes = self.policy.probes
         program = self.programs.choose(live, [self.slots[s].params for s in live], self.policy)
+        reason = "timing" if program.timing else "probe" if self.policy.probes != probes else "policy"
         # the whole batch in slot order, or for a smaller one the live slots padded with free ones (distinct rows:
         # the scatter back stays exact)
         rows = np.array((live + [s for s, j in enumerate(self.slots) if j is None])[: program.size], np.int32)
@@ -502,7 +504,7 @@ class Engine:
         if snap.new_stats is not None:
             for s in live:
                 self.policy.observe(s, program.form, snap.new_stats[s])
-        self.metrics.stepped(self, program, live, snap)
+        self.metrics.stepped(self, program, live, snap, reason)
         return starts, snap
 
     def _deliver(self, starts: np.ndarray, snap: decode.Snapshot) -> None:

@@ -15,6 +15,7 @@ chat template) or token ids (``/v1/completions``). Reported per level:
     acceptance           committed tokens per sequence round over the level, from the server's /metrics
     form_rounds          (--tree-budget auto) sequence rounds by the form they took, from /metrics
     slot_batch_steps     steps by the slot batch of the program that ran them, from /metrics
+    reason_rounds        (--tree-budget auto) sequence rounds by why their program ran (policy, probe, timing)
 
 Example (start the server first, e.g. with random Qwen3-8B-shaped weights):
     python -m ddtree_jax.loadtest --url http://127.0.0.1:8000 --concurrency 1,2,4,8,16,32 --json > load.json
@@ -164,6 +165,8 @@ async def run_level(url: str, model: str | None, concurrency: int, requests: int
     committed = after.get("ddtree_committed_tokens_total", 0) - before.get("ddtree_committed_tokens_total", 0)
     prefix = "ddtree_form_sequence_rounds_total{form=\""  # --tree-budget auto: sequence-rounds by form
     forms = {k[len(prefix):-2]: v - before.get(k, 0) for k, v in after.items() if k.startswith(prefix)}
+    prefix = "ddtree_reason_sequence_rounds_total{reason=\""  # ... by why: the policy's choice, a probe, a timing
+    reasons = {k[len(prefix):-2]: v - before.get(k, 0) for k, v in after.items() if k.startswith(prefix)}
     prefix = "ddtree_slot_batch_steps_total{batch=\""  # steps by the slot batch they ran at
     batches = {int(k[len(prefix):-2]): v - before.get(k, 0) for k, v in after.items() if k.startswith(prefix)}
     return {
@@ -180,6 +183,7 @@ async def run_level(url: str, model: str | None, concurrency: int, requests: int
         "tpot_s": {"p50": percentile(tpot, 50)},
         "mean_acceptance_length": committed / rounds if rounds else None,
         "form_rounds": {f: n for f, n in forms.items() if n} or None,
+        "reason_rounds": {f: n for f, n in reasons.items() if n} or None,
         "slot_batch_steps": {b: n for b, n in sorted(batches.items()) if n} or None,
     }
 

@@ -41,6 +41,10 @@ class Metrics:
         Gauge("ddtree_slots", "Slots in the batch (--max-batch)", registry=r).set(engine.config.max_batch)
         self.rounds_by_form = Counter("ddtree_form_sequence_rounds", "Rounds run, summed over sequences, by the form "
                                       "they took (ar, chain, or the tree budget)", ["form"], registry=r)
+        self.rounds_by_reason = Counter("ddtree_reason_sequence_rounds", "Rounds run, summed over sequences, by why "
+                                        "their program ran: policy (its choice), probe (its probe of a speculative "
+                                        "form while AR steps win), timing (a program whose cost was missing, doubtful "
+                                        "or stale: programs.Programs.choose)", ["reason"], registry=r)
         self.steps_by_batch = Counter("ddtree_slot_batch_steps", "Steps (groups of rounds) run, by the slot batch "
                                       "of their program", ["batch"], registry=r)
         self.expected = Gauge("ddtree_expected_acceptance_length", "The policy's expected tokens a round over the live "
@@ -70,11 +74,13 @@ class Metrics:
         d = den._value.get()
         return num._value.get() / d if d else 0.0
 
-    def stepped(self, engine: "Engine", program: "Program", live: list[int], snap: decode.Snapshot) -> None:
-        """Count a step of ``program`` (engine thread)."""
+    def stepped(self, engine: "Engine", program: "Program", live: list[int], snap: decode.Snapshot,
+                reason: str = "policy") -> None:
+        """Count a step of ``program`` (engine thread), chosen for ``reason`` (policy, probe or timing)."""
         rounds = int(snap.new_rounds.sum())
         self.rounds.inc(rounds)
         self.rounds_by_form.labels(program.form).inc(rounds)
+        self.rounds_by_reason.labels(reason).inc(rounds)
         self.steps_by_batch.labels(str(program.size)).inc()
         self.committed.inc(int(snap.new_tokens.sum()))
         expected, ratio = engine.policy.summary(live, program.form)

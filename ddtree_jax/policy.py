@@ -166,6 +166,7 @@ class Policy:
         self._ar_groups = 0
         self._probed = False  # a probe's statistics arrived since the last choice
         self._probe_out = False  # a probe was chosen and its statistics have not arrived (they come a group late)
+        self.probes = 0  # choices that were probes (the engine's metrics tell its rounds apart by them)
 
     # ---------------------------------------------------------------- sequences
     def start(self, seq) -> None:
@@ -262,6 +263,7 @@ class Policy:
         cost, probe = speculative[0]
         if self._ar_groups >= self.probe_every * max(1.0, cost / options[best]):
             self._ar_groups, self._probe_out = 0, True
+            self.probes += 1
             return probe
         return best
 

@@ -403,6 +403,7 @@ def test_a_cost_older_than_its_ttl_is_timed_again_by_a_step(target, drafter):
             p.timed_at -= 2 * 1000.0 / cheapest * programs.COST_TTL_S
         assert len(eng.generate([1, 2, 3], greedy(12), timeout=120).token_ids) == 12
         assert eng.step_programs["4", 1, "greedy"] >= 1 and eng.costs.get(p.cost_key) < 10.0
+        assert eng.metrics.rounds_by_reason.labels("timing")._value.get() >= 1  # /metrics tells such steps apart
     finally:
         eng.stop()
 

@@ -199,7 +199,7 @@ def test_speculation_before_ar_won_is_not_a_failed_probe():
     wait = int(np.ceil(policy.FIRST_PROBE_EVERY * COSTS["chain"] / COSTS["ar"]))  # AR groups, counted from the first
     choices = [p.choose([0], options())[0] for _ in range(wait - 1)]
     assert choices[:-1] == ["ar"] * (wait - 2) and choices[-1] != "ar", choices
-    assert p.probe_every == policy.FIRST_PROBE_EVERY
+    assert p.probe_every == policy.FIRST_PROBE_EVERY and p.probes == 1  # (the engine's metrics count them)
 
 
 def test_steps_with_nothing_to_probe_keep_the_wait_between_probes():

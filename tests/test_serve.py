@@ -203,6 +203,10 @@ def test_models_health_and_metrics(server):
     assert by_form and set(by_form) <= {f'ddtree_form_sequence_rounds_total{{form="{f}"}}' for f in ("ar", "chain", "8")}
     by_batch = {k for k, v in server.metrics().items() if k.startswith("ddtree_slot_batch_steps_total") and v > 0}
     assert by_batch and all(k.split('"')[1].isdigit() for k in by_batch), by_batch
+    by_reason = {k: v for k, v in server.metrics().items() if k.startswith("ddtree_reason_sequence_rounds_total")}
+    assert sum(by_reason.values()) == sum(by_form.values())  # every round has one reason
+    reasons = ("policy", "probe", "timing")
+    assert set(by_reason) <= {f'ddtree_reason_sequence_rounds_total{{reason="{r}"}}' for r in reasons}
 
 
 def test_greedy_completions_equal_the_reference(server, reference_runs):
