@@ -8,7 +8,9 @@ and timed (--wait-compiled: the steady state; ``compiled_s``), run ``python -m d
 concurrency level (max(K x c, MIN) closed-loop requests of exactly --max-tokens tokens), stop the server, and for the
 configurations of --restart start it once more to time a second start on the persistent compilation cache
 (``restart_s``). Each configuration gets an equal share of what is left of --time-limit; a level that would overrun it
-is cut (and reported).
+is cut (and reported). With --interleave every configuration's server runs at once and each level runs on each in
+turn (the order reversed every other level), so that a level's ratios do not carry the machine's drift between
+configurations run minutes apart (on a shared 2-core CPU the same server's speed changes 2x within minutes).
 
 Prompts: --prompt-len random token ids (random weights), or --prompts-file (text prompts as chat messages, or token
 ids); with --target default (the default pair) the held-out prompts of ddtree_jax/data/prompts/python.json.
@@ -100,6 +102,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: %(default)s)")
     p.add_argument("--server-arg", action="append", default=[], metavar="FLAG",
                    help="extra serve flag, repeatable, e.g. --server-arg=--attention=xla")
+    p.add_argument("--interleave", action="store_true",
+                   help="run every configuration's server at once and each level on each in turn (order reversed "
+                        "every other level), so that a level's ratios do not carry the machine's drift between "
+                        "configurations run minutes apart; --restart is ignored, --time-limit is shared")
     p.add_argument("--summarize", action="store_true", help="only (re)write summary.md from OUT's JSON files")
     return p.parse_args(argv)
 
@@ -122,8 +128,8 @@ def _health(url: str) -> dict | None:
         return None
 
 
-def _env(args) -> dict[str, str]:
-    env = dict(os.environ)
+def _env(args, base: dict | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
     env["PYTHONPATH"] = os.pathsep.join([REPO] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
     env.setdefault("PYTHONUNBUFFERED", "1")
     env["DDTREE_JAX_CACHE"] = args.cache_dir
@@ -152,12 +158,13 @@ def server_command(args, config: str, port: int) -> list[str]:
     return cmd + (["--tree-budget", budget] if budget else []) + args.server_arg
 
 
-def _start(args, config: str, log, deadline: float) -> tuple[subprocess.Popen, str, float]:
-    """A server of ``config`` up: (process, url, seconds to /health 200)."""
+def _start(args, config: str, log, deadline: float, env: dict | None = None
+           ) -> tuple[subprocess.Popen, str, float]:
+    """A server of ``config`` up: (process, url, seconds to /health 200). ``env``: the environment to start from."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
-    proc = subprocess.Popen(server_command(args, config, port), cwd=REPO, env=_env(args), stdout=log,
+    proc = subprocess.Popen(server_command(args, config, port), cwd=REPO, env=_env(args, env), stdout=log,
                             stderr=subprocess.STDOUT)
     while _health(url) is None:
         if proc.poll() is not None:
@@ -186,76 +193,129 @@ def _wait_compiled(url: str, limit: float) -> tuple[float | None, dict]:
         time.sleep(0.5)
 
 
-def run_config(args, config: str, deadline: float) -> dict:
-    """One server, every level; returns this configuration's entry of run.json (results go to CONFIG.json)."""
-    name = config.replace(":", "-")
-    info: dict = {"config": config, "server_command": " ".join(server_command(args, config, 0)[1:]), "levels": [],
-                  "failures": []}
-    results: list[dict] = []
-    out_json = os.path.join(args.out, f"{name}.json")
-    t0 = time.monotonic()
-    with open(os.path.join(args.out, f"{name}.server.log"), "w") as slog, \
-            open(os.path.join(args.out, f"{name}.loadtest.log"), "w") as llog:
-        proc = None
+class Served:
+    """One configuration's server, its logs and its results (CONFIG.json) and run.json entry (``info``)."""
+
+    def __init__(self, args, config: str):
+        self.args, self.config, self.name = args, config, config.replace(":", "-")
+        self.info: dict = {"config": config, "server_command": " ".join(server_command(args, config, 0)[1:]),
+                           "levels": [], "failures": []}
+        self.results: list[dict] = []
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+        self.slog = open(os.path.join(args.out, f"{self.name}.server.log"), "w")
+        self.llog = open(os.path.join(args.out, f"{self.name}.loadtest.log"), "w")
+
+    def start(self, deadline: float, env: dict | None = None) -> bool:
+        """Start the server (and wait until it has compiled, with --wait-compiled); False (recorded) if it failed."""
+        config, info = self.config, self.info
         try:
-            proc, url, info["startup_s"] = _start(args, config, slog, deadline)
+            self.proc, self.url, info["startup_s"] = _start(self.args, config, self.slog, deadline, env)
             print(f"[{config}] /health 200 in {info['startup_s']}s", file=sys.stderr, flush=True)
-            if args.wait_compiled > 0:
-                info["compiled_s"], health = _wait_compiled(url, min(args.wait_compiled, deadline - time.monotonic()))
+            if self.args.wait_compiled > 0:
+                info["compiled_s"], health = _wait_compiled(self.url, min(self.args.wait_compiled,
+                                                                          deadline - time.monotonic()))
                 info["programs"] = [health.get("programs_compiled"), health.get("programs")]
                 when = f"after {info['compiled_s']}s more" if info["compiled_s"] is not None else "(not all in time)"
                 print(f"[{config}] programs compiled / to compile: {info['programs']} {when}", file=sys.stderr,
                       flush=True)
-            for c in args.concurrency:
-                n = max(args.requests_per_client * c, args.min_requests)
-                left = deadline - time.monotonic()
-                if left < 5:
-                    info["failures"].append(f"concurrency {c}: skipped, the configuration's time share is spent")
-                    continue
-                lcmd = [sys.executable, "-m", "ddtree_jax.loadtest", "--url", url, "--concurrency", str(c),
-                        "--requests", str(n), "--prompt-len", str(args.prompt_len), "--max-tokens",
-                        str(args.max_tokens), "--json"]
-                if args.prompts_file:
-                    lcmd += ["--prompts-file", args.prompts_file]
-                llog.write(f"$ {' '.join(lcmd[1:])}\n")
-                llog.flush()
-                try:
-                    r = subprocess.run(lcmd, cwd=REPO, env=_env(args), stdout=subprocess.PIPE, stderr=llog, text=True,
-                                       timeout=left)
-                except subprocess.TimeoutExpired:
-                    info["failures"].append(f"concurrency {c}: cut after {left:.0f}s (the configuration's time share)")
-                    continue
-                if r.returncode != 0:
-                    info["failures"].append(f"concurrency {c}: loadtest exited with {r.returncode} (see the log)")
-                    continue
-                level = json.loads(r.stdout)[0]
-                results.append(level)
-                info["levels"].append(c)
-                if level["errors"]:
-                    info["failures"].append(f"concurrency {c}: {level['errors']} failed requests, first: "
-                                            f"{level['first_error']}")
-                print(f"[{config}] c={c}: {level['output_tokens_per_s'] or 0:.1f} tok/s, p50 "
-                      f"{level['latency_s']['p50'] or 0:.3f}s, forms {level.get('form_rounds')}, reasons "
-                      f"{level.get('reason_rounds')}, {level['errors']} "
-                      f"errors", file=sys.stderr, flush=True)
-                with open(out_json, "w") as f:
-                    json.dump(results, f, indent=1)
+            return True
         except Exception as e:  # noqa: BLE001 - one configuration failing must not stop the others
-            info["failures"].append(f"{type(e).__name__}: {e}")
-            print(f"[{config}] failed: {e}", file=sys.stderr, flush=True)
-        finally:
-            info["server_exit"] = _stop(proc) if proc is not None else None
-        if config in args.restart and not info["failures"]:
-            try:  # the second start: the persistent compilation cache holds every program the first compiled
-                proc, url, info["restart_s"] = _start(args, config, slog, deadline + 120)
-                if args.wait_compiled > 0:
-                    info["restart_compiled_s"], _ = _wait_compiled(url, args.wait_compiled)
-                print(f"[{config}] second start: /health 200 in {info['restart_s']}s", file=sys.stderr, flush=True)
-                _stop(proc)
-            except Exception as e:  # noqa: BLE001
-                info["failures"].append(f"second start: {type(e).__name__}: {e}")
+            self.fail(e)
+            return False
+
+    def fail(self, e: Exception) -> None:
+        self.info["failures"].append(f"{type(e).__name__}: {e}")
+        print(f"[{self.config}] failed: {e}", file=sys.stderr, flush=True)
+
+    def level(self, c: int, deadline: float) -> None:
+        """Load-test the server at concurrency ``c`` (the level recorded, or its failure)."""
+        args, info = self.args, self.info
+        n = max(args.requests_per_client * c, args.min_requests)
+        left = deadline - time.monotonic()
+        if left < 5:
+            info["failures"].append(f"concurrency {c}: skipped, the configuration's time share is spent")
+            return
+        lcmd = [sys.executable, "-m", "ddtree_jax.loadtest", "--url", self.url, "--concurrency", str(c),
+                "--requests", str(n), "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens),
+                "--json"]
+        if args.prompts_file:
+            lcmd += ["--prompts-file", args.prompts_file]
+        self.llog.write(f"$ {' '.join(lcmd[1:])}\n")
+        self.llog.flush()
+        try:
+            r = subprocess.run(lcmd, cwd=REPO, env=_env(args), stdout=subprocess.PIPE, stderr=self.llog, text=True,
+                               timeout=left)
+        except subprocess.TimeoutExpired:
+            info["failures"].append(f"concurrency {c}: cut after {left:.0f}s (the configuration's time share)")
+            return
+        if r.returncode != 0:
+            info["failures"].append(f"concurrency {c}: loadtest exited with {r.returncode} (see the log)")
+            return
+        level = json.loads(r.stdout)[0]
+        self.results.append(level)
+        info["levels"].append(c)
+        if level["errors"]:
+            info["failures"].append(f"concurrency {c}: {level['errors']} failed requests, first: "
+                                    f"{level['first_error']}")
+        print(f"[{self.config}] c={c}: {level['output_tokens_per_s'] or 0:.1f} tok/s, p50 "
+              f"{level['latency_s']['p50'] or 0:.3f}s, forms {level.get('form_rounds')}, reasons "
+              f"{level.get('reason_rounds')}, {level['errors']} errors", file=sys.stderr, flush=True)
+        with open(os.path.join(args.out, f"{self.name}.json"), "w") as f:
+            json.dump(sorted(self.results, key=lambda x: x["concurrency"]), f, indent=1)
+
+    def stop(self) -> None:
+        self.info["server_exit"] = _stop(self.proc) if self.proc is not None else None
+        self.proc = None
+
+    def close(self) -> None:
+        self.slog.close()
+        self.llog.close()
+
+
+def run_config(args, config: str, deadline: float) -> dict:
+    """One server, every level; returns this configuration's entry of run.json (results go to CONFIG.json)."""
+    served = Served(args, config)
+    info = served.info
+    t0 = time.monotonic()
+    try:
+        if served.start(deadline):
+            for c in args.concurrency:
+                served.level(c, deadline)
+    finally:
+        served.stop()
+    if config in args.restart and not info["failures"]:
+        try:  # the second start: the persistent compilation cache holds every program the first compiled
+            proc, url, info["restart_s"] = _start(args, config, served.slog, deadline + 120)
+            if args.wait_compiled > 0:
+                info["restart_compiled_s"], _ = _wait_compiled(url, args.wait_compiled)
+            print(f"[{config}] second start: /health 200 in {info['restart_s']}s", file=sys.stderr, flush=True)
+            _stop(proc)
+        except Exception as e:  # noqa: BLE001
+            info["failures"].append(f"second start: {type(e).__name__}: {e}")
+    served.close()
     info["wall_s"] = round(time.monotonic() - t0, 1)
     return info
+
+
+def run_interleaved(args, deadline: float) -> list[dict]:
+    """--interleave: every configuration's server at once, then each level run on each server in turn (the order
+    reversed at every other level), so that the configurations of a level meet the machine in the same state; the
+    run.json entries. On a GPU each server may take 1/N of its memory (XLA_PYTHON_CLIENT_MEM_FRACTION)."""
+    t0 = time.monotonic()
+    servers = [Served(args, m) for m in args.methods]
+    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=f"{0.9 / len(servers):.3f}")
+    try:
+        up = [s for s in servers if s.start(deadline, env)]
+        for i, c in enumerate(args.concurrency):
+            for s in (up if i % 2 == 0 else up[::-1]):
+                s.level(c, deadline)
+    finally:
+        for s in servers:
+            s.stop()
+            s.close()
+            s.info["wall_s"] = round(time.monotonic() - t0, 1)
+    return [s.info for s in servers]
 
 
 def _f(x, spec=".3f") -> str:
@@ -320,7 +380,8 @@ def summarize(out: str) -> str:
                 f"| {m} | {c} | {r['requests']} | {r['errors']} | {_f(r['requests_per_s'], '.2f')} | {_f(tps, '.1f')} "
                 f"| {_f(tps / ar if tps and ar else None, '.2f')} | {lat} | {_f(r['ttft_s']['p50'])} "
                 f"| {_f(tpot * 1000 if tpot is not None else None, '.1f')} "
-                f"| {_f(r['mean_acceptance_length'], '.2f')} | {_forms(r.get('form_rounds'), r.get('reason_rounds'))} |")
+                f"| {_f(r['mean_acceptance_length'], '.2f')} "
+                f"| {_forms(r.get('form_rounds'), r.get('reason_rounds'))} |")
     fails = [f"- {m['config']}: {x}" for m in run.get("configs", []) for x in m.get("failures", [])]
     if fails:
         lines += ["", "Failures:", *fails]
@@ -364,7 +425,9 @@ def main(argv=None) -> int:
                                                   capture_output=True, text=True, timeout=20).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         record["args"]["device"] = None
-    for i, m in enumerate(args.methods):
+    if args.interleave:
+        record["configs"] = run_interleaved(args, t_start + args.time_limit)
+    for i, m in enumerate([] if args.interleave else args.methods):
         share = (args.time_limit - (time.monotonic() - t_start)) / (len(args.methods) - i)
         record["configs"].append(run_config(args, m, time.monotonic() + share))
         with open(os.path.join(args.out, "run.json"), "w") as f:
