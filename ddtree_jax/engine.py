@@ -500,7 +500,7 @@ class Engine:
         rounds = int(snap.new_rounds.max()) if snap.new_rounds.size else 0
         if rounds:
             self.metrics.round_latency.observe(elapsed / rounds)
-            self.programs.stepped(program, elapsed / rounds, self._context(), quiet)
+            self.programs.stepped(program, elapsed, rounds, self._context(), quiet)
         if snap.new_stats is not None:
             for s in live:
                 self.policy.observe(s, program.form, snap.new_stats[s])

@@ -36,12 +36,14 @@ from ddtree_jax.spec import Spec
 log = logging.getLogger("ddtree_jax.engine")
 
 VARIANTS = ("greedy", "sampling", "filtering")  # a program's sampling support, least general first (spec.Spec)
-# Seconds a cost is trusted without a new timing, times its ratio to the cheapest program's at its slot batch. Under
-# load only the chosen program's steps refine its own cost; a cost timed once in a slower phase (2-4x on 2 CPU cores:
-# the HTTP stack, the load generator, the machine itself) would keep a faster program unchosen for good. Past this,
-# the next step that may run it times it (Programs.choose). A program k times the cheapest's cost is timed once in
-# k x COST_TTL_S, so each form's timings add at most one cheapest step's time in COST_TTL_S (0.1-0.2 s on 2 CPU
-# cores: about 1% a form; a few ms on a GPU).
+# Seconds of steps (the engine's busy time: Programs.busy) a cost is trusted without a new timing, times its ratio to
+# the cheapest program's at its slot batch. Under load only the chosen program's steps refine its own cost; a cost
+# timed once in a slower phase (2-4x on 2 CPU cores: the HTTP stack, the load generator, the machine itself) would keep
+# a faster program unchosen for good. Past this, the next step that may run it times it (Programs.choose). A program
+# k times the cheapest's cost is timed once in k x COST_TTL_S, so each form's timings add at most one cheapest step's
+# time in COST_TTL_S (0.1-0.2 s on 2 CPU cores: about 1% a form; a few ms on a GPU). Idle time does not age a cost:
+# aged by the wall clock, every form was timed again at once when requests came after a pause (a quarter of the
+# rounds of a short load level on 2 CPU cores).
 COST_TTL_S = 20.0
 
 
@@ -58,7 +60,7 @@ class Program:
     clean: bool = False  # its cost was timed with no compilation in flight (else, or loaded from disk: timed again)
     checked: bool = False  # timed again once because its cost exceeded the same form's at a larger slot batch
     timing: bool = False  # chosen for a step that times it (Programs.stepped)
-    timed_at: float = -float("inf")  # time.monotonic() of its cost's last timing (COST_TTL_S)
+    timed_at: float = -float("inf")  # Programs.busy at its cost's last timing (COST_TTL_S)
 
     @property
     def cost_key(self) -> str:
@@ -124,6 +126,7 @@ class Programs(collections.abc.Mapping):
         self._compiling: set[Program] = set()  # taken by a compile thread
         self._in_flight = 0  # compilations running now
         self._stopping = False
+        self.busy = 0.0  # seconds of steps run so far: the clock that ages costs (COST_TTL_S)
 
     def __getitem__(self, key: tuple[str, int, str]) -> Program:
         return self._programs[key]
@@ -256,26 +259,29 @@ class Programs(collections.abc.Mapping):
             state = slots.mark_done(state, jnp.asarray(mask))
             if sec is not None:
                 self.costs.measured(program.cost_key, sec, length)
-                program.timed_at = time.monotonic()
+                program.timed_at = self.busy
                 log.info("timed %s: %.2f ms a round", program.cost_key, 1e3 * sec)
             program.clean = quiet and self.quiet()
         if todo:
             self.costs.save()  # for the next start (no-op without a cost table on disk)
         return state
 
-    def stepped(self, program: Program, seconds: float, context: int, quiet: bool) -> None:
-        """A step's timing of ``program`` (seconds a round at ``context`` tokens; ``quiet``: no compilation ran
-        meanwhile): its cost when :meth:`choose` picked it to be timed, else a refinement of it. A step beside a
-        compilation (2x slower on 2 CPU cores) leaves the cost alone and marks the program to be timed again."""
+    def stepped(self, program: Program, elapsed: float, rounds: int, context: int, quiet: bool) -> None:
+        """A step of ``program`` took ``elapsed`` seconds for ``rounds`` rounds at ``context`` tokens (``quiet``: no
+        compilation ran meanwhile): its seconds a round become its cost when :meth:`choose` picked it to be timed,
+        else refine it. A step beside a compilation (2x slower on 2 CPU cores) leaves the cost alone and marks the
+        program to be timed again."""
+        self.busy += elapsed
+        seconds = elapsed / rounds
         timing, program.timing = program.timing, False
         if not quiet:
             program.clean = False
         elif timing or self.costs.get(program.cost_key) is None:
             self.costs.measured(program.cost_key, seconds, context)
-            program.clean, program.timed_at = True, time.monotonic()
+            program.clean, program.timed_at = True, self.busy
         else:
             self.costs.observe(program.cost_key, seconds, context)
-            program.timed_at = time.monotonic()
+            program.timed_at = self.busy
 
     # ------------------------------------------------------------------ choosing and running
     def call(self, program: Program, state, rows: np.ndarray, starts: np.ndarray):
@@ -289,8 +295,8 @@ class Programs(collections.abc.Mapping):
         """The program of the next step for the ``live`` slots, whose requests' sampling ``params`` they are: among
         the compiled ones holding them in a variant their requests allow, one that needs timing at the smallest such
         slot batch (:meth:`needing_timing`; or, no compilation running, the cheapest variant of a form whose cost is
-        older than ``COST_TTL_S`` times its ratio to the cheapest's there: its step times it, :meth:`stepped`), else
-        ``chooser``'s choice."""
+        older than ``COST_TTL_S`` of busy time times its ratio to the cheapest's there: its step times it,
+        :meth:`stepped`), else ``chooser``'s choice."""
         hot = [p for p in params if p.temperature > 0]
         need = "filtering" if any(accept.filters(p.top_p, p.top_k) for p in hot) else "sampling" if hot else "greedy"
         if need not in self._wanted:
@@ -315,9 +321,9 @@ class Programs(collections.abc.Mapping):
                 best[p.form, p.size] = (c, p)
         if not best:  # nothing timed yet at these sizes (steps that ran no round)
             return min(ok, key=lambda p: (p.size, _rank(p)))
-        now, here = time.monotonic(), [cp for (_, size), cp in best.items() if size == smallest]
+        here = [cp for (_, size), cp in best.items() if size == smallest]
         cheapest = min((c for c, _ in here), default=0.0)
-        stale = [p for c, p in here if now - p.timed_at > COST_TTL_S * c / cheapest]
+        stale = [p for c, p in here if self.busy - p.timed_at > COST_TTL_S * c / cheapest]
         if stale and self.quiet():
             program = min(stale, key=lambda p: p.timed_at)
             program.timing = True

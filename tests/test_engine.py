@@ -384,8 +384,8 @@ def test_under_load_steps_time_the_programs_they_need(target, drafter):
 def test_a_cost_older_than_its_ttl_is_timed_again_by_a_step(target, drafter):
     """Under load only the chosen program's steps refine its cost: a cost timed once in a slower phase (the server's
     table on 2 CPU cores held AR at 98.6 ms a round, 22-25 alone) kept a faster program unchosen for good. A cost is
-    trusted for programs.COST_TTL_S times its ratio to the cheapest's; after that the next step that may run its
-    program does, and its timing replaces the cost."""
+    trusted for programs.COST_TTL_S of the engine's busy time times its ratio to the cheapest's; after that the next
+    step that may run its program does, and its timing replaces the cost."""
     cfg = engines.EngineConfig(method="ddtree", forms=("ar", "chain", "4"), max_batch=1, max_len=MAX_LEN,
                                batch_buckets=())
     eng = engines.Engine(target, drafter, cfg)
@@ -395,10 +395,13 @@ def test_a_cost_older_than_its_ttl_is_timed_again_by_a_step(target, drafter):
         p = eng.programs["4", 1, "greedy"]
         with eng._lock:  # a slowed timing, fresh: trusted, so the tree of 4 is never chosen
             eng.costs.measured(p.cost_key, 1000.0, 64)
-            p.timed_at = time.monotonic()
+            p.timed_at = eng.programs.busy
         assert len(eng.generate([1, 2, 3], greedy(12), timeout=120).token_ids) == 12
         assert eng.step_programs["4", 1, "greedy"] == 0 and eng.costs.get(p.cost_key) == 1000.0
-        with eng._lock:  # the same cost, past its time (its ratio to the cheapest's, times COST_TTL_S)
+        busy = eng.programs.busy
+        time.sleep(1.0)  # idle: the clock that ages costs is the steps' time (a pause does not re-time every form)
+        assert eng.programs.busy == busy > 0
+        with eng._lock:  # the same cost, past its time: busy seconds, its ratio to the cheapest's x COST_TTL_S
             cheapest = min(c for q in eng.programs.values() if (c := eng.costs.get(q.cost_key)) is not None)
             p.timed_at -= 2 * 1000.0 / cheapest * programs.COST_TTL_S
         assert len(eng.generate([1, 2, 3], greedy(12), timeout=120).token_ids) == 12
