@@ -358,8 +358,6 @@ def load_models(p: Plan, mesh=None):
     if p.random_shape is not None:
         target, draft = shapes.random_models(p.random_shape, dtype, draft=p.draft_config is not None)
         if mesh is not None:
-            from ddtree_jax import sharding
-
             target = sharding.shard_model(target, mesh)
             draft = sharding.shard_model(draft, mesh) if draft is not None else None
         else:

@@ -247,7 +247,6 @@ def test_the_round_loop_has_no_host_round_trip(target, drafter):
     import jax
     import jax.numpy as jnp
 
-    from ddtree_jax import decode
     from ddtree_jax.tuning import Tuning
 
     def with_callback(x):

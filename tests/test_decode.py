@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax import accept, decode, engine, projection, slots, tuning, weight_layout
+from ddtree_jax import accept, decode, projection, slots, tuning, weight_layout
 from ddtree_jax import spec as spec_lib
 from ddtree_jax.params import LayerWeights
 from ddtree_jax.round import draft_logits

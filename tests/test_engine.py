@@ -12,7 +12,6 @@ import pytest
 
 from ddtree_jax import decode, engine as engines, programs
 from ddtree_jax.tokenizer import load_tokenizer
-from ddtree_jax.tuning import Tuning
 from tests.conftest import fixture_path
 
 SLOTS = 3

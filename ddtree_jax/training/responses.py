@@ -25,7 +25,6 @@ import numpy as np
 
 from ddtree_jax import decode, slots
 from ddtree_jax.results import final_length
-from ddtree_jax.round import State
 from ddtree_jax.spec import NEVER, GenerateOptions, make_spec
 from ddtree_jax.weight_layout import device_layout
 
@@ -70,11 +69,7 @@ class Stats:
         return d
 
 
-def _put_rows(state: State, rows, sub: State) -> State:
-    return slots.put_rows(state, rows, sub)
-
-
-put_rows = decode.donating_jit(_put_rows, donate_argnums=(0,))
+put_rows = decode.donating_jit(slots.put_rows, donate_argnums=(0,))
 
 
 def generate(target, requests: Iterable[Request], *, batch: int, max_prompt_tokens: int, max_new_tokens: int,
