@@ -2,14 +2,15 @@
 given forms and group sizes, on random weights of one shape, timed interleaved in one process.
 
 A round of a random drafter almost always accepts one token, so the runs have about ``--tokens`` rounds each and
-their decode time per round (decode time over the rounds run) compares directly: the fixed budget's one device call of every round against auto's groups
-(the host's reading and choosing between them, each form's program taking the decode state) and auto's rounds (the
-tree built at the largest tree form for the predictions, their bookkeeping). A variant is NAME:forms=F+F+...[,group=N]
-(auto among those forms, groups of N rounds: ``autorun.GROUP_ROUNDS``, default 8; the first groups stay
+their decode time per round (decode time over the rounds run) compares directly: the fixed budget's one device call of
+every round against auto's groups (the host's reading and choosing between them, each form's program taking the decode
+state) and auto's rounds (the tree built at the largest tree form for the predictions, their bookkeeping). A variant
+is NAME:forms=F+F+...[,group=N][,max=M] (auto among those forms, groups of N rounds, ``autorun.GROUP_ROUNDS``, default
+8, each doubling while the form holds up to M, ``autorun.MAX_GROUP_ROUNDS``, default 64; the first groups stay
 ``autorun.FIRST_GROUPS``). Reports each variant's median ms a round and its ratio to the fixed budget's.
 
     PYTHONPATH=. python benchmarks/auto_overhead.py --model smollm2-135m --budget 32 --variant one:forms=32 \\
-        --variant one-g32:forms=32,group=32 --variant two:forms=32+256 --json OUT/auto_overhead.json
+        --variant one-g8:forms=32,max=8 --variant two:forms=32+256 --json OUT/auto_overhead.json
 """
 
 from __future__ import annotations
@@ -32,20 +33,21 @@ from ddtree_jax.shapes import SHAPES, build_params, model_configs  # noqa: E402
 from ddtree_jax.spec import AUTO, GenerateOptions  # noqa: E402
 
 
-def variant(text: str) -> tuple[str, tuple[str, ...], int]:
-    """NAME:forms=F+F...[,group=N] -> (NAME, forms, group rounds)."""
+def variant(text: str) -> tuple[str, tuple[str, ...], int, int]:
+    """NAME:forms=F+F...[,group=N][,max=M] -> (NAME, forms, group rounds, largest group)."""
     name, colon, rest = text.partition(":")
     fields = dict(x.split("=", 1) for x in rest.split(",") if "=" in x)
-    if not (name and colon and "forms" in fields) or set(fields) - {"forms", "group"}:
-        raise argparse.ArgumentTypeError(f"{text!r} is not NAME:forms=F+F...[,group=N]")
+    if not (name and colon and "forms" in fields) or set(fields) - {"forms", "group", "max"}:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME:forms=F+F...[,group=N][,max=M]")
     try:
         forms = policy.parse_forms(fields["forms"].split("+"))
         group = int(fields.get("group", autorun.GROUP_ROUNDS))
-        if group < 1:
-            raise ValueError(f"group={group}: at least 1 round")
+        largest = int(fields.get("max", max(group, autorun.MAX_GROUP_ROUNDS)))
+        if not 1 <= group <= largest:
+            raise ValueError(f"group={group}, max={largest}: 1 <= group <= max")
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    return name, forms, group
+    return name, forms, group, largest
 
 
 def main(argv=None) -> int:
@@ -56,7 +58,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=cli.positive_int, default=128, help="prompt tokens")
     p.add_argument("--reps", type=cli.positive_int, default=3,
                    help="timed passes over the variants (after one untimed)")
-    p.add_argument("--variant", type=variant, action="append", required=True, help="NAME:forms=F+F...[,group=N]")
+    p.add_argument("--variant", type=variant, action="append", required=True,
+                   help="NAME:forms=F+F...[,group=N][,max=M]")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
 
@@ -68,16 +71,17 @@ def main(argv=None) -> int:
     target, draft = (tcfg, tp), (dcfg, dp)
     prompts = [[1 + i % (tcfg.vocab_size - 1) for i in range(args.prompt_len)]]
     runs = {"fixed": (GenerateOptions(method="ddtree", tree_budget=args.budget, max_new_tokens=args.tokens),
-                      autorun.GROUP_ROUNDS)}
-    for name, forms, group in args.variant:
+                      autorun.GROUP_ROUNDS, autorun.MAX_GROUP_ROUNDS)}
+    for name, forms, group, largest in args.variant:
         runs[name] = (GenerateOptions(method="ddtree", tree_budget=AUTO, forms=forms, max_new_tokens=args.tokens),
-                      group)
+                      group, largest)
     ms: dict[str, list[float]] = {k: [] for k in runs}
     forms_run: dict[str, dict] = {}
     for rep in range(args.reps + 1):  # the first pass compiles and loads every program
         for name in (list(runs) if rep % 2 == 0 else list(runs)[::-1]):
-            options, group = runs[name]
-            with mock.patch.object(autorun, "GROUP_ROUNDS", group):
+            options, group, largest = runs[name]
+            with mock.patch.object(autorun, "GROUP_ROUNDS", group), \
+                    mock.patch.object(autorun, "MAX_GROUP_ROUNDS", largest):
                 res = decode.generate(target, prompts, options, draft=draft)
             rounds = len(res.acceptance_lengths[0])
             if rep:
@@ -89,9 +93,9 @@ def main(argv=None) -> int:
     out = {"model": args.model, "budget": args.budget, "tokens": args.tokens, "prompt_len": args.prompt_len,
            "reps": args.reps, "device": jax.devices()[0].device_kind, "date": records.now(),
            "command": f"PYTHONPATH=. python benchmarks/auto_overhead.py {command}", "variants": {}}
-    for name, (options, group) in runs.items():
+    for name, (options, group, largest) in runs.items():
         med = statistics.median(ms[name])
-        out["variants"][name] = {"forms": list(options.forms) or [str(args.budget)], "group_rounds": group,
+        out["variants"][name] = {"forms": list(options.forms) or [str(args.budget)], "group_rounds": group, "max_group_rounds": largest,
                                  "ms_per_round": ms[name], "median_ms": med, "vs_fixed": med / base,
                                  "forms_run": forms_run.get(name)}
         print(f"{name:>12}: {med:.3f} ms a round ({med / base:.3f}x fixed {args.budget}), runs "

@@ -29,6 +29,7 @@ Array = jax.Array
 
 GROUP_ROUNDS = 8  # rounds per device call of an auto run (generate's; the engine's are --rounds-per-step)
 FIRST_GROUPS = (2, 4)  # ... except its first groups: the first informed choice comes after 2 rounds, not 8
+MAX_GROUP_ROUNDS = 64  # ... and a group of the form the group before ran doubles, up to this (not when streaming)
 MEASURE_CALLS = 3  # timed calls of a new program (the median counts)
 
 
@@ -79,18 +80,19 @@ def rewind(state: State, mask: Array, length: Array, limit: Array) -> State:
 
 
 class AutoRun:
-    """generate's loop of groups of ``rounds`` rounds under ``tree_budget="auto"``: one compiled group per form allowed
-    at the batch (policy.allowed), each run and timed before the decode on a fresh state of the batch's shape
-    (``fresh()``, its caches at the prompt lengths); ``cost_table`` keeps the timings."""
+    """generate's loop of groups under ``tree_budget="auto"``: one compiled group per form allowed at the batch
+    (policy.allowed), each run and timed before the decode on a fresh state of the batch's shape (``fresh()``, its
+    caches at the prompt lengths); ``cost_table`` keeps the timings. A group runs ``rounds`` rounds, or twice as many
+    as the group before when the policy keeps its form, up to ``max_group`` (its first groups FIRST_GROUPS)."""
 
     def __init__(self, spec: Spec, options: GenerateOptions, tparams, dparams, fresh: Callable[[], State],
-                 n_prompts: int, rounds: int, cost_table, chooser):
+                 n_prompts: int, rounds: int, cost_table, chooser, max_group: int | None = None):
         template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), fresh())
         self.batch = template.bonus.shape[0]
         forms = policy.allowed(run_forms(options, moe=bool(spec.target.num_experts)), self.batch,
                                spec.draft.block_size)
         self.spec, self.tparams, self.dparams, self.fresh = spec, tparams, dparams, fresh
-        self.n, self.rounds = n_prompts, rounds
+        self.n, self.rounds, self.max_group = n_prompts, rounds, max(rounds, max_group or rounds)
         self.costs = cost_table
         self.policy = chooser or policy.Policy(forms, spec.predict)
         starts = jax.ShapeDtypeStruct((self.batch,), jnp.int32)
@@ -98,7 +100,7 @@ class AutoRun:
         self.fns, self.keys = {}, {}
         for f in forms:
             sp = spec.with_form(f, self.batch)
-            self.fns[f] = compiled(run_group, sp, tparams, dparams, template, starts, count, rounds)
+            self.fns[f] = compiled(run_group, sp, tparams, dparams, template, starts, count, self.max_group)
             self.keys[f] = costs.program_key(f, self.batch, variant(sp))
         self.measure_s = 0.0
 
@@ -137,13 +139,14 @@ class AutoRun:
         starts = jnp.asarray(lens, jnp.int32)
         inflight: collections.deque = collections.deque()
         last = time.perf_counter()
-        sizes = [r for r in FIRST_GROUPS if r < self.rounds]
-        sizes += [self.rounds] * (-(-self.spec.max_rounds // self.rounds) + 1)  # every round commits: enough groups
-        for rounds in sizes:
+        first = [r for r in FIRST_GROUPS if r < self.rounds]
+        rounds, previous, dispatched = 0, None, 0
+        while dispatched < self.spec.max_rounds + 2 * self.max_group:  # every round commits: enough rounds
             options = {(f, self.batch): c for f, k in self.keys.items() if (c := self.costs.get(k)) is not None}
             form, _ = self.policy.choose(live, options)
+            rounds = first.pop(0) if first else min(2 * rounds, self.max_group) if form == previous else self.rounds
             state, snap = self.fns[form](self.tparams, self.dparams, state, starts, jnp.int32(rounds))
-            starts = snap.end
+            starts, previous, dispatched = snap.end, form, dispatched + rounds
             inflight.append((form, snap))
             if len(inflight) < 2:
                 continue

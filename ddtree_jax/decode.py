@@ -363,7 +363,7 @@ def generate(
 
         table = autorun.cost_table_for(spec, tparams.embed.dtype, persist=persist_costs)
         run = autorun.AutoRun(spec, options, tparams, dparams, fresh, len(prompts), stream_every if on_tokens else
-                              autorun.GROUP_ROUNDS, table, chooser)
+                              autorun.GROUP_ROUNDS, table, chooser, None if on_tokens else autorun.MAX_GROUP_ROUNDS)
     else:
         per_call = stream_every if on_tokens else options.max_new_tokens + 1  # rounds per run_rounds call
         budget_rounds = jnp.int32(per_call)

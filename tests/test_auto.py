@@ -215,6 +215,27 @@ def test_any_sequence_of_forms_gives_ars_tokens_and_traces_each_rounds_own_tree(
     assert forced.round_forms[0][: a + b + c] == ["ar"] * (a + b) + ["4"] * c
 
 
+def test_a_group_doubles_while_its_form_holds(target, drafter, batch):
+    """generate's groups under auto double while the policy keeps their form (up to autorun.MAX_GROUP_ROUNDS: each
+    device call costs the host's turn, and on a GPU more) and start again at autorun.GROUP_ROUNDS when it changes;
+    streaming keeps groups of stream_every rounds."""
+    prompts, n = batch
+    opts = decode.GenerateOptions(method="ddtree", max_new_tokens=n, forms=FORMS)
+
+    def runs(res):  # (form, rounds in a row) of the sequence that ran longest
+        return [(f, len(list(g))) for f, g in itertools.groupby(max(res.round_forms, key=len))]
+
+    (a, b), c = autorun.FIRST_GROUPS, autorun.GROUP_ROUNDS
+    assert 2 * c <= autorun.MAX_GROUP_ROUNDS and a + b + 3 * c < n  # AR steps: a round, a token
+    order = ["ar"] * 4 + ["4"]
+    plain = decode.generate(target, prompts, opts, draft=drafter, chooser=Scripted(order, FORMS, (4,)))
+    assert [f for f, _ in runs(plain)[:2]] == ["ar", "4"] and runs(plain)[0][1] == a + b + c + 2 * c
+    streamed = decode.generate(target, prompts, opts, draft=drafter, on_tokens=lambda _: None, stream_every=4,
+                               chooser=Scripted(order, FORMS, (4,)))
+    assert [f for f, _ in runs(streamed)[:2]] == ["ar", "4"] and runs(streamed)[0][1] == a + 3 * 4
+    assert plain.output_ids == streamed.output_ids
+
+
 def test_sampled_output_is_ars_for_the_same_seed_whatever_the_forms(target, drafter, batch):
     """Each token is drawn with the noise of (seed, position) (accept.node_keys), so a sampled run's tokens are AR's
     with the same seed, whichever forms ran: here samples through forced trees, chains and AR steps whose

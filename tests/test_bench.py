@@ -180,15 +180,16 @@ def test_auto_overhead_script(tmp_path):
     loaded.loader.exec_module(module)
     out = tmp_path / "ao.json"
     assert module.main(["--model", "tiny", "--budget", "4", "--tokens", "6", "--prompt-len", "8", "--reps", "1",
-                        "--variant", "one:forms=4,group=2", "--variant", "two:forms=4+8", "--json", str(out)]) == 0
+                        "--variant", "one:forms=4,group=2,max=2", "--variant", "two:forms=4+8", "--json", str(out)]) == 0
     got = json.loads(out.read_text())["variants"]
-    assert list(got) == ["fixed", "one", "two"] and autorun.GROUP_ROUNDS == 8
+    assert list(got) == ["fixed", "one", "two"] and (autorun.GROUP_ROUNDS, autorun.MAX_GROUP_ROUNDS) == (8, 64)
     assert got["fixed"]["forms_run"] is None and got["fixed"]["vs_fixed"] == 1.0
-    assert set(got["one"]["forms_run"]) == {"4"} and got["one"]["group_rounds"] == 2
+    one = got["one"]
+    assert set(one["forms_run"]) == {"4"} and (one["group_rounds"], one["max_group_rounds"]) == (2, 2)
     assert set(got["two"]["forms_run"]) <= {"4", "8"} and got["two"]["group_rounds"] == 8
     assert all(len(v["ms_per_round"]) == 1 and v["median_ms"] > 0 for v in got.values())
     for bad, msg in (("x:forms=4,rounds=2", "is not NAME:forms"), ("x:forms=tree", "unknown form"),
-                     ("x:forms=4,group=0", "at least 1 round")):
+                     ("x:forms=4,group=0", "1 <= group <= max"), ("x:forms=4,group=8,max=4", "1 <= group <= max")):
         with pytest.raises(argparse.ArgumentTypeError, match=msg):
             module.variant(bad)
 
