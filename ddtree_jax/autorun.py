@@ -29,7 +29,8 @@ Array = jax.Array
 
 GROUP_ROUNDS = 8  # rounds per device call of an auto run (generate's; the engine's are --rounds-per-step)
 FIRST_GROUPS = (2, 4)  # ... except its first groups: the first informed choice comes after 2 rounds, not 8
-MAX_GROUP_ROUNDS = 64  # ... and a group of the form the group before ran doubles, up to this (not when streaming)
+MAX_GROUP_ROUNDS = 64  # ... and a group of the speculative form the group before ran doubles, up to this (not
+# when streaming): group_rounds
 MEASURE_CALLS = 3  # timed calls of a new program (the median counts)
 
 
@@ -79,11 +80,21 @@ def rewind(state: State, mask: Array, length: Array, limit: Array) -> State:
                                stop_ids=jnp.where(mask[:, None], -1, state.stop_ids), done=state.done & ~mask)
 
 
+def group_rounds(form: str, previous: str | None, rounds: int, base: int, largest: int) -> int:
+    """Rounds of the next group of ``form`` after a group of ``rounds`` rounds of ``previous``: twice as many when
+    the policy keeps a speculative form, up to ``largest`` (each group is a device call, and on a GPU a call costs
+    the round loop more than on CPU: docs/ADAPTIVE.md#the-default-pair-on-an-h200-batch-1), ``base`` otherwise. AR
+    steps record no statistics, so their groups stay short: the probes' wait counts groups (policy.Policy.choose)."""
+    if form == previous and form != policy.AR:
+        return min(2 * rounds, largest)
+    return base
+
+
 class AutoRun:
     """generate's loop of groups under ``tree_budget="auto"``: one compiled group per form allowed at the batch
     (policy.allowed), each run and timed before the decode on a fresh state of the batch's shape (``fresh()``, its
-    caches at the prompt lengths); ``cost_table`` keeps the timings. A group runs ``rounds`` rounds, or twice as many
-    as the group before when the policy keeps its form, up to ``max_group`` (its first groups FIRST_GROUPS)."""
+    caches at the prompt lengths); ``cost_table`` keeps the timings. A group runs ``rounds`` rounds, or up to
+    ``max_group`` while the policy keeps a speculative form (:func:`group_rounds`; the first groups FIRST_GROUPS)."""
 
     def __init__(self, spec: Spec, options: GenerateOptions, tparams, dparams, fresh: Callable[[], State],
                  n_prompts: int, rounds: int, cost_table, chooser, max_group: int | None = None):
@@ -144,7 +155,7 @@ class AutoRun:
         while dispatched < self.spec.max_rounds + 2 * self.max_group:  # every round commits: enough rounds
             options = {(f, self.batch): c for f, k in self.keys.items() if (c := self.costs.get(k)) is not None}
             form, _ = self.policy.choose(live, options)
-            rounds = first.pop(0) if first else min(2 * rounds, self.max_group) if form == previous else self.rounds
+            rounds = first.pop(0) if first else group_rounds(form, previous, rounds, self.rounds, self.max_group)
             state, snap = self.fns[form](self.tparams, self.dparams, state, starts, jnp.int32(rounds))
             starts, previous, dispatched = snap.end, form, dispatched + rounds
             inflight.append((form, snap))

@@ -215,10 +215,14 @@ def test_any_sequence_of_forms_gives_ars_tokens_and_traces_each_rounds_own_tree(
     assert forced.round_forms[0][: a + b + c] == ["ar"] * (a + b) + ["4"] * c
 
 
-def test_a_group_doubles_while_its_form_holds(target, drafter, batch):
-    """generate's groups under auto double while the policy keeps their form (up to autorun.MAX_GROUP_ROUNDS: each
-    device call costs the host's turn, and on a GPU more) and start again at autorun.GROUP_ROUNDS when it changes;
-    streaming keeps groups of stream_every rounds."""
+def test_a_group_doubles_while_its_speculative_form_holds(target, drafter, batch):
+    """generate's groups under auto double while the policy keeps a speculative form (up to
+    autorun.MAX_GROUP_ROUNDS: each device call costs the host's turn, and on a GPU more) and start again at
+    autorun.GROUP_ROUNDS when it changes; AR groups, which teach the policy nothing, stay short; streaming keeps
+    groups of stream_every rounds."""
+    assert [autorun.group_rounds(f, p, r, 8, 64) for f, p, r in (("4", "4", 8), ("4", "4", 64), ("chain", "chain", 16),
+                                                                  ("4", "chain", 32), ("ar", "ar", 8), ("4", None, 2))] \
+        == [16, 64, 32, 8, 8, 8]
     prompts, n = batch
     opts = decode.GenerateOptions(method="ddtree", max_new_tokens=n, forms=FORMS)
 
@@ -227,13 +231,15 @@ def test_a_group_doubles_while_its_form_holds(target, drafter, batch):
 
     (a, b), c = autorun.FIRST_GROUPS, autorun.GROUP_ROUNDS
     assert 2 * c <= autorun.MAX_GROUP_ROUNDS and a + b + 3 * c < n  # AR steps: a round, a token
-    order = ["ar"] * 4 + ["4"]
-    plain = decode.generate(target, prompts, opts, draft=drafter, chooser=Scripted(order, FORMS, (4,)))
-    assert [f for f, _ in runs(plain)[:2]] == ["ar", "4"] and runs(plain)[0][1] == a + b + c + 2 * c
+    speculative = decode.generate(target, prompts, opts, draft=drafter,
+                                  chooser=Scripted(["4"] * 4 + ["ar"], FORMS, (4,)))
+    assert runs(speculative)[0] == ("4", a + b + c + 2 * c) and runs(speculative)[1][0] == "ar"
+    ar = decode.generate(target, prompts, opts, draft=drafter, chooser=Scripted(["ar"] * 4 + ["4"], FORMS, (4,)))
+    assert runs(ar)[0] == ("ar", a + b + 2 * c) and runs(ar)[1][0] == "4"
     streamed = decode.generate(target, prompts, opts, draft=drafter, on_tokens=lambda _: None, stream_every=4,
-                               chooser=Scripted(order, FORMS, (4,)))
-    assert [f for f, _ in runs(streamed)[:2]] == ["ar", "4"] and runs(streamed)[0][1] == a + 3 * 4
-    assert plain.output_ids == streamed.output_ids
+                               chooser=Scripted(["4"] * 4 + ["ar"], FORMS, (4,)))
+    assert runs(streamed)[0] == ("4", a + 3 * 4) and runs(streamed)[1][0] == "ar"
+    assert speculative.output_ids == ar.output_ids == streamed.output_ids
 
 
 def test_sampled_output_is_ars_for_the_same_seed_whatever_the_forms(target, drafter, batch):
