@@ -6,7 +6,7 @@ their decode time per round (decode time over the rounds run) compares directly:
 every round against auto's groups (the host's reading and choosing between them, each form's program taking the decode
 state) and auto's rounds (the tree built at the largest tree form for the predictions, their bookkeeping). A variant
 is NAME:forms=F+F+...[,group=N][,max=M] (auto among those forms, groups of N rounds, ``autorun.GROUP_ROUNDS``, default
-8, each doubling while the form holds up to M, ``autorun.MAX_GROUP_ROUNDS``, default 64; the first groups stay
+8, doubling while a speculative form holds up to M, ``autorun.MAX_GROUP_ROUNDS``, default 64; the first groups stay
 ``autorun.FIRST_GROUPS``). Reports each variant's median ms a round and its ratio to the fixed budget's.
 
     PYTHONPATH=. python benchmarks/auto_overhead.py --model smollm2-135m --budget 32 --variant one:forms=32 \\
@@ -95,9 +95,9 @@ def main(argv=None) -> int:
            "command": f"PYTHONPATH=. python benchmarks/auto_overhead.py {command}", "variants": {}}
     for name, (options, group, largest) in runs.items():
         med = statistics.median(ms[name])
-        out["variants"][name] = {"forms": list(options.forms) or [str(args.budget)], "group_rounds": group, "max_group_rounds": largest,
-                                 "ms_per_round": ms[name], "median_ms": med, "vs_fixed": med / base,
-                                 "forms_run": forms_run.get(name)}
+        out["variants"][name] = {"forms": list(options.forms) or [str(args.budget)], "group_rounds": group,
+                                 "max_group_rounds": largest, "ms_per_round": ms[name], "median_ms": med,
+                                 "vs_fixed": med / base, "forms_run": forms_run.get(name)}
         print(f"{name:>12}: {med:.3f} ms a round ({med / base:.3f}x fixed {args.budget}), runs "
               f"{[round(x, 3) for x in ms[name]]}", flush=True)
     if args.json:
