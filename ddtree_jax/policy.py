@@ -25,7 +25,9 @@ is known (``costs.CostTable``: seconds a round, measured on the device). When AR
 so after N AR groups one group probes the cheapest speculative form; N doubles after each probe that changes nothing
 (up to ``MAX_PROBE_EVERY``) and restarts when speculation wins. The wait is N AR groups times the probe's cost over
 AR's (a chain at a large slot batch costs several AR steps), so a probe's extra time stays under 1/N of the AR time
-between probes, whatever the load: a useless drafter costs AR under 2% of its speed.
+between probes, whatever the load: a useless drafter costs AR under 2% of its speed. Each slot batch keeps its own N
+(:class:`Probing`): a lone request's win, where speculation is cheap, says nothing of a full batch, and must not bring
+back a full batch's dear probes; a win restarts the waits of its slot batch and of the smaller ones.
 """
 
 from __future__ import annotations
@@ -133,6 +135,15 @@ def trees(forms: Sequence[str]) -> tuple[int, ...]:
 
 
 @dataclasses.dataclass
+class Probing:
+    """The probes' state at one slot batch."""
+
+    every: int = FIRST_PROBE_EVERY  # N: AR groups between probes (times the probe's cost over AR's)
+    ar_groups: int = 0  # AR groups since the last probe or speculative choice
+    probed: bool = False  # a probe's statistics arrived since the last choice here
+
+
+@dataclasses.dataclass
 class Estimate:
     """What is known of one sequence (or, as the prior of new ones, of all)."""
 
@@ -162,10 +173,9 @@ class Policy:
         self.columns = tuple(columns)
         self.prior = Estimate()
         self.seqs: dict = {}
-        self.probe_every = FIRST_PROBE_EVERY
-        self._ar_groups = 0
-        self._probed = False  # a probe's statistics arrived since the last choice
-        self._probe_out = False  # a probe was chosen and its statistics have not arrived (they come a group late)
+        self.probing: dict[int, Probing] = {}  # slot batch -> its probes' state
+        self._probe_out: int | None = None  # the slot batch of a probe whose statistics have not arrived (they come
+        # a group late)
         self.probes = 0  # choices that were probes (the engine's metrics tell its rounds apart by them)
 
     # ---------------------------------------------------------------- sequences
@@ -205,8 +215,10 @@ class Policy:
                 old = est.factors.get(f)
                 est.factors[f] = k if old is None or first else old + weight * (k - old)
             est.observed = True
-        if form != AR and self._probe_out:  # a probe's, not those of speculation that ran before AR won
-            self._probed, self._probe_out = True, False
+        if form != AR and self._probe_out is not None:  # a probe's, not those of speculation that ran before AR won
+            if (state := self.probing.get(self._probe_out)) is not None:
+                state.probed = True
+            self._probe_out = None
 
     # ---------------------------------------------------------------- expectations
     def pred(self, est: Estimate, form: str) -> float | None:
@@ -242,8 +254,8 @@ class Policy:
     def choose(self, seqs: Sequence, options: Mapping[tuple[str, int], float]) -> tuple[str, int]:
         """The (form, slot batch) among ``options`` ((form, batch) -> seconds a round, the ready programs that can
         hold ``seqs``) with the most expected tokens per second. Forms whose expectation is unknown (nothing observed
-        yet) are explored first, cheapest first; after AR has won ``probe_every`` groups in a row (times the probe's
-        cost over AR's, at least 1), one group probes the cheapest speculative form."""
+        yet) are explored first, cheapest first; after AR has won N groups in a row at its slot batch (times the
+        probe's cost over AR's, at least 1: :class:`Probing`), one group probes the cheapest speculative form."""
         if not options:
             raise ValueError("no program to choose from")
         totals = {form: self.total(seqs, form) for form in {f for f, _ in options}}  # once per form, not per batch
@@ -252,17 +264,19 @@ class Policy:
         if unknown:
             return unknown[0]
         best = max(options, key=lambda k: (totals[k[0]] / options[k], -options[k]))
-        if best[0] != AR:
-            self.probe_every, self._ar_groups, self._probed, self._probe_out = FIRST_PROBE_EVERY, 0, False, False
+        if best[0] != AR:  # speculation pays here, and where it is cheaper: the smaller slot batches
+            self.probing = {n: p for n, p in self.probing.items() if n > best[1]}
+            self._probe_out = None
             return best
         if not speculative:  # nothing to probe now (e.g. no speculative program timed at this slot batch yet): the
             return best  # wait between probes stays what the probes so far earned
-        if self._probed:  # the last probe changed nothing
-            self.probe_every, self._probed = min(2 * self.probe_every, MAX_PROBE_EVERY), False
-        self._ar_groups += 1
+        state = self.probing.setdefault(best[1], Probing())
+        if state.probed:  # the last probe changed nothing
+            state.every, state.probed = min(2 * state.every, MAX_PROBE_EVERY), False
+        state.ar_groups += 1
         cost, probe = speculative[0]
-        if self._ar_groups >= self.probe_every * max(1.0, cost / options[best]):
-            self._ar_groups, self._probe_out = 0, True
+        if state.ar_groups >= state.every * max(1.0, cost / options[best]):
+            state.ar_groups, self._probe_out = 0, best[1]
             self.probes += 1
             return probe
         return best

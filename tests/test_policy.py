@@ -199,7 +199,7 @@ def test_speculation_before_ar_won_is_not_a_failed_probe():
     wait = int(np.ceil(policy.FIRST_PROBE_EVERY * COSTS["chain"] / COSTS["ar"]))  # AR groups, counted from the first
     choices = [p.choose([0], options())[0] for _ in range(wait - 1)]
     assert choices[:-1] == ["ar"] * (wait - 2) and choices[-1] != "ar", choices
-    assert p.probe_every == policy.FIRST_PROBE_EVERY and p.probes == 1  # (the engine's metrics count them)
+    assert p.probing[1].every == policy.FIRST_PROBE_EVERY and p.probes == 1  # (the engine's metrics count them)
 
 
 def test_steps_with_nothing_to_probe_keep_the_wait_between_probes():
@@ -213,10 +213,36 @@ def test_steps_with_nothing_to_probe_keep_the_wait_between_probes():
         form, _ = p.choose([0], options())
         if form != "ar":
             p.observe(0, form, stats(4, 1.0, 1.01, 1.01, pred))
-    earned = p.probe_every
+    earned = p.probing[1].every
     assert earned > policy.FIRST_PROBE_EVERY
     assert p.choose([0], {("ar", 1): COSTS["ar"]}) == ("ar", 1)
-    assert p.probe_every == earned
+    assert p.probing[1].every == earned
+
+
+def test_each_slot_batch_keeps_its_own_wait_between_probes():
+    """A drafter accepting 2 tokens a round: speculation pays for a lone request, not for a full batch where a tree
+    costs several AR steps. The wait that useless probes earned at slot batch 8 survives a win at slot batch 1 (which
+    restarts the waits of its own and smaller batches only); a win at 8 restarts it."""
+    pred = curve(6.0)
+    dear = {"ar": 7.1e-3, "chain": 18.0e-3, "16": 19.0e-3}
+    p = policy.Policy(FORMS, TREES)
+    seqs = list(range(8))
+    group = stats(8, 2.0, pred[0], 1.01, pred)
+    for s in seqs:
+        p.start(s)
+        p.observe(s, "16", group)
+    for _ in range(200):
+        form, size = p.choose(seqs, options(8, dear))
+        assert size == 8
+        if form != "ar":
+            for s in seqs:
+                p.observe(s, form, group)
+    earned = p.probing[8].every
+    assert earned > 2 * policy.FIRST_PROBE_EVERY
+    assert p.choose([0], options(1))[0] not in ("ar", "chain")  # a lone request: speculation pays
+    assert p.probing[8].every == earned
+    assert p.choose(seqs, options(8))[0] not in ("ar", "chain")  # cheap trees at 8 too: the wait there restarts
+    assert 8 not in p.probing
 
 
 def test_returns_to_speculation_when_a_probe_shows_acceptance():
@@ -232,7 +258,7 @@ def test_returns_to_speculation_when_a_probe_shows_acceptance():
             p.observe(0, form, stats(8, 1.3, 1.3, 1.3, pred))
             p.observe(0, form, stats(8, pred[2], pred[2], 1.3, pred))
     assert seen[0] == "ar" and seen[-1] not in ("ar", "chain")
-    assert p.probe_every == policy.FIRST_PROBE_EVERY
+    assert 1 not in p.probing  # the win restarted the wait
 
 
 def test_new_sequences_start_from_what_the_others_showed_and_unknown_forms_are_explored():
