@@ -427,11 +427,12 @@ def main(argv=None) -> int:
         record["args"]["device"] = None
     if args.interleave:
         record["configs"] = run_interleaved(args, t_start + args.time_limit)
-    for i, m in enumerate([] if args.interleave else args.methods):
-        share = (args.time_limit - (time.monotonic() - t_start)) / (len(args.methods) - i)
-        record["configs"].append(run_config(args, m, time.monotonic() + share))
-        with open(os.path.join(args.out, "run.json"), "w") as f:
-            json.dump(record, f, indent=1)
+    else:
+        for i, m in enumerate(args.methods):
+            share = (args.time_limit - (time.monotonic() - t_start)) / (len(args.methods) - i)
+            record["configs"].append(run_config(args, m, time.monotonic() + share))
+            with open(os.path.join(args.out, "run.json"), "w") as f:
+                json.dump(record, f, indent=1)
     record["total_s"] = round(time.monotonic() - t_start, 1)
     with open(os.path.join(args.out, "run.json"), "w") as f:
         json.dump(record, f, indent=1)

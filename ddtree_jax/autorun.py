@@ -97,13 +97,13 @@ class AutoRun:
     ``max_group`` while the policy keeps a speculative form (:func:`group_rounds`; the first groups FIRST_GROUPS)."""
 
     def __init__(self, spec: Spec, options: GenerateOptions, tparams, dparams, fresh: Callable[[], State],
-                 n_prompts: int, rounds: int, cost_table, chooser, max_group: int | None = None):
+                 n_prompts: int, rounds: int, cost_table, chooser, max_group: int):
         template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), fresh())
         self.batch = template.bonus.shape[0]
         forms = policy.allowed(run_forms(options, moe=bool(spec.target.num_experts)), self.batch,
                                spec.draft.block_size)
         self.spec, self.tparams, self.dparams, self.fresh = spec, tparams, dparams, fresh
-        self.n, self.rounds, self.max_group = n_prompts, rounds, max(rounds, max_group or rounds)
+        self.n, self.rounds, self.max_group = n_prompts, rounds, max(rounds, max_group)
         self.costs = cost_table
         self.policy = chooser or policy.Policy(forms, spec.predict)
         starts = jax.ShapeDtypeStruct((self.batch,), jnp.int32)

@@ -363,8 +363,8 @@ def generate(
             return start(spec, rows, per_row, options.max_new_tokens, tparams.embed.dtype, mesh)[0]
 
         table = autorun.cost_table_for(spec, tparams.embed.dtype, persist=persist_costs)
-        run = autorun.AutoRun(spec, options, tparams, dparams, fresh, len(prompts), stream_every if on_tokens else
-                              autorun.GROUP_ROUNDS, table, chooser, None if on_tokens else autorun.MAX_GROUP_ROUNDS)
+        base, largest = (stream_every, stream_every) if on_tokens else (autorun.GROUP_ROUNDS, autorun.MAX_GROUP_ROUNDS)
+        run = autorun.AutoRun(spec, options, tparams, dparams, fresh, len(prompts), base, table, chooser, largest)
     else:
         per_call = stream_every if on_tokens else options.max_new_tokens + 1  # rounds per run_rounds call
         budget_rounds = jnp.int32(per_call)

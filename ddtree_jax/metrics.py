@@ -75,7 +75,7 @@ class Metrics:
         return num._value.get() / d if d else 0.0
 
     def stepped(self, engine: "Engine", program: "Program", live: list[int], snap: decode.Snapshot,
-                reason: str = "policy") -> None:
+                reason: str) -> None:
         """Count a step of ``program`` (engine thread), chosen for ``reason`` (policy, probe or timing)."""
         rounds = int(snap.new_rounds.sum())
         self.rounds.inc(rounds)

@@ -282,3 +282,41 @@ def test_busy_time_merges_overlapping_kernels():
     """The profile summaries' busy time: overlapping kernels counted once, the idle gaps between them listed."""
     assert analysis.busy_and_gaps([(0, 10), (5, 12), (12, 14), (20, 25)]) == (19, [6])
     assert analysis.busy_and_gaps([(0, 10), (2, 3)]) == (10, [])
+
+
+def test_load_bench_interleave_runs_each_level_on_every_server_in_alternating_order(monkeypatch):
+    """benchmarks/load_bench.py --interleave: every configuration's server starts (each given 1/N of an
+    accelerator's memory), then each level runs on every server that came up, the order reversed every other level;
+    a server that failed to start runs no level; all are stopped and their logs closed."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "load_bench.py"
+    loaded = importlib.util.spec_from_file_location("load_bench", script)
+    module = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(module)
+    calls = []
+
+    class Fake:
+        def __init__(self, args, config):
+            self.config, self.info = config, {"config": config}
+
+        def start(self, deadline, env=None):
+            calls.append(("start", self.config, env["XLA_PYTHON_CLIENT_MEM_FRACTION"]))
+            return self.config != "broken"
+
+        def level(self, c, deadline):
+            calls.append((c, self.config))
+
+        def stop(self):
+            calls.append(("stop", self.config))
+
+        def close(self):
+            calls.append(("close", self.config))
+
+    monkeypatch.setattr(module, "Served", Fake)
+    args = argparse.Namespace(methods=["ar", "broken", "ddtree"], concurrency=[1, 2, 4])
+    infos = module.run_interleaved(args, deadline=0.0)
+    assert [i["config"] for i in infos] == ["ar", "broken", "ddtree"] and all("wall_s" in i for i in infos)
+    assert calls[:3] == [("start", m, "0.300") for m in ("ar", "broken", "ddtree")]
+    assert [c for c in calls if isinstance(c[0], int)] == [(1, "ar"), (1, "ddtree"), (2, "ddtree"), (2, "ar"),
+                                                          (4, "ar"), (4, "ddtree")]
+    assert [c for c in calls if c[0] in ("stop", "close")] == [(w, m) for m in ("ar", "broken", "ddtree")
+                                                               for w in ("stop", "close")]
