@@ -121,6 +121,15 @@ def test_schedule_warms_up_then_decays_to_zero_at_the_planned_end():
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[110] == pytest.approx(0.0, abs=1e-12)
 
 
+def test_a_resumed_run_spreads_its_evaluations_over_its_own_steps():
+    """The evaluations (where a time-boxed run re-plans) fall at log steps after the resumed step, evenly to the end:
+    a run resumed at step 460 of 593 evaluates in between, not at steps 150-440 that are already behind it."""
+    assert trainer.Trainer._eval_points(0, 400, 4, 10) == [100, 200, 300]
+    assert trainer.Trainer._eval_points(460, 593, 4, 10) == [490, 530, 560]
+    assert trainer.Trainer._eval_points(593, 1000, 2, 10) == [800]
+    assert trainer.Trainer._eval_points(595, 600, 4, 10) == []  # none left before the final one
+
+
 def test_a_deadline_stops_training_and_still_saves(target, seqs, tmp_path):
     raw, dcfg = tiny(target[0])
     tr = trainer.Trainer(target, dcfg, raw, trainer.TrainConfig(**{**TC.__dict__, "steps": 100}), str(tmp_path))

@@ -167,7 +167,7 @@ class Trainer:
         held_batch = None if held is None or len(held) == 0 else self.batch(
             held.take(np.resize(np.arange(len(held)), tc.batch)))
         pending: list = []  # (lr, loss, metrics) on the device, read at each log
-        next_eval = self._eval_points(total, evals, log_every)
+        next_eval = self._eval_points(first, total, evals, log_every)
         bar = tqdm.tqdm(total=total, initial=self.step, desc="train drafter", file=sys.stderr, dynamic_ncols=True)
         t_log, stopped = time.perf_counter(), "steps"
         while self.step < total:
@@ -198,7 +198,7 @@ class Trainer:
                 left = len([s for s in next_eval if s > self.step]) + 1 + due  # the final evaluation too
                 total = self._plan(deadline, sec_per_step, (eval_s or (eval_guess if evaluate else 1.0)) * left)
                 bar.total = total
-                next_eval = self._eval_points(total, evals, log_every)
+                next_eval = self._eval_points(first, total, evals, log_every)
             next_eval = [s for s in next_eval if s > self.step]
             if due and self.step < total:
                 eval_s = self._evaluate(evaluate, held_batch, key, log)
@@ -228,9 +228,12 @@ class Trainer:
         return self.compiled[which] if fits else fn
 
     @staticmethod
-    def _eval_points(total: int, evals: int, every: int) -> list[int]:
-        """The steps of ``evals`` - 1 evaluations spread over ``total`` (the last one is at the end), at log steps."""
-        return sorted({max(every, round(total * k / evals / every) * every) for k in range(1, evals)} - {total})
+    def _eval_points(first: int, total: int, evals: int, every: int) -> list[int]:
+        """The steps of ``evals`` - 1 evaluations spread over this run's steps ``first``..``total`` (the last one is at
+        the end), at log steps after ``first``: a resumed run evaluates, and so re-plans, as it goes."""
+        lo = (first // every + 1) * every
+        return sorted({max(lo, round((first + (total - first) * k / evals) / every) * every)
+                       for k in range(1, evals)} - {total})
 
     def _plan(self, deadline: float, sec_per_step: float, reserve: float) -> int:
         """The steps that fit before ``deadline`` with ``reserve`` seconds left (for the evaluations still to come)."""
