@@ -12,12 +12,14 @@ ROOT = Path(__file__).parents[1]
 PERFORMANCE = ROOT / "docs" / "PERFORMANCE.md"
 RESULTS = ROOT / "benchmarks" / "results"
 # the default pair's records shown, in table order: (file, key or None for the whole file, the rows' label)
-PAIR_RECORDS = [("default_pair_h200.json", "batch1_budgets_32_64", "H200, batch 1"),
-                ("default_pair_h200.json", "batch1_budgets_16_128_256", "H200, batch 1"),
-                ("auto_pair_h200.json", None, "H200, batch 1"),
-                ("default_pair_h200.json", "batch8_budget_64", "H200, batch 8"),
-                ("default_pair_cpu.json", None, "2 CPU cores, batch 1"),
-                ("auto_pair_cpu.json", None, "2 CPU cores, batch 1")]
+PAIR_RECORDS = [("default_pair_h200.json", "batch1_budgets_32_64", "H200, batch 1", "first"),
+                ("default_pair_h200.json", "batch1_budgets_16_128_256", "H200, batch 1", "first"),
+                ("auto_pair_h200.json", None, "H200, batch 1", "first"),
+                ("default_pair_h200.json", "batch8_budget_64", "H200, batch 8", "first"),
+                ("default_pair_cpu.json", None, "2 CPU cores, batch 1", "first"),
+                ("auto_pair_h100.json", None, "H100, batch 1", "today's"),
+                ("auto_pair_cpu.json", None, "2 CPU cores, batch 1", "today's")]  # drafter: shipped until / since 2026-12-05
+PAIR_ROW_STARTS = ("| H200, batch", "| H100, batch", "| 2 CPU")
 
 
 def headline_rows() -> list[str]:
@@ -34,15 +36,15 @@ def headline_rows() -> list[str]:
     return rows
 
 def pair_rows() -> list[str]:
-    """The default pair's table rows, one per method of each record: | device, batch | date | method | tau | tok/s |
-    vs AR |, each method against the AR of its own process."""
+    """The default pair's table rows, one per method of each record: | device, batch | drafter | date | method | tau |
+    tok/s | vs AR |, each method against the AR of its own process."""
     rows = []
-    for name, key, label in PAIR_RECORDS:
+    for name, key, label, drafter in PAIR_RECORDS:
         record = json.loads((RESULTS / name).read_text())
         record = record[key] if key else record
         for method, m in record["methods"].items():
             tau = m.get("mean_acceptance_length")
-            rows.append(f"| {label} | {record['date'][:10]} | {method.replace('-', ' ')} | "
+            rows.append(f"| {label} | {drafter} | {record['date'][:10]} | {method.replace('-', ' ')} | "
                         f"{'-' if tau is None else f'{tau:.2f}'} | {m['tokens_per_s']:,.1f} | {m['speedup']:.2f}x |")
     return rows
 
@@ -114,11 +116,11 @@ def test_the_default_pairs_tables_are_its_records():
     """docs/PERFORMANCE.md's default-pair table is the `bench pair` records row for row, and every row README shows
     is one of them."""
     rows = pair_rows()
-    assert len(rows) == 4 + 5 + 8 + 3 + 7 + 5
-    page_rows = [line for line in PERFORMANCE.read_text().splitlines() if line.startswith(("| H200, batch", "| 2 CPU"))]
+    assert len(rows) == 4 + 5 + 8 + 3 + 7 + 6 + 5
+    page_rows = [line for line in PERFORMANCE.read_text().splitlines() if line.startswith(PAIR_ROW_STARTS)]
     assert page_rows == rows
     readme_rows = [line for line in (ROOT / "README.md").read_text().splitlines()
-                   if line.startswith(("| H200, batch", "| 2 CPU"))]
+                   if line.startswith(PAIR_ROW_STARTS)]
     assert readme_rows and set(readme_rows) <= set(rows), set(readme_rows) - set(rows)
 
 
