@@ -159,7 +159,6 @@ def log_softmax_nll(logits, labels):
 def run(args) -> dict:
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from ddtree_jax.shapes import build_params, model_configs
     from ddtree_jax.training import objective, trainer
@@ -174,7 +173,6 @@ def run(args) -> dict:
             "model_flops_per_step": objective.flops_per_row(tcfg, dcfg, t, args.anchors) * b}
     prof = Profile(args, meta)
     tparams, _ = build_params(tcfg, dcfg, dtype)
-    target = (tcfg, tparams)
 
     def batch_of(rows_b, rows_t):
         rows = random_rows(rows_b, rows_t, v)

@@ -112,6 +112,9 @@ def build_parser() -> cli.ArgumentParser:
     t.add_argument("--anchors", type=cli.positive_int, default=512, metavar="N", help="blocks per row per step")
     t.add_argument("--anchor-group", type=cli.positive_int, default=32, metavar="N",
                    help="blocks computed at once (memory grows with it, not with --anchors)")
+    t.add_argument("--anchor-half-life", type=cli.positive_int, default=None, metavar="H",
+                   help="draw anchors weighted 2^(-r/H) at the r-th token of a response, so more blocks fall early in "
+                        "answers (default: uniformly, as DFlash)")
     t.add_argument("--loss", choices=("ce", "kl"), default="ce",
                    help="ce: cross-entropy on the target's tokens; kl: KL to the target's distribution")
     t.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate (warmup, cosine to 0)")
@@ -247,7 +250,8 @@ def _main(argv: Sequence[str] | None) -> int:
         init = export.load(args.init) if args.init else None
         tc = trainer.TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup, seed=args.seed,
                                  compute_dtype=args.dtype, objective=objective.Objective(
-                                     anchors=args.anchors, group=args.anchor_group, gamma=args.gamma, loss=args.loss))
+                                     anchors=args.anchors, group=args.anchor_group, half_life=args.anchor_half_life,
+                                     gamma=args.gamma, loss=args.loss))
         tr = trainer.Trainer(target, dcfg, raw, tc, args.out, mesh)
         run["phases_s"]["setup"] = round(time.perf_counter() - T0, 1)
 

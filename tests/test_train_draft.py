@@ -147,7 +147,7 @@ def test_cli_end_to_end(tmp_path):
             "--block-size", "4", "--corpus", "pydoc", "--num-prompts", "6", "--held-out-prompts", "2",
             "--self-instruct", "2", "--max-new-tokens", "12", "--max-prompt-tokens", "96", "--seq-len", "128",
             "--gen-batch", "4", "--steps", "4", "--batch", "2", "--anchors", "8", "--anchor-group", "4",
-            "--evals", "1", "--eval-budget", "4", "--eval-tokens", "4", "--results", results]
+            "--anchor-half-life", "4", "--evals", "1", "--eval-budget", "4", "--eval-tokens", "4", "--results", results]
     assert td.main(argv) == 0
     assert sorted(os.listdir(results)) == ["config.json", "history.jsonl", "model.safetensors.part00", "run.json"]
     with open(os.path.join(out, "run.json")) as f:
@@ -163,6 +163,7 @@ def test_cli_end_to_end(tmp_path):
     with open(os.path.join(warm, "run.json")) as f:
         assert json.load(f)["training"]["steps"] == 1
     assert td.main(["--target", "/no/such/dir", "--out", out]) == 2
+    assert td.main(argv + ["--anchor-half-life", "0"]) == 2
     assert td.main(["--target", fixture_path("target"), "--out", out, "--corpus", "wiki"]) == 2
     assert td.main(["--target", fixture_path("target"), "--out", out, "--mesh", "2x2"]) == 2
 

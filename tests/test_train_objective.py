@@ -91,6 +91,35 @@ def test_anchors_are_distinct_response_positions_with_a_response_token_next():
             assert valid[r].sum() == min(40, len(allowed))  # every allowed position, as many as asked
 
 
+def test_response_offsets_count_each_sequences_earlier_response_tokens():
+    batch = packed_batch()
+    sup, start = np.asarray(batch.supervised), np.asarray(batch.segment_start)
+    got = np.asarray(O.response_offsets(batch))
+    for r in range(2):
+        for i in range(40):
+            assert got[r, i] == sup[r, start[r, i]:i].sum()
+
+
+def test_anchors_with_a_half_life_are_drawn_in_proportion_to_their_weight():
+    """One anchor a row, 4,000 draws: each allowed position's frequency is 2^(-r/H) over the row's sum (r its response
+    offset), within 4 standard errors; more anchors are distinct allowed positions as with uniform draws."""
+    batch, h, n = packed_batch(), 3, 4000
+    sup, pos = np.asarray(batch.supervised), np.asarray(batch.positions)
+    offsets = np.asarray(O.response_offsets(batch))
+    draws = jax.vmap(lambda k: O.sample_anchors(k, batch, 1, h))(jax.random.split(jax.random.key(0), n))
+    anchors, valid = (np.asarray(x)[:, :, 0] for x in draws)
+    assert valid.all()
+    for r in range(2):
+        allowed = np.flatnonzero(sup[r, :-1] & sup[r, 1:] & (pos[r, 1:] == pos[r, :-1] + 1))
+        w = 2.0 ** (-offsets[r, allowed] / h)
+        want = w / w.sum()
+        got = np.bincount(anchors[:, r], minlength=40)[allowed] / n
+        assert np.bincount(anchors[:, r], minlength=40).sum() == np.bincount(anchors[:, r], minlength=40)[allowed].sum()
+        np.testing.assert_array_less(np.abs(got - want), 4 * np.sqrt(want * (1 - want) / n) + 1e-3)
+        a, ok = (np.asarray(x)[r] for x in O.sample_anchors(jax.random.key(1), batch, 40, h))
+        assert sorted(a[ok].tolist()) == allowed.tolist()  # asked for more than there are: every allowed one
+
+
 def test_loss_is_the_weighted_cross_entropy_of_the_inference_drafter(target, drafter):
     """draft_loss == sum over anchors and slots k >= 1 (labels inside the anchor's response) of exp(-(k-1)/gamma) x
     the inference drafter's cross-entropy of the token at a + k, over the weights' sum; the KL form likewise against

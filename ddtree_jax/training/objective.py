@@ -5,7 +5,8 @@ positions within their own sequence, and which tokens are the target's response 
 
     features   the target's hidden taps at every position (one causal forward, each sequence seeing only itself)
     anchors    up to A positions drawn without replacement among response tokens followed by another response
-               token of the same sequence, redrawn every step
+               token of the same sequence, redrawn every step: uniformly, or with a half-life H weighted
+               2^(-r/H) at the r-th token of its response (more blocks early in answers)
     blocks     block i = [x_a, MASK x (bs-1)] at positions pos(a) .. pos(a)+bs-1; bidirectional inside the block;
                it sees the context features of its own sequence strictly before a, never another block
     labels     slot k predicts the token at a + k (slot 0, the anchor itself, has no loss); the cross-entropy of
@@ -94,17 +95,28 @@ def target_features(target: tuple, taps: tuple[int, ...], batch: Batch) -> tuple
 # ---------------------------------------------------------------------------------------------- anchors
 
 
-def sample_anchors(key: Array, batch: Batch, num: int) -> tuple[Array, Array]:
-    """(anchors [B, num] int32, valid [B, num] bool): distinct positions drawn uniformly among the response tokens
-    followed by another response token of the same sequence; rows with fewer such positions get invalid extras
-    (anchor 0, no loss)."""
+def response_offsets(batch: Batch) -> Array:
+    """[B, T] int32: how many response tokens of its own sequence precede each token (a response token's index in
+    its response)."""
+    sup = batch.supervised.astype(jnp.int32)
+    before = jnp.cumsum(sup, axis=1) - sup  # response tokens of the row strictly before each token
+    return before - jnp.take_along_axis(before, batch.segment_start, axis=1)
+
+
+def sample_anchors(key: Array, batch: Batch, num: int, half_life: int | None = None) -> tuple[Array, Array]:
+    """(anchors [B, num] int32, valid [B, num] bool): distinct positions drawn among the response tokens followed by
+    another response token of the same sequence: uniformly, or with ``half_life`` H without replacement in proportion
+    to 2^(-r/H), r the position's :func:`response_offsets` (Gumbel top-k); rows with fewer such positions get
+    invalid extras (anchor 0, no loss)."""
     sup, pos = batch.supervised, batch.positions
     ok = sup[:, :-1] & sup[:, 1:] & (pos[:, 1:] == pos[:, :-1] + 1)
     ok = jnp.pad(ok, ((0, 0), (0, 1)))  # [B, T]
-    u = jax.random.uniform(key, ok.shape)
-    score = jnp.where(ok, u, 2.0)  # the num smallest draws among the valid positions
-    neg, idx = jax.lax.top_k(-score, num)
-    valid = -neg < 2.0
+    if half_life:
+        score = jax.random.gumbel(key, ok.shape) - response_offsets(batch) * (math.log(2.0) / half_life)
+    else:
+        score = -jax.random.uniform(key, ok.shape)
+    top, idx = jax.lax.top_k(jnp.where(ok, score, -jnp.inf), num)  # the num highest scores among the valid positions
+    valid = top > -jnp.inf
     return jnp.where(valid, idx, 0).astype(jnp.int32), valid
 
 
@@ -192,10 +204,12 @@ def label_nll(logits: Array, labels: Array) -> Array:
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-    """Static settings of the loss: anchors per row, anchors per group, the decay, hard labels or KL."""
+    """Static settings of the loss: anchors per row, anchors per group, how they are drawn, the decay, hard labels
+    or KL."""
 
     anchors: int = 512
     group: int = 32
+    half_life: int | None = None  # anchors weighted 2^(-r/half_life) at response offset r (None: uniform)
     gamma: float | None = None
     loss: str = "ce"  # "ce": cross-entropy on the target's tokens; "kl": KL(target || drafter) per slot
 
@@ -219,7 +233,7 @@ def draft_loss(params: DraftParams, cfg: DraftConfig, tparams: TargetParams, fea
     kv = context_kv(params, cfg, feats, batch.positions)
     b, t = batch.tokens.shape
     num, size = min(obj.anchors, t), min(obj.group, obj.anchors, t)
-    anchors, valid = sample_anchors(key, batch, num)
+    anchors, valid = sample_anchors(key, batch, num, obj.half_life)
     groups = -(-num // size)
     anchors, valid = (jnp.pad(x, ((0, 0), (0, groups * size - num))) for x in (anchors, valid))
     w_depth = jnp.asarray(depth_weights(bs, gamma_for(bs, obj.gamma)))
