@@ -210,6 +210,13 @@ def test_held_out_check_runs_generate_json_per_set(capsys):
     report = {"results": [{"acceptance_lengths": [1, 3], "mean_acceptance_length": 2.0, "num_generated": 4},
                           {"acceptance_lengths": [2], "mean_acceptance_length": 2.0, "num_generated": 2}]}
     assert ev.set_acceptance(report)["mean_acceptance_length"] == 2.0 and ev.set_acceptance(report)["rounds"] == 3
+    assert got["by_output_position"] == {"0-127": {"mean_acceptance_length": got["mean_acceptance_length"],
+                                                   "rounds": got["rounds"]}}  # 6 tokens: one band
+    # rounds start at output tokens 0, 1, 4 (the first sequence's, accepting 1, 3, 2) and 0, 2 (the second's): bands
+    # of 2 tokens pool (1, 3, 2), (4) and (2)
+    assert ev.by_position([[1, 3, 2], [2, 4]], band=2) == {
+        "0-1": {"mean_acceptance_length": 2.0, "rounds": 3}, "2-3": {"mean_acceptance_length": 4.0, "rounds": 1},
+        "4-5": {"mean_acceptance_length": 2.0, "rounds": 1}}
     assert ev.main(argv[:4] + ["--sets", "wiki"]) == 2
 
 

@@ -4,7 +4,8 @@ ar / dflash / ddtree against each other.
 ``python -m ddtree_jax.training.evaluate`` is the check anyone can run on a CPU: for each held-out set it runs
 ``python -m ddtree_jax.generate --json`` on the set's prompts (greedy, ddtree, budget 64, 128 new tokens, all the
 set's prompts as one batch) and prints the mean acceptance length per set (accepted nodes per round, the root
-included, pooled over every round of the set's prompts) as one JSON object on stdout.
+included, pooled over every round of the set's prompts), also by the band of output tokens where each round started,
+as one JSON object on stdout.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ddtree_jax import cli
 from ddtree_jax.training import prompts as P
 
 BUDGET, NEW_TOKENS = 64, 128  # the held-out check's decoding
+BAND = 128  # output tokens per band of the check's breakdown by position
 
 
 def acceptance(target, draft, prompts: list[list[int]], *, budget: int = BUDGET, max_new_tokens: int = NEW_TOKENS,
@@ -126,16 +128,30 @@ def generate_command(target: str, draft: str, messages: Sequence[str], *, budget
     return argv
 
 
+def by_position(lengths: Sequence[Sequence[int]], band: int = BAND) -> dict[str, dict]:
+    """Rounds pooled by the band of ``band`` output tokens where each started ({"0-127": {mean_acceptance_length,
+    rounds}, "128-255": ...}), from each sequence's acceptance lengths in order: acceptance early in an answer
+    apart from later."""
+    bands: dict[int, list[int]] = {}
+    for seq in lengths:
+        at = 0
+        for a in seq:
+            bands.setdefault(at // band, []).append(a)
+            at += a
+    return {f"{b * band}-{(b + 1) * band - 1}": {"mean_acceptance_length": round(float(np.mean(v)), 3),
+                                                 "rounds": len(v)} for b, v in sorted(bands.items())}
+
+
 def set_acceptance(report: dict) -> dict:
-    """From ``generate --json``'s object: the pooled mean over every round, the mean of the prompts' means, and
-    the rounds and tokens behind them."""
+    """From ``generate --json``'s object: the pooled mean over every round, the mean of the prompts' means, the
+    rounds and tokens behind them, and the rounds by output position (:func:`by_position`)."""
     results = report["results"]
     rounds = [a for r in results for a in r["acceptance_lengths"]]
     return {"mean_acceptance_length": round(float(np.mean(rounds)), 3) if rounds else None,
             "mean_of_prompts": round(float(np.mean([r["mean_acceptance_length"] for r in results
                                                     if r["mean_acceptance_length"] is not None])), 3),
             "rounds": len(rounds), "generated_tokens": sum(r["num_generated"] for r in results),
-            "prompts": len(results)}
+            "prompts": len(results), "by_output_position": by_position([r["acceptance_lengths"] for r in results])}
 
 
 def build_parser() -> cli.ArgumentParser:
@@ -145,7 +161,9 @@ def build_parser() -> cli.ArgumentParser:
                     "ddtree_jax/data/prompts (questions a new user would type, never trained on): one "
                     "`python -m ddtree_jax.generate --json` per set, greedy, method ddtree. Prints one JSON object "
                     "on stdout: per set, the mean over every round of its prompts (mean_acceptance_length), the "
-                    "mean of the prompts' means, and the command that measured it.")
+                    "mean of the prompts' means, the rounds by the band of 128 output tokens where they started "
+                    "(by_output_position: pass --max-new-tokens 512 to see later bands), and the command that "
+                    "measured it.")
     p.add_argument("--target", default="default", metavar="PATH",
                    help="target directory (default: SmolLM2-135M-Instruct, the default pair's target)")
     p.add_argument("--draft", default=None, metavar="PATH",
