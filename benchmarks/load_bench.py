@@ -335,7 +335,8 @@ def _forms(counts: dict | None, reasons: dict | None = None) -> str:
 
 
 def summarize(out: str) -> str:
-    """summary.md of OUT_DIR: one row per (configuration, concurrency), throughput relative to ar's at that level."""
+    """summary.md of OUT_DIR: one row per (configuration, level), throughput relative to ar's at that level (a level
+    run twice, e.g. --concurrency 8,1,8, keeps both rows in run order, each against ar's run of the same rank)."""
     run = {}
     if os.path.exists(os.path.join(out, "run.json")):
         with open(os.path.join(out, "run.json")) as f:
@@ -347,7 +348,7 @@ def summarize(out: str) -> str:
         path = os.path.join(out, f"{m.replace(':', '-')}.json")
         if os.path.exists(path):
             with open(path) as f:
-                data[m] = {r["concurrency"]: r for r in json.load(f)}
+                data[m] = json.load(f)  # sorted by concurrency, a repeated level's rows in run order
     a = run.get("args", {})
     lines = []
     if a:
@@ -371,8 +372,11 @@ def summarize(out: str) -> str:
               "| latency p50 / p90 / p99 (s) | TTFT p50 (s) | TPOT p50 (ms) | acceptance | forms (auto) |",
               "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"]
     for m in configs:
-        for c, r in sorted(data.get(m, {}).items()):
-            ar = data.get("ar", {}).get(c, {}).get("output_tokens_per_s")
+        for i, r in enumerate(data.get(m, [])):
+            c = r["concurrency"]
+            rank = sum(x["concurrency"] == c for x in data[m][:i])  # 0, then 1 for a level's second run, ...
+            ars = [x for x in data.get("ar", []) if x["concurrency"] == c]
+            ar = ars[rank]["output_tokens_per_s"] if rank < len(ars) else None
             tps = r["output_tokens_per_s"]
             lat = " / ".join(_f(r["latency_s"][q]) for q in ("p50", "p90", "p99"))
             tpot = r["tpot_s"]["p50"]

@@ -320,3 +320,24 @@ def test_load_bench_interleave_runs_each_level_on_every_server_in_alternating_or
                                                           (4, "ar"), (4, "ddtree")]
     assert [c for c in calls if c[0] in ("stop", "close")] == [(w, m) for m in ("ar", "broken", "ddtree")
                                                                for w in ("stop", "close")]
+
+
+def test_load_bench_summary_keeps_a_repeated_level(tmp_path):
+    """--concurrency 8,1,8: summary.md shows both runs of level 8 in run order, each against ar's run of the same
+    rank (the summary once keyed rows by concurrency and dropped the first)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "load_bench.py"
+    loaded = importlib.util.spec_from_file_location("load_bench", script)
+    lb = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(lb)
+
+    def level(c, tps):
+        return {"concurrency": c, "requests": 4, "errors": 0, "requests_per_s": 1.0, "output_tokens_per_s": tps,
+                "latency_s": {"p50": 1.0, "p90": 1.0, "p99": 1.0}, "ttft_s": {"p50": 0.1}, "tpot_s": {"p50": 0.03},
+                "mean_acceptance_length": None}
+
+    for name, rows in (("ar", [level(1, 40.0), level(8, 100.0), level(8, 200.0)]),
+                       ("ddtree", [level(1, 60.0), level(8, 50.0), level(8, 180.0)])):
+        (tmp_path / f"{name}.json").write_text(json.dumps(rows))
+    text = lb.summarize(str(tmp_path))
+    rows = [line.split(" | ")[:7] for line in text.splitlines() if line.startswith("| ddtree |")]
+    assert [(r[1], r[5], r[6]) for r in rows] == [("1", "60.0", "1.50"), ("8", "50.0", "0.50"), ("8", "180.0", "0.90")]
