@@ -27,7 +27,9 @@ so after N AR groups one group probes the cheapest speculative form; N doubles a
 AR's (a chain at a large slot batch costs several AR steps), so a probe's extra time stays under 1/N of the AR time
 between probes, whatever the load: a useless drafter costs AR under 2% of its speed. Each slot batch keeps its own N
 (:class:`Probing`): a lone request's win, where speculation is cheap, says nothing of a full batch, and must not bring
-back a full batch's dear probes; a win restarts the waits of its slot batch and of the smaller ones.
+back a full batch's dear probes; a win restarts the waits of its slot batch and of the smaller ones. A slot batch AR
+first wins at starts from the longest wait a smaller one has earned: what did not pay where speculation is cheaper
+will not pay there (a server's load grows through its slot batches, and each new one would otherwise probe from 2).
 """
 
 from __future__ import annotations
@@ -270,7 +272,9 @@ class Policy:
             return best
         if not speculative:  # nothing to probe now (e.g. no speculative program timed at this slot batch yet): the
             return best  # wait between probes stays what the probes so far earned
-        state = self.probing.setdefault(best[1], Probing())
+        if best[1] not in self.probing:
+            self.probing[best[1]] = self._first_probing(best[1])
+        state = self.probing[best[1]]
         if state.probed:  # the last probe changed nothing
             state.every, state.probed = min(2 * state.every, MAX_PROBE_EVERY), False
         state.ar_groups += 1
@@ -280,6 +284,11 @@ class Policy:
             self.probes += 1
             return probe
         return best
+
+    def _first_probing(self, batch: int) -> Probing:
+        """The probes' state of a slot batch AR first wins at: the longest wait a smaller slot batch has earned (where
+        speculation is cheaper and still did not pay, it will not pay here either), else FIRST_PROBE_EVERY."""
+        return Probing(max((p.every for n, p in self.probing.items() if n < batch), default=FIRST_PROBE_EVERY))
 
     def summary(self, seqs: Sequence, form: str) -> tuple[float, float]:
         """(mean E_i at ``form``, mean r_i(form)) over ``seqs``, for /metrics; NaN without sequences."""

@@ -245,6 +245,40 @@ def test_each_slot_batch_keeps_its_own_wait_between_probes():
     assert 8 not in p.probing
 
 
+def test_a_slot_batch_first_met_starts_from_the_wait_a_smaller_one_earned():
+    """A useless drafter while the load grows (as a server's does, and load_bench.py's levels): the wait that probes
+    earned at slot batch 1 carries to 2, 4 and 8 when AR first wins there, so each new slot batch does not probe
+    from FIRST_PROBE_EVERY again; a larger slot batch's wait is not lent to a smaller one."""
+    pred = curve(0.02)
+    p = policy.Policy(FORMS, TREES)
+
+    def run(batch, groups):
+        seqs = list(range(batch))
+        for s in seqs:
+            p.start(s)
+        probes = 0
+        for _ in range(groups):
+            form, size = p.choose(seqs, options(batch))
+            if form != "ar":
+                probes += 1
+                for s in seqs:
+                    p.observe(s, form, stats(4, 1.0, 1.01, 1.01, pred))
+        return probes
+
+    run(1, 400)
+    earned = p.probing[1].every
+    assert earned == policy.MAX_PROBE_EVERY
+    for batch in (2, 4, 8):
+        assert run(batch, 60) == 0  # waits of MAX_PROBE_EVERY AR groups: no probe within 60 groups
+        assert p.probing[batch].every == earned
+    fresh = policy.Policy(FORMS, TREES)
+    fresh.probing[8] = policy.Probing(earned)
+    fresh.start(0)
+    fresh.observe(0, "16", stats(8, 1.0, pred[0], 1.01, pred))
+    assert [fresh.choose([0], options(1))[0] for _ in range(3)] == ["ar", "ar", "chain"]  # from 1, not 8's wait
+    assert fresh.probing[1].every == policy.FIRST_PROBE_EVERY
+
+
 def test_returns_to_speculation_when_a_probe_shows_acceptance():
     pred = curve(6.0)
     p = policy.Policy(FORMS, TREES)
