@@ -6,9 +6,10 @@
 #
 # One `python -m ddtree_jax.train_draft` run, boxed to $MINUTES (default 8.75) from its start: the target converted
 # from $DDTREE_JAX_CACHE/gguf/SmolLM2-135M-Instruct.Q4_1.gguf (place it there: no network is needed), curated prompts
-# and the target's responses (three quarters greedy, the rest sampled) for up to $DATA_MINUTES (default 3.3),
-# training with KL to the target's distribution to the time left (the learning-rate schedule planned to end with
-# it), held-out evaluations with the real decode loop, export.
+# (about 58% Python passages, the rest self-instruct turns) and the target's responses (three quarters greedy, the
+# rest sampled) for up to $DATA_MINUTES (default 3.3), training with KL to the target's distribution and anchors
+# weighted to the start of each response (half-life 128 tokens) to the time left (the learning-rate schedule planned
+# to end with it), held-out evaluations with the real decode loop, export.
 # $OUT then holds (6 files, about 17 MB): config.json + model.safetensors.part00, part01 (the drafter, joined by
 # `training.export.load` or `cat`), history.jsonl, run.json (data counts, generation and training tokens/s, steps,
 # times, evaluations), log.txt (the run's messages, progress bars left out).
@@ -25,9 +26,9 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$WORK/jit}
 PY=${PYTHON:-python3}
 "$PY" -m ddtree_jax.train_draft --target default --out "$WORK" --results "$OUT" --time-limit "$MINUTES" \
-  --data-minutes "$DATA_MINUTES" --corpus pydoc,stdlib,packages --self-instruct 50000 --max-prompt-tokens 256 \
+  --data-minutes "$DATA_MINUTES" --corpus pydoc,stdlib,packages --self-instruct 12000 --max-prompt-tokens 256 \
   --max-new-tokens 1024 --greedy-share 0.75 --temperatures 0.7,1.0 --gen-batch 1024 --loss kl \
-  --layers 2 --block-size 16 --steps 20000 --batch 16 --seq-len 2048 --anchors 512 --anchor-group 32 \
+  --layers 2 --block-size 16 --steps 20000 --batch 16 --seq-len 2048 --anchors 512 --anchor-group 32 --anchor-half-life 128 \
   --lr 6e-4 --warmup 100 --evals 4 --eval-budget 64 --eval-tokens 128 --save-every 500 "$@" \
   > >(tr '\r' '\n' | grep --line-buffered -v -E -e '\[[0-9:]+(<[0-9:?]+)?, .*\]$' -e '^ *$' > "$OUT/log.txt") 2>&1 &
 pid=$!
