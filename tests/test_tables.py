@@ -12,14 +12,14 @@ ROOT = Path(__file__).parents[1]
 PERFORMANCE = ROOT / "docs" / "PERFORMANCE.md"
 RESULTS = ROOT / "benchmarks" / "results"
 # the default pair's records shown, in table order: (file, key or None for the whole file, the rows' label, the
-# drafter: "first" shipped until 2026-12-05, "current" since)
+# drafter: "first" shipped until 2026-12-05 14:00, "second" until 17:40, "third" since)
 PAIR_RECORDS = [("default_pair_h200.json", "batch1_budgets_32_64", "H200, batch 1", "first"),
                 ("default_pair_h200.json", "batch1_budgets_16_128_256", "H200, batch 1", "first"),
                 ("auto_pair_h200.json", None, "H200, batch 1", "first"),
                 ("default_pair_h200.json", "batch8_budget_64", "H200, batch 8", "first"),
                 ("default_pair_cpu.json", None, "2 CPU cores, batch 1", "first"),
-                ("auto_pair_h100.json", None, "H100, batch 1", "current"),
-                ("auto_pair_cpu.json", None, "2 CPU cores, batch 1", "current")]
+                ("auto_pair_h100.json", None, "H100, batch 1", "second"),
+                ("auto_pair_cpu.json", None, "2 CPU cores, batch 1", "third")]
 PAIR_ROW_STARTS = ("| H200, batch", "| H100, batch", "| 2 CPU")
 
 
