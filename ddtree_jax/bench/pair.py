@@ -40,12 +40,14 @@ def run(args) -> int:
     stop = tuple(dict.fromkeys(tok.eos_token_ids + target[0].eos_token_ids))
     groups = [prompts] if args.batched else [[p] for p in prompts]
     fixed = [b for b in args.budgets if b != AUTO]
-    runs = [evaluate.benchmark(target, draft, g, budgets=fixed, max_new_tokens=args.max_new_tokens,
-                               stop_ids=stop, attention=args.attention, check=args.check, log=lambda m: None)
-            for g in groups]
-    if AUTO in args.budgets:
-        for run, g in zip(runs, groups):
+    runs = []
+    for g in groups:  # every method on a prompt before the next prompt: a machine's drift over minutes (2 CPU cores'
+        # speed halves at times) falls on every method alike, not on the ones timed last
+        run = evaluate.benchmark(target, draft, g, budgets=fixed, max_new_tokens=args.max_new_tokens,
+                                 stop_ids=stop, attention=args.attention, check=args.check, log=lambda m: None)
+        if AUTO in args.budgets:
             run["ddtree-auto"] = _auto_run(target, draft, g, args, stop, run["ar"]["tokens_per_s"])
+        runs.append(run)
     table = {}
     for name in runs[0]:
         acc = [r[name]["mean_acceptance_length"] for r in runs if r[name]["mean_acceptance_length"] is not None]
