@@ -28,8 +28,8 @@ PY=${PYTHON:-python3}
 "$PY" -m ddtree_jax.train_draft --target default --out "$WORK" --results "$OUT" --time-limit "$MINUTES" \
   --data-minutes "$DATA_MINUTES" --corpus pydoc,stdlib,packages --self-instruct 12000 --max-prompt-tokens 256 \
   --max-new-tokens 1024 --greedy-share 0.75 --temperatures 0.7,1.0 --gen-batch 1024 --loss kl \
-  --layers 2 --block-size 16 --steps 20000 --batch 16 --seq-len 2048 --anchors 512 --anchor-group 32 --anchor-half-life 128 \
-  --lr 6e-4 --warmup 100 --evals 4 --eval-budget 64 --eval-tokens 128 --save-every 500 "$@" \
+  --layers 2 --block-size 16 --steps 20000 --batch 16 --seq-len 2048 --anchors 512 --anchor-group 32 \
+  --anchor-half-life 128 --lr 6e-4 --warmup 100 --evals 4 --eval-budget 64 --eval-tokens 128 --save-every 500 "$@" \
   > >(tr '\r' '\n' | grep --line-buffered -v -E -e '\[[0-9:]+(<[0-9:?]+)?, .*\]$' -e '^ *$' > "$OUT/log.txt") 2>&1 &
 pid=$!
 trap 'kill -TERM "$pid" 2>/dev/null' TERM INT
