@@ -304,19 +304,19 @@ def scored_best_first(draft_logits: Array, budget: int) -> tuple[Tree, Array, Ar
 def path_log_probs(tree: Tree, lp: Array, ids: Array) -> Array:
     """[B, N] f32: each node's path log-probability, the sum of its own and its ancestors' draft log-probabilities,
     each looked up in its depth's list (lp, ids [B, Dp, K]); -inf for an unused node (token -1). Computed apart from
-    the build (whose kernels keep their scores to themselves): the same sums up to the order of the additions."""
+    the build (whose kernels keep their scores to themselves): the same sums up to the order of the additions. One
+    masked sum over the tree's ancestor-or-self bits [B, 1 + N, 1 + N], not a gather a depth (on a GPU, each of those
+    is a dependent kernel of the round)."""
     b, n = tree.tokens.shape
     k = ids.shape[2]
     at = jnp.broadcast_to(jnp.maximum(tree.depths - 1, 0)[..., None], (b, n, k))
     match = jnp.take_along_axis(ids, at, axis=1) == tree.tokens[..., None]  # [B, N, K]
     own = jnp.where(jnp.any(match, -1), jnp.sum(jnp.where(match, jnp.take_along_axis(lp, at, axis=1), 0.0), -1),
                     -jnp.inf)
-    own = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), own], axis=1)  # the root's: 0
-    up = jnp.maximum(tree.parents, 0)
-    total = own
-    for _ in range(lp.shape[1] - 1):  # one more ancestor a pass; depths reach Dp
-        total = own + jnp.take_along_axis(total, up, axis=1).at[:, 0].set(0.0)
-    return total[:, 1:]
+    own = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), own], axis=1)  # [B, 1 + N]; the root's: 0
+    j = jnp.arange(n + 1)
+    seen = (tree.bits[:, :, j // 32] >> (j % 32).astype(jnp.uint32)) & 1  # [B, 1 + N, 1 + N]: j is i or above it
+    return jnp.sum(jnp.where(seen == 1, own[:, None, :], 0.0), axis=-1)[:, 1:]
 
 
 def prefix(tree: Tree, size: int) -> Tree:
