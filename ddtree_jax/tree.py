@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from ddtree_jax import sharding, vocab_parallel
 from pallas_kernels import ancestor_bits as bits_kernel, best_first as best_first_kernel, selection, vocab_top_k
-from pallas_kernels.bitmask import pack_bits
+from pallas_kernels.bitmask import pack_bits, unpack_bits
 from pallas_kernels.ranking import comes_before
 
 Array = jax.Array
@@ -314,9 +314,8 @@ def path_log_probs(tree: Tree, lp: Array, ids: Array) -> Array:
     own = jnp.where(jnp.any(match, -1), jnp.sum(jnp.where(match, jnp.take_along_axis(lp, at, axis=1), 0.0), -1),
                     -jnp.inf)
     own = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), own], axis=1)  # [B, 1 + N]; the root's: 0
-    j = jnp.arange(n + 1)
-    seen = (tree.bits[:, :, j // 32] >> (j % 32).astype(jnp.uint32)) & 1  # [B, 1 + N, 1 + N]: j is i or above it
-    return jnp.sum(jnp.where(seen == 1, own[:, None, :], 0.0), axis=-1)[:, 1:]
+    seen = unpack_bits(tree.bits, n + 1)  # [B, 1 + N, 1 + N]: node j is node i or above it
+    return jnp.sum(jnp.where(seen, own[:, None, :], 0.0), axis=-1)[:, 1:]
 
 
 def prefix(tree: Tree, size: int) -> Tree:
