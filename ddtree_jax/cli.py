@@ -153,11 +153,14 @@ nonneg_float = _typed("nonneg_float", float, lambda v: v >= 0 and v == v and v !
 probability = _typed("probability", float, lambda v: 0 < v <= 1, "a number in (0, 1]")
 
 
+_budget_int = _typed("tree_budget", int, lambda v: v >= 1, "auto or an integer >= 1")
+
+
 def tree_budget(text: str) -> int | str:
     """``auto`` or a positive integer (argparse type of --tree-budget)."""
     if text.strip().lower() == "auto":
         return "auto"
-    return positive_int(text)
+    return _budget_int(text)
 
 
 def form_list(text: str) -> tuple[str, ...]:

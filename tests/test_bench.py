@@ -233,7 +233,9 @@ def test_ab_options_parse_list_values():
 @pytest.mark.parametrize("argv", [["models", "--budgets", "0"], ["models", "--tuning", "verify_align=0"],
                                   ["models", "--tuning", "unroll=2"], ["models", "--ab", "noname"],
                                   ["models", "--ab", "x:FUSION,a=b"], ["models", "--ab", "x:a="],
-                                  ["fixtures", "--mesh", "3x3"], ["fixtures", "--mesh", "two"]])
+                                  ["fixtures", "--mesh", "3x3"], ["fixtures", "--mesh", "two"],
+                                  ["pair", "--budgets", "0,auto"], ["pair", "--budgets", "x"],
+                                  ["pair", "--budgets", ","]])
 def test_bad_flag_is_one_line_error(argv, capsys):
     assert bench.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -90,6 +90,8 @@ BAD = {
     "zero_max_new_tokens": (["--target", TARGET, "--max-new-tokens", "0", "--prompt-ids", "1"], ["--max-new-tokens"]),
     "zero_tree_budget": (["--target", TARGET, "--draft", DRAFT, "--method", "ddtree", "--tree-budget", "0",
                           "--prompt-ids", "1"], ["--tree-budget"]),
+    "word_tree_budget": (["--target", TARGET, "--draft", DRAFT, "--method", "ddtree", "--tree-budget", "big",
+                          "--prompt-ids", "1"], ["--tree-budget", "auto or an integer"]),
     "non_integer_seed": (["--target", TARGET, "--seed", "x", "--prompt-ids", "1"], ["--seed"]),
     "prompt_ids_letters": (["--target", TARGET, "--prompt-ids", "1,a,3"], ["--prompt-ids"]),
     "prompt_ids_empty_item": (["--target", TARGET, "--prompt-ids", "1,,3"], ["--prompt-ids"]),

@@ -66,7 +66,9 @@ def _budgets(text: str) -> list:
     """'16,64,auto' -> [16, 64, 'auto'] (argparse type)."""
     parts = [x.strip().lower() for x in text.split(",") if x.strip()]
     nums = [x for x in parts if x != "auto"]
-    return (_ints(",".join(nums)) if nums else []) + (["auto"] if "auto" in parts else [])
+    if not parts or not all(x.isdigit() and int(x) >= 1 for x in nums):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of budgets (integers >= 1, or auto)")
+    return [int(x) for x in nums] + (["auto"] if "auto" in parts else [])
 
 
 def xla_options(text: str) -> dict | None:
