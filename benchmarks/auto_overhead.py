@@ -7,7 +7,9 @@ every round against auto's groups (the host's reading and choosing between them,
 state) and auto's rounds (the tree built at the largest tree form for the predictions, their bookkeeping). A variant
 is NAME:forms=F+F+...[,group=N][,max=M] (auto among those forms, groups of N rounds, ``autorun.GROUP_ROUNDS``, default
 8, doubling while a speculative form holds up to M, ``autorun.MAX_GROUP_ROUNDS``, default 64; the first groups stay
-``autorun.FIRST_GROUPS``). Reports each variant's median ms a round and its ratio to the fixed budget's.
+``autorun.FIRST_GROUPS``). Reports each variant's median ms a round and its ratio to the fixed budget's; the record
+keeps, per auto variant and timed pass, each form's cost as timed before the decode and as the decode's own timings
+moved it (``costs_ms``): whether auto chose by the costs its decode then paid.
 
     PYTHONPATH=. python benchmarks/auto_overhead.py --model smollm2-135m --budget 32 --variant one:forms=32 \\
         --variant one-g8:forms=32,max=8 --variant two:forms=32+256 --json OUT/auto_overhead.json
@@ -27,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from ddtree_jax import autorun, cli, decode, policy  # noqa: E402
+from ddtree_jax import autorun, cli, costs, decode, policy  # noqa: E402
 from ddtree_jax.bench import records  # noqa: E402
 from ddtree_jax.shapes import SHAPES, build_params, model_configs  # noqa: E402
 from ddtree_jax.spec import AUTO, GenerateOptions  # noqa: E402
@@ -48,6 +50,26 @@ def variant(text: str) -> tuple[str, tuple[str, ...], int, int]:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return name, forms, group, largest
+
+
+class RecordingTable(costs.CostTable):
+    """An in-memory cost table that keeps, per program key, the seconds a round its forms were timed at before the
+    decode (``measured``: autorun.AutoRun._warm) and the estimate after each of the decode's own timings
+    (``observe``): whether auto chose by costs the decode then paid."""
+
+    def __init__(self, sig: str, path: str | None = None):
+        super().__init__(sig, None)
+        self.log: dict[str, dict] = {}
+
+    def measured(self, key: str, seconds: float, context: int) -> None:
+        super().measured(key, seconds, context)
+        self.log.setdefault(key, {"warm_ms": [], "observed_ms": [], "estimate_ms": []})["warm_ms"].append(1e3 * seconds)
+
+    def observe(self, key: str, seconds: float, context: int) -> None:
+        super().observe(key, seconds, context)
+        entry = self.log.setdefault(key, {"warm_ms": [], "observed_ms": [], "estimate_ms": []})
+        entry["observed_ms"].append(1e3 * seconds)
+        entry["estimate_ms"].append(1e3 * self.get(key))
 
 
 def main(argv=None) -> int:
@@ -77,15 +99,25 @@ def main(argv=None) -> int:
                       group, largest)
     ms: dict[str, list[float]] = {k: [] for k in runs}
     forms_run: dict[str, dict] = {}
+    cost_logs: dict[str, list[dict]] = {k: [] for k in runs}  # per timed pass: program key -> RecordingTable.log
     for rep in range(args.reps + 1):  # the first pass compiles and loads every program
         for name in (list(runs) if rep % 2 == 0 else list(runs)[::-1]):
             options, group, largest = runs[name]
+            tables: list[RecordingTable] = []
+
+            def table_for(spec, dtype, persist=True, _real=autorun.cost_table_for):
+                tables.append(RecordingTable(_real(spec, dtype, persist=False).signature))
+                return tables[-1]
+
             with mock.patch.object(autorun, "GROUP_ROUNDS", group), \
-                    mock.patch.object(autorun, "MAX_GROUP_ROUNDS", largest):
+                    mock.patch.object(autorun, "MAX_GROUP_ROUNDS", largest), \
+                    mock.patch.object(autorun, "cost_table_for", table_for):
                 res = decode.generate(target, prompts, options, draft=draft)
             rounds = len(res.acceptance_lengths[0])
             if rep:
                 ms[name].append(1e3 * res.decode_s / rounds)
+                if tables:
+                    cost_logs[name].append(tables[-1].log)
             if res.round_forms:
                 forms_run[name] = dict(collections.Counter(res.round_forms[0]))
     base = statistics.median(ms["fixed"])
@@ -97,7 +129,8 @@ def main(argv=None) -> int:
         med = statistics.median(ms[name])
         out["variants"][name] = {"forms": list(options.forms) or [str(args.budget)], "group_rounds": group,
                                  "max_group_rounds": largest, "ms_per_round": ms[name], "median_ms": med,
-                                 "vs_fixed": med / base, "forms_run": forms_run.get(name)}
+                                 "vs_fixed": med / base, "forms_run": forms_run.get(name),
+                                 "costs_ms": cost_logs[name] or None}
         print(f"{name:>12}: {med:.3f} ms a round ({med / base:.3f}x fixed {args.budget}), runs "
               f"{[round(x, 3) for x in ms[name]]}", flush=True)
     if args.json:

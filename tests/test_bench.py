@@ -188,6 +188,11 @@ def test_auto_overhead_script(tmp_path):
     assert set(one["forms_run"]) == {"4"} and (one["group_rounds"], one["max_group_rounds"]) == (2, 2)
     assert set(got["two"]["forms_run"]) <= {"4", "8"} and got["two"]["group_rounds"] == 8
     assert all(len(v["ms_per_round"]) == 1 and v["median_ms"] > 0 for v in got.values())
+    assert got["fixed"]["costs_ms"] is None  # each auto pass's costs: both forms timed before the decode, the run
+    (costs,) = got["two"]["costs_ms"]  # form's moved by the decode's own timings
+    assert set(costs) == {"4@1/greedy", "8@1/greedy"} and all(len(c["warm_ms"]) >= 1 for c in costs.values())
+    ran = [k for k, c in costs.items() if c["observed_ms"]]
+    assert ran and all(len(costs[k]["estimate_ms"]) == len(costs[k]["observed_ms"]) for k in ran)
     for bad, msg in (("x:forms=4,rounds=2", "is not NAME:forms"), ("x:forms=tree", "unknown form"),
                      ("x:forms=4,group=0", "1 <= group <= max"), ("x:forms=4,group=8,max=4", "1 <= group <= max")):
         with pytest.raises(argparse.ArgumentTypeError, match=msg):
