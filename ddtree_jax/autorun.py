@@ -118,23 +118,34 @@ class AutoRun:
     def _warm(self, lens: list[int]) -> None:
         """Run and time every form before decoding, on a fresh state whose caches hold the prompts' lengths: a
         program's first execution in a process loads it onto the device (tens of ms a form on a GPU), which would
-        otherwise fall inside the decode. Every form is timed afresh, one after another (``MEASURE_CALLS`` calls when
-        the cost table does not know it, one when it does), so that the costs compared are this moment's: the decode
+        otherwise fall inside the decode. Every form is timed afresh (``MEASURE_CALLS`` calls when the cost table does
+        not know it, one when it does; the median counts), so that the costs compared are this moment's: the decode
         refines only the forms it runs, and a cost kept from a run in a slower phase of a shared machine would keep
         its form out for good (on 2 CPU cores a tree of 4 kept at 52 ms a round, against 33 measured, made later
-        runs take trees of 8 at 1.14-1.30x AR instead of 1.48x). The untimed first call, which loads the program,
-        runs one round."""
+        runs take trees of 8 at 1.14-1.30x AR instead of 1.48x). The forms' calls are interleaved, in alternating
+        order (A B, B A, ...), so that a drift of the device's speed while they are timed (a GPU's clocks rising
+        from idle) falls on every form alike rather than on the ones timed first. Before each timed call, an untimed
+        call of one round loads the program."""
         t0 = time.perf_counter()
         dummy = self.fresh()
         everyone, length = jnp.ones((self.batch,), bool), jnp.asarray(lens, jnp.int32)
         limit, rounds = length + self.spec.max_rounds, jnp.int32(self.rounds)
-        for f, fn in self.fns.items():
-            known = self.costs.get(self.keys[f]) is not None
-            sec, dummy = measure(lambda s: fn(self.tparams, self.dparams, s, length, rounds), dummy,
-                                 lambda s: rewind(s, everyone, length, limit), calls=1 if known else MEASURE_CALLS,
-                                 first=lambda s: fn(self.tparams, self.dparams, s, length, jnp.int32(1)))
-            if sec is not None:
-                self.costs.measured(self.keys[f], sec, int(np.mean(lens)))
+        forms = list(self.fns)
+        calls = {f: 1 if self.costs.get(self.keys[f]) is not None else MEASURE_CALLS for f in forms}
+        timed: dict[str, list[float]] = {f: [] for f in forms}
+        for i in range(max(calls.values(), default=0)):
+            for f in forms if i % 2 == 0 else forms[::-1]:
+                if i >= calls[f]:
+                    continue
+                fn = self.fns[f]
+                sec, dummy = measure(lambda s: fn(self.tparams, self.dparams, s, length, rounds), dummy,
+                                     lambda s: rewind(s, everyone, length, limit), calls=1,
+                                     first=lambda s: fn(self.tparams, self.dparams, s, length, jnp.int32(1)))
+                if sec is not None:
+                    timed[f].append(sec)
+        for f, secs in timed.items():
+            if secs:
+                self.costs.measured(self.keys[f], float(np.median(secs)), int(np.mean(lens)))
         jax.block_until_ready(dummy)
         del dummy
         self.measure_s += time.perf_counter() - t0

@@ -264,21 +264,43 @@ def test_every_form_is_timed_afresh_before_the_decode(target, drafter, batch, mo
     """A program's first execution in a process loads it onto the device, so AutoRun runs each form before decoding,
     and times it there: autorun.MEASURE_CALLS calls when the cost table does not know it, one when it does (another
     generate call reading the costs the earlier one kept on disk), replacing the cost kept: a stale cost (a run in a
-    slower phase of the machine) must not keep a form out of later runs. (Traced: the programs of the forced-forms
-    test above, compiled once.)"""
+    slower phase of the machine) must not keep a form out of later runs. The forms' calls are interleaved in
+    alternating order, so that a drift of the device's speed falls on every form alike. (Traced: the programs of the
+    forced-forms test above, compiled once.)"""
     monkeypatch.setenv("DDTREE_JAX_CACHE", str(tmp_path))
     prompts, n = batch
     opts = decode.GenerateOptions(method="ddtree", max_new_tokens=n, forms=FORMS, trace=True)
-    seen = []
+    seen, timing = [], []  # the form of each program call made while timing; whether timing now
     measure = autorun.measure
 
     def spy(fn, state, rewind, calls=autorun.MEASURE_CALLS, first=None):
-        seen.append(calls)
-        return measure(fn, state, rewind, calls, first)
+        assert calls == 1  # one call a form at a time, interleaved
+        timing.append(True)
+        try:
+            return measure(fn, state, rewind, calls, first)
+        finally:
+            timing.pop()
+
+    class Spied(autorun.AutoRun):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.fns = {f: self._spied(f, fn) for f, fn in self.fns.items()}
+
+        @staticmethod
+        def _spied(form, fn):
+            def call(*args):
+                if timing:
+                    seen.append(form)
+                return fn(*args)
+            return call
 
     monkeypatch.setattr(autorun, "measure", spy)
+    monkeypatch.setattr(autorun, "AutoRun", Spied)
     first = decode.generate(target, prompts, opts, draft=drafter, persist_costs=True)
-    assert seen == [autorun.MEASURE_CALLS] * len(FORMS)
+    assert seen[::2] == seen[1::2]  # each timed call after an untimed one-round call of the same program
+    forms = seen[: 2 * len(FORMS): 2]
+    assert sorted(forms) == sorted(FORMS)
+    assert seen[::2] == [f for i in range(autorun.MEASURE_CALLS) for f in (forms if i % 2 == 0 else forms[::-1])]
     seen.clear()
     spec = decode.make_spec(target[0], drafter[0], opts, batch=len(prompts))
     key = costs.program_key("4", len(prompts), "greedy")
@@ -287,7 +309,7 @@ def test_every_form_is_timed_afresh_before_the_decode(target, drafter, batch, mo
     table.measured(key, 1e3, 64)  # a stale cost: 1000 s a round
     table.save()
     second = decode.generate(target, prompts, opts, draft=drafter, persist_costs=True)
-    assert seen == [1] * len(FORMS)
+    assert seen[::2] == forms  # known costs: each form timed once
     assert second.output_ids == first.output_ids
     assert autorun.cost_table_for(spec, target[1].embed.dtype).get(key) < 1.0
 
