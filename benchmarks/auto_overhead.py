@@ -57,19 +57,19 @@ class RecordingTable(costs.CostTable):
     decode (``measured``: autorun.AutoRun._warm) and the estimate after each of the decode's own timings
     (``observe``): whether auto chose by costs the decode then paid."""
 
-    def __init__(self, sig: str, path: str | None = None):
+    def __init__(self, sig: str):
         super().__init__(sig, None)
-        self.log: dict[str, dict] = {}
+        self.log: dict[str, dict[str, list[float]]] = collections.defaultdict(
+            lambda: {"warm_ms": [], "observed_ms": [], "estimate_ms": []})
 
     def measured(self, key: str, seconds: float, context: int) -> None:
         super().measured(key, seconds, context)
-        self.log.setdefault(key, {"warm_ms": [], "observed_ms": [], "estimate_ms": []})["warm_ms"].append(1e3 * seconds)
+        self.log[key]["warm_ms"].append(1e3 * seconds)
 
     def observe(self, key: str, seconds: float, context: int) -> None:
         super().observe(key, seconds, context)
-        entry = self.log.setdefault(key, {"warm_ms": [], "observed_ms": [], "estimate_ms": []})
-        entry["observed_ms"].append(1e3 * seconds)
-        entry["estimate_ms"].append(1e3 * self.get(key))
+        self.log[key]["observed_ms"].append(1e3 * seconds)
+        self.log[key]["estimate_ms"].append(1e3 * self.get(key))
 
 
 def main(argv=None) -> int:
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
             if rep:
                 ms[name].append(1e3 * res.decode_s / rounds)
                 if tables:
-                    cost_logs[name].append(tables[-1].log)
+                    cost_logs[name].append(dict(tables[-1].log))
             if res.round_forms:
                 forms_run[name] = dict(collections.Counter(res.round_forms[0]))
     base = statistics.median(ms["fixed"])
