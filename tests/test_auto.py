@@ -61,6 +61,11 @@ def test_a_large_trees_prefix_is_the_smaller_tree_and_its_scores_are_the_drafter
         np.testing.assert_allclose(scores[b], brute, rtol=1e-5, atol=1e-5)
         assert (np.diff(np.asarray(scores[b])) <= 1e-6).all()
         np.testing.assert_allclose(top1[b], logp[b].max(-1), rtol=1e-6, atol=1e-6)
+    few = jnp.asarray(rng.standard_normal((1, 2, 3)), jnp.float32)  # 3 + 9 paths for 20 nodes: 8 unused
+    tiny, tiny_scores, _ = jax.jit(trees.scored_best_first, static_argnums=1)(few, 20)
+    used = np.asarray(tiny.tokens[0]) >= 0
+    assert used.sum() == 12 and np.isneginf(np.asarray(tiny_scores[0])[~used]).all()
+    assert np.isfinite(np.asarray(tiny_scores[0])[used]).all()
 
     spec = dataclasses.replace(_spec_stub(), predict=(4, 24, 64), tree="best_first", budget=6)
     pred = np.asarray(predictions(spec, top1, scores))
