@@ -159,8 +159,8 @@ class AutoRun:
             self.policy.start(i)
         emitted = np.asarray(lens)
         starts = jnp.asarray(lens, jnp.int32)
-        inflight: collections.deque = collections.deque()
-        last = time.perf_counter()
+        inflight: collections.deque = collections.deque()  # (form, Snapshot, when its dispatch returned)
+        last = 0.0  # when the last group was read
         first = [r for r in FIRST_GROUPS if r < self.rounds]
         rounds, previous, dispatched = 0, None, 0
         while dispatched < self.spec.max_rounds + 2 * self.max_group:  # every round commits: enough rounds
@@ -169,15 +169,16 @@ class AutoRun:
             rounds = first.pop(0) if first else group_rounds(form, previous, rounds, self.rounds, self.max_group)
             state, snap = self.fns[form](self.tparams, self.dparams, state, starts, jnp.int32(rounds))
             starts, previous, dispatched = snap.end, form, dispatched + rounds
-            inflight.append((form, snap))
+            inflight.append((form, snap, time.perf_counter()))
             if len(inflight) < 2:
                 continue
-            form, snap = inflight.popleft()
+            form, snap, queued = inflight.popleft()
             host = jax.device_get(snap)
             now = time.perf_counter()
             ran = int(np.max(host.new_rounds))
-            if ran:  # the device ran this group while the host waited: its time since the last read
-                self.costs.observe(self.keys[form], (now - last) / ran, int(np.mean(emitted)))
+            if ran:  # the device ran this group from the later of the last read and its dispatch (the first group's
+                # device time starts at its dispatch, not with the host's choosing and dispatching it)
+                self.costs.observe(self.keys[form], (now - max(last, queued)) / ran, int(np.mean(emitted)))
             last = now
             for i in live:
                 self.policy.observe(i, form, host.new_stats[i])
