@@ -83,7 +83,7 @@ def rewind(state: State, mask: Array, length: Array, limit: Array) -> State:
 def group_rounds(form: str, previous: str | None, rounds: int, base: int, largest: int) -> int:
     """Rounds of the next group of ``form`` after a group of ``rounds`` rounds of ``previous``: twice as many when
     the policy keeps a speculative form, up to ``largest`` (each group is a device call, and on a GPU a call costs
-    the round loop more than on CPU: docs/ADAPTIVE.md#the-default-pair-on-an-h200-batch-1), ``base`` otherwise. AR
+    the round loop more than on CPU: docs/ADAPTIVE.md#the-default-pair-on-a-gpu-batch-1), ``base`` otherwise. AR
     steps record no statistics, so their groups stay short: the probes' wait counts groups (policy.Policy.choose)."""
     if form == previous and form != policy.AR:
         return min(2 * rounds, largest)
@@ -114,6 +114,7 @@ class AutoRun:
             self.fns[f] = compiled(run_group, sp, tparams, dparams, template, starts, count, self.max_group)
             self.keys[f] = costs.program_key(f, self.batch, variant(sp))
         self.measure_s = 0.0
+        self.timed: dict[str, float] = {}  # form -> seconds a round as _warm timed it
 
     def _warm(self, lens: list[int]) -> None:
         """Run and time every form before decoding, on a fresh state whose caches hold the prompts' lengths: a
@@ -145,10 +146,15 @@ class AutoRun:
                     timed[f].append(sec)
         for f, secs in timed.items():
             if secs:
-                self.costs.measured(self.keys[f], float(np.median(secs)), int(np.mean(lens)))
+                self.timed[f] = float(np.median(secs))
+                self.costs.measured(self.keys[f], self.timed[f], int(np.mean(lens)))
         jax.block_until_ready(dummy)
         del dummy
         self.measure_s += time.perf_counter() - t0
+
+    def form_costs_ms(self) -> dict[str, tuple[float, float]]:
+        """Per form timed before the decode: (ms a round as timed, as the cost table holds it now)."""
+        return {f: (1e3 * s, 1e3 * (self.costs.get(self.keys[f]) or s)) for f, s in self.timed.items()}
 
     def decode(self, state: State, lens: list[int], on_tokens) -> State:
         """Groups until every sequence is done: group g + 1 is dispatched before group g's Snapshot is read (its

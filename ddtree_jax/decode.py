@@ -412,4 +412,5 @@ def generate(
         compile_s=compile_s + (run.measure_s if auto else 0.0),
         attention=spec.attention,
         round_forms=[round_forms(spec, state, i) for i in range(len(prompts))] if auto else None,
+        form_costs_ms=run.form_costs_ms() if auto else None,
     )

@@ -38,7 +38,9 @@ output (--json): one object on stdout,
                 directory has a tokenizer), "num_generated": n, "acceptance_lengths": [per round],
                 "mean_acceptance_length": x, "round_forms": [per round: "ar", "chain" or the tree budget]
                 (only under --tree-budget auto), "rounds": [...] (only with --trace)}, ... one per prompt],
-   "timing": {"compile_s": s, "prefill_s": s, "decode_s": s, "decode_tokens_per_s": x}}
+   "timing": {"compile_s": s, "prefill_s": s, "decode_s": s, "decode_tokens_per_s": x,
+              "form_costs_ms": {form: [as timed before the decode, as its timings left it]} (only under
+              --tree-budget auto: each form's ms a round, the costs its choices weighed)}}
   acceptance_lengths count the accepted tree nodes per round including the root (the reference's
   convention); for --method ar they are [] and mean_acceptance_length is null.
   decode_tokens_per_s = generated tokens of all prompts / decode_s (null when decode_s is 0); compile_s (the
@@ -470,10 +472,11 @@ def result_json(p: Plan, result: GenerateResult) -> dict[str, Any]:
         results.append(r)
     total = sum(len(g) for g in generated)
     decode_s = float(result.decode_s)
-    return {"results": results,
-            "timing": {"compile_s": float(getattr(result, "compile_s", 0.0)),
-                       "prefill_s": float(result.prefill_s), "decode_s": decode_s,
-                       "decode_tokens_per_s": total / decode_s if decode_s > 0 else None}}
+    timing = {"compile_s": float(getattr(result, "compile_s", 0.0)), "prefill_s": float(result.prefill_s),
+              "decode_s": decode_s, "decode_tokens_per_s": total / decode_s if decode_s > 0 else None}
+    if result.form_costs_ms is not None:
+        timing["form_costs_ms"] = {f: list(c) for f, c in result.form_costs_ms.items()}
+    return {"results": results, "timing": timing}
 
 
 def summary_line(p: Plan, result: GenerateResult) -> str:

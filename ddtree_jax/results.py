@@ -27,6 +27,8 @@ class GenerateResult:
     # about 0 when an earlier call of this process compiled the same shapes: see ``decode.compiled``)
     attention: str = ""  # the attention implementation that produced the outputs (Spec.attention; 'auto' resolved)
     round_forms: list[list[str]] | None = None  # with tree_budget "auto": per prompt, per round, the form it ran
+    form_costs_ms: dict[str, tuple[float, float]] | None = None  # with tree_budget "auto": per form, ms a round as
+    # timed before the decode and as the decode's own timings left it (the costs its choices weighed)
 
 
 def round_statistics_problem(spec: Spec, n_rounds: np.ndarray, hist: np.ndarray) -> str | None:

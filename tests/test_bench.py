@@ -62,6 +62,9 @@ def test_pair_mode_on_the_fixture_pair(tmp_path, capsys, monkeypatch):
     assert list(res["methods"]) == ["ar", "dflash", "ddtree-4", "ddtree-auto"] and res["prompts"] == 2
     forms = res["methods"]["ddtree-auto"]["forms"]
     assert res["batch"] == 1 and set(forms) <= {"ar", "4"} and sum(forms.values()) >= 2
+    costs = res["methods"]["ddtree-auto"]["costs_ms"]  # the costs auto weighed, per prompt: every form timed
+    assert set(costs) == {"ar", "4"} and all(len(c["timed"]) == len(c["decode"]) == 2 for c in costs.values())
+    assert all(x > 0 for c in costs.values() for x in c["timed"] + c["decode"])
     assert (tmp_path / "costs.json").exists()
     assert res["methods"]["ar"]["speedup"] == 1.0
     assert res["methods"]["ddtree-4"]["mean_acceptance_length"] >= 1.0

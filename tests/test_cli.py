@@ -438,6 +438,8 @@ def test_dflash_matches_reference(capsys):
                          "--prompt-ids", _ids(run["prompt"]), "--max-new-tokens", str(run["max_new_tokens"]))
     (r,) = doc["results"]
     assert r["output_ids"] == run["dflash"]["output"] and set(r["round_forms"]) == {"chain"}
+    (timed, final), = doc["timing"]["form_costs_ms"].values()  # the one form's ms a round: timed, then refined
+    assert timed > 0 and final > 0 and list(doc["timing"]["form_costs_ms"]) == ["chain"]
     assert r["acceptance_lengths"] == run["dflash"]["acceptance_lengths"]
 
 

@@ -57,9 +57,13 @@ def run(args) -> int:
                        "min_acceptance_length": min(mins) if mins else None,  # >= 1: generate checks it
                        "tokens_per_s": statistics.fmean(tps) if tps else None,
                        "attention": sorted({r[name]["attention"] for r in runs})}
-        if name == "ddtree-auto":  # the forms its rounds took, over every prompt
+        if name == "ddtree-auto":  # the forms its rounds took, over every prompt; each form's ms a round as timed
+            # before each decode and as the decode left it, per prompt (the costs its choices weighed)
             table[name]["forms"] = dict(sum((collections.Counter(r[name]["forms"]) for r in runs),
                                             collections.Counter()).most_common())
+            table[name]["costs_ms"] = {f: {"timed": [r[name]["costs_ms"][f][0] for r in runs],
+                                           "decode": [r[name]["costs_ms"][f][1] for r in runs]}
+                                       for f in runs[0][name]["costs_ms"]}
         if args.check and name != "ar":
             firsts = [r[name]["first_divergence"] for r in runs if r[name]["first_divergence"] is not None]
             table[name].update({k: sum(r[name][k] for r in runs) for k in ("same_as_ar", "walk_mismatches",
@@ -85,6 +89,9 @@ def run(args) -> int:
         print(line)
     if "ddtree-auto" in table:
         print("ddtree-auto's rounds: " + ", ".join(f"{f} x{n}" for f, n in table["ddtree-auto"]["forms"].items()))
+        print("ddtree-auto's costs, ms a round (median over prompts, as timed before its decodes / as they left them): "
+              + ", ".join(f"{f} {statistics.median(c['timed']):.3f} / {statistics.median(c['decode']):.3f}"
+                          for f, c in table["ddtree-auto"]["costs_ms"].items()))
     if args.json:
         write_json(args.json, out)
     return 0
@@ -104,7 +111,8 @@ def _auto_run(target, draft, prompts, args, stop, ar_tokens_per_s) -> dict:
     row = {"mean_acceptance_length": statistics.fmean(acc) if acc else None,
            "min_acceptance_length": min(acc) if acc else None, "rounds": len(acc), "tokens_per_s": tps,
            "attention": res.attention,
-           "forms": dict(collections.Counter(f for seq in res.round_forms for f in seq).most_common())}
+           "forms": dict(collections.Counter(f for seq in res.round_forms for f in seq).most_common()),
+           "costs_ms": res.form_costs_ms}
     if tps and ar_tokens_per_s:
         row["speedup"] = tps / ar_tokens_per_s
     if args.check:  # as training.evaluate.benchmark's check: AR's tokens, and every traced round's walk replayed
