@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import glob
 import os
 import shlex
 import statistics
@@ -30,7 +31,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from ddtree_jax import autorun, cli, costs, decode, policy  # noqa: E402
-from ddtree_jax.bench import records  # noqa: E402
+from ddtree_jax.bench import analysis, records  # noqa: E402
 from ddtree_jax.shapes import SHAPES, build_params, model_configs  # noqa: E402
 from ddtree_jax.spec import AUTO, GenerateOptions  # noqa: E402
 
@@ -55,12 +56,14 @@ def variant(text: str) -> tuple[str, tuple[str, ...], int, int]:
 class RecordingTable(costs.CostTable):
     """An in-memory cost table that keeps, per program key, the seconds a round its forms were timed at before the
     decode (``measured``: autorun.AutoRun._warm) and the estimate after each of the decode's own timings
-    (``observe``): whether auto chose by costs the decode then paid."""
+    (``observe``), with the context it was observed at (tokens before the group: on random weights a round commits
+    one, so the next observation's context, of any form, gives the group's rounds): whether auto chose by costs the
+    decode then paid."""
 
     def __init__(self, sig: str):
         super().__init__(sig, None)
         self.log: dict[str, dict[str, list[float]]] = collections.defaultdict(
-            lambda: {"warm_ms": [], "observed_ms": [], "estimate_ms": []})
+            lambda: {"warm_ms": [], "observed_ms": [], "estimate_ms": [], "context": []})
 
     def measured(self, key: str, seconds: float, context: int) -> None:
         super().measured(key, seconds, context)
@@ -70,6 +73,7 @@ class RecordingTable(costs.CostTable):
         super().observe(key, seconds, context)
         self.log[key]["observed_ms"].append(1e3 * seconds)
         self.log[key]["estimate_ms"].append(1e3 * self.get(key))
+        self.log[key]["context"].append(context)
 
 
 def main(argv=None) -> int:
@@ -83,6 +87,8 @@ def main(argv=None) -> int:
     p.add_argument("--variant", type=variant, action="append", required=True,
                    help="NAME:forms=F+F...[,group=N][,max=M]")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--profile", help="a directory: also trace one decode of each variant (jax.profiler) and record "
+                                     "its programs' executions in time order and the device's idle gaps")
     args = p.parse_args(argv)
 
     import jax
@@ -100,24 +106,29 @@ def main(argv=None) -> int:
     ms: dict[str, list[float]] = {k: [] for k in runs}
     forms_run: dict[str, dict] = {}
     cost_logs: dict[str, list[dict]] = {k: [] for k in runs}  # per timed pass: program key -> RecordingTable.log
+
+    def run(name: str):
+        """One decode of a variant: (GenerateResult, its RecordingTable or None)."""
+        options, group, largest = runs[name]
+        tables: list[RecordingTable] = []
+
+        def table_for(spec, dtype, persist=True, _real=autorun.cost_table_for):
+            tables.append(RecordingTable(_real(spec, dtype, persist=False).signature))
+            return tables[-1]
+
+        with mock.patch.object(autorun, "GROUP_ROUNDS", group), \
+                mock.patch.object(autorun, "MAX_GROUP_ROUNDS", largest), \
+                mock.patch.object(autorun, "cost_table_for", table_for):
+            return decode.generate(target, prompts, options, draft=draft), (tables[-1] if tables else None)
+
     for rep in range(args.reps + 1):  # the first pass compiles and loads every program
         for name in (list(runs) if rep % 2 == 0 else list(runs)[::-1]):
-            options, group, largest = runs[name]
-            tables: list[RecordingTable] = []
-
-            def table_for(spec, dtype, persist=True, _real=autorun.cost_table_for):
-                tables.append(RecordingTable(_real(spec, dtype, persist=False).signature))
-                return tables[-1]
-
-            with mock.patch.object(autorun, "GROUP_ROUNDS", group), \
-                    mock.patch.object(autorun, "MAX_GROUP_ROUNDS", largest), \
-                    mock.patch.object(autorun, "cost_table_for", table_for):
-                res = decode.generate(target, prompts, options, draft=draft)
+            res, table = run(name)
             rounds = len(res.acceptance_lengths[0])
             if rep:
                 ms[name].append(1e3 * res.decode_s / rounds)
-                if tables:
-                    cost_logs[name].append(dict(tables[-1].log))
+                if table is not None:
+                    cost_logs[name].append(dict(table.log))
             if res.round_forms:
                 forms_run[name] = dict(collections.Counter(res.round_forms[0]))
     base = statistics.median(ms["fixed"])
@@ -133,6 +144,15 @@ def main(argv=None) -> int:
                                  "costs_ms": cost_logs[name] or None}
         print(f"{name:>12}: {med:.3f} ms a round ({med / base:.3f}x fixed {args.budget}), runs "
               f"{[round(x, 3) for x in ms[name]]}", flush=True)
+    if args.profile:  # one more decode of each variant, traced: its programs' executions in time order, the gaps
+        out["profiles"] = {}
+        for name in runs:
+            d = os.path.join(args.profile, name)
+            with jax.profiler.trace(d):
+                res, _ = run(name)
+            path = sorted(glob.glob(f"{d}/**/*.xplane.pb", recursive=True))[-1]
+            out["profiles"][name] = {"decode_ms": 1e3 * res.decode_s, "xplane": os.path.relpath(path, args.profile),
+                                     **analysis.profile_summary(path, top=12, modules_kept=400)}
     if args.json:
         records.write_json(args.json, out)
     return 0

@@ -94,8 +94,9 @@ def busy_and_gaps(spans: list[tuple[int, int]]) -> tuple[int, list[int]]:
     return busy + cur_e - cur_s, gaps
 
 
-def profile_summary(path: str, top: int = 25) -> dict:
-    """Summarise a jax.profiler xplane.pb: device kernels by total time, busy vs span, gaps, memcpys."""
+def profile_summary(path: str, top: int = 25, modules_kept: int = 40) -> dict:
+    """Summarise a jax.profiler xplane.pb: device kernels by total time, busy vs span, gaps, memcpys, and the first
+    ``modules_kept`` executions of compiled programs in time order."""
     import jax
 
     pd = jax.profiler.ProfileData.from_file(path)
@@ -112,7 +113,7 @@ def profile_summary(path: str, top: int = 25) -> dict:
         for ln in lines:
             evs = list(ln.events)
             if ln.name.startswith("XLA Modules"):
-                modules += [(e.name, e.duration_ns / 1e3) for e in evs]
+                modules += [(e.name, e.start_ns, e.duration_ns / 1e3) for e in evs]
             if not ln.name.startswith("Stream"):
                 continue
             for e in evs:
@@ -135,6 +136,7 @@ def profile_summary(path: str, top: int = 25) -> dict:
             "gap_us_over_5us": sum(g for g in gaps if g > 5), "largest_gaps_us": sorted(gaps)[-8:],
             "memcpy_counts": memcpy,
             "top_kernels": [{"name": k[:140], "total_us": t, "count": c} for t, c, k in total[:top]],
-            "modules": [{"name": n[:80], "us": d} for n, d in modules[:40]],
+            "modules": [{"name": n[:80], "start_us": (t - spans[0][0]) / 1e3, "us": d}  # start: from the first kernel
+                        for n, t, d in sorted(modules, key=lambda m: m[1])[:modules_kept]],
         }
     return out
