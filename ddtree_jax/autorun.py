@@ -32,6 +32,7 @@ FIRST_GROUPS = (2, 4)  # ... except its first groups: the first informed choice 
 MAX_GROUP_ROUNDS = 64  # ... and a group of the speculative form the group before ran doubles, up to this (not
 # when streaming): group_rounds
 MEASURE_CALLS = 3  # timed calls of a new program (the median counts)
+AHEAD = 1  # groups dispatched beyond the one the host waits to read: the device never waits for the host's choice
 
 
 def cost_table_for(spec: Spec, dtype, persist: bool = True) -> costs.CostTable:
@@ -176,7 +177,7 @@ class AutoRun:
             state, snap = self.fns[form](self.tparams, self.dparams, state, starts, jnp.int32(rounds))
             starts, previous, dispatched = snap.end, form, dispatched + rounds
             inflight.append((form, snap, time.perf_counter()))
-            if len(inflight) < 2:
+            if len(inflight) <= AHEAD:
                 continue
             form, snap, queued = inflight.popleft()
             host = jax.device_get(snap)
