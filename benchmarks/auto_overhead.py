@@ -8,9 +8,10 @@ state) and auto's rounds (the tree built at the largest tree form for the predic
 is NAME:forms=F+F+...[,group=N][,max=M][,ahead=A] (auto among those forms, groups of N rounds,
 ``autorun.GROUP_ROUNDS``, default 8, doubling while a speculative form holds up to M, ``autorun.MAX_GROUP_ROUNDS``,
 default 64; the first groups stay ``autorun.FIRST_GROUPS``; A groups dispatched beyond the one the host waits to read,
-``autorun.AHEAD``, default 1: with 0 each group is dispatched after the last one's statistics are read). Reports each variant's median ms a round and its ratio to the fixed budget's; the record
-keeps, per auto variant and timed pass, each form's cost as timed before the decode and as the decode's own timings
-moved it (``costs_ms``): whether auto chose by the costs its decode then paid.
+``autorun.AHEAD``, default 1: with 0 each group is dispatched after the last one's statistics are read). Reports each
+variant's median ms a round and its ratio to the fixed budget's; the record keeps, per auto variant and timed pass,
+each form's cost as timed before the decode and as the decode's own timings moved it (``costs_ms``): whether auto
+chose by the costs its decode then paid.
 
     PYTHONPATH=. python benchmarks/auto_overhead.py --model smollm2-135m --budget 32 --variant one:forms=32 \\
         --variant one-g8:forms=32,max=8 --variant two:forms=32+256 --json OUT/auto_overhead.json
@@ -141,8 +142,8 @@ def main(argv=None) -> int:
     for name, (options, group, largest, ahead) in runs.items():
         med = statistics.median(ms[name])
         out["variants"][name] = {"forms": list(options.forms) or [str(args.budget)], "group_rounds": group,
-                                 "max_group_rounds": largest, "ahead": ahead, "ms_per_round": ms[name], "median_ms": med,
-                                 "vs_fixed": med / base, "forms_run": forms_run.get(name),
+                                 "max_group_rounds": largest, "ahead": ahead, "ms_per_round": ms[name],
+                                 "median_ms": med, "vs_fixed": med / base, "forms_run": forms_run.get(name),
                                  "costs_ms": cost_logs[name] or None}
         print(f"{name:>12}: {med:.3f} ms a round ({med / base:.3f}x fixed {args.budget}), runs "
               f"{[round(x, 3) for x in ms[name]]}", flush=True)
