@@ -42,9 +42,9 @@ case "$PART" in
   calls)
     v=(--model smollm2-135m --budget 32 --tokens 256 --reps 2 --variant g8:forms=32,max=8
        --variant g8s:forms=32,max=8,ahead=0)
+    traces=$(mktemp -d)  # tens of MB: the record keeps their summary
     timeout 170 python3 benchmarks/auto_overhead.py "${v[@]}" --variant one:forms=32 --json "$OUT/calls_default.json" \
-      --profile "$OUT/calls_profile" 2>&1 | grep -Ev '^(W|I|E)[0-9]' | tail -n 4
-    rm -rf "$OUT/calls_profile"  # the summary is in the record; the traces are tens of MB
+      --profile "$traces" 2>&1 | grep -Ev '^(W|I|E)[0-9]' | tail -n 4
     XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 100 python3 benchmarks/auto_overhead.py "${v[@]}" \
       --json "$OUT/calls_no_cb.json" 2>&1 | grep -Ev '^(W|I|E)[0-9]' | tail -n 3
     XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP timeout 100 python3 benchmarks/auto_overhead.py \

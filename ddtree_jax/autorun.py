@@ -158,8 +158,9 @@ class AutoRun:
         return {f: (1e3 * s, 1e3 * (self.costs.get(self.keys[f]) or s)) for f, s in self.timed.items()}
 
     def decode(self, state: State, lens: list[int], on_tokens) -> State:
-        """Groups until every sequence is done: group g + 1 is dispatched before group g's Snapshot is read (its
-        window starts at group g's ends, on device), so the choice uses statistics one group old."""
+        """Groups until every sequence is done: group g + AHEAD is dispatched before group g's Snapshot is read (its
+        window starts at the ends of the group before it, on device), so the choice uses statistics AHEAD groups
+        old."""
         self._warm(lens)
         live = list(range(self.n))
         for i in live:
