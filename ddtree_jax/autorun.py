@@ -65,6 +65,15 @@ def measure(fn: Callable, state: State, rewind: Callable[[State], State], calls:
     return (float(np.median(per_round)) if per_round else None), state
 
 
+def seen_done(inflight) -> None:
+    """Mark now as the end of every group in ``inflight`` ([form, Snapshot, dispatched, None or seen done]) whose
+    Snapshot is ready and that had no end yet (``jax.Array.is_ready`` does not wait)."""
+    now = time.perf_counter()
+    for g in inflight:
+        if g[3] is None and all(x.is_ready() for x in jax.tree.leaves(g[1])):
+            g[3] = now
+
+
 @functools.partial(donating_jit, donate_argnums=(0,))
 def rewind(state: State, mask: Array, length: Array, limit: Array) -> State:
     """The sequences where ``mask`` [B] is set turned into runnable dummies for timing a program: not done, both
@@ -160,34 +169,39 @@ class AutoRun:
     def decode(self, state: State, lens: list[int], on_tokens) -> State:
         """Groups until every sequence is done: group g + AHEAD is dispatched before group g's Snapshot is read (its
         window starts at the ends of the group before it, on device), so the choice uses statistics AHEAD groups
-        old."""
+        old. A group's device time, for the cost table, runs from the later of its dispatch and the end of the group
+        before it to its own end: the first moment the host saw its Snapshot ready (checked around every dispatch,
+        then at its read). A dispatch may return only once its group has run (XLA's GPU runtime reads a round loop's
+        predicate on the host), so "when the read returned" would count the next group's rounds too."""
         self._warm(lens)
         live = list(range(self.n))
         for i in live:
             self.policy.start(i)
         emitted = np.asarray(lens)
         starts = jnp.asarray(lens, jnp.int32)
-        inflight: collections.deque = collections.deque()  # (form, Snapshot, when its dispatch returned)
-        last = 0.0  # when the last group was read
+        inflight: collections.deque = collections.deque()  # [form, Snapshot, when dispatched, when first seen done]
+        last = 0.0  # when the last group read was seen done
         first = [r for r in FIRST_GROUPS if r < self.rounds]
         rounds, previous, dispatched = 0, None, 0
         while dispatched < self.spec.max_rounds + 2 * self.max_group:  # every round commits: enough rounds
             options = {(f, self.batch): c for f, k in self.keys.items() if (c := self.costs.get(k)) is not None}
             form, _ = self.policy.choose(live, options)
             rounds = first.pop(0) if first else group_rounds(form, previous, rounds, self.rounds, self.max_group)
+            seen_done(inflight)
+            called = time.perf_counter()
             state, snap = self.fns[form](self.tparams, self.dparams, state, starts, jnp.int32(rounds))
             starts, previous, dispatched = snap.end, form, dispatched + rounds
-            inflight.append((form, snap, time.perf_counter()))
+            inflight.append([form, snap, called, None])
+            seen_done(inflight)
             if len(inflight) <= AHEAD:
                 continue
-            form, snap, queued = inflight.popleft()
+            form, snap, called, done_at = inflight.popleft()
             host = jax.device_get(snap)
-            now = time.perf_counter()
+            end = done_at or time.perf_counter()
             ran = int(np.max(host.new_rounds))
-            if ran:  # the device ran this group from the later of the last read and its dispatch (the first group's
-                # device time starts at its dispatch, not with the host's choosing and dispatching it)
-                self.costs.observe(self.keys[form], (now - max(last, queued)) / ran, int(np.mean(emitted)))
-            last = now
+            if ran:
+                self.costs.observe(self.keys[form], (end - max(last, called)) / ran, int(np.mean(emitted)))
+            last = end
             for i in live:
                 self.policy.observe(i, form, host.new_stats[i])
             if on_tokens is not None:

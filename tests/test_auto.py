@@ -5,6 +5,7 @@ predictions, and whatever forms run, greedy output is AR's and sampled output AR
 import dataclasses
 import itertools
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -317,6 +318,45 @@ def test_every_form_is_timed_afresh_before_the_decode(target, drafter, batch, mo
     assert seen[::2] == forms  # known costs: each form timed once
     assert second.output_ids == first.output_ids
     assert autorun.cost_table_for(spec, target[1].embed.dtype).get(key) < 1.0
+
+
+def test_a_groups_cost_is_its_own_when_a_dispatch_waits_for_the_group(target, drafter, batch, monkeypatch):
+    """On a GPU, XLA's runtime reads a round loop's predicate on the host, so a group's dispatch returns only once
+    its rounds have run; the group dispatched ahead then runs before the host reads the one before it. Each group's
+    cost per round, as the cost table observes it, must be that group's own (here every dispatch waits for its group
+    and sleeps 30 ms a round on top), not the next group's: groups double, so that would be twice the cost."""
+    prompts, n = batch
+    opts = decode.GenerateOptions(method="ddtree", max_new_tokens=n, forms=("4",))
+    calls, seen = [], []  # (rounds asked, run, seconds) of each dispatch; seconds a round each observation
+
+    class Blocking(autorun.AutoRun):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.fns = {f: self._blocking(fn) for f, fn in self.fns.items()}
+
+        @staticmethod
+        def _blocking(fn):
+            def call(tparams, dparams, state, starts, rounds):
+                t0 = time.perf_counter()
+                out = jax.block_until_ready(fn(tparams, dparams, state, starts, rounds))
+                ran = int(out[1].new_rounds.max())
+                time.sleep(0.03 * ran)
+                calls.append((int(rounds), ran, time.perf_counter() - t0))
+                return out
+            return call
+
+    class Spying(costs.CostTable):
+        def observe(self, key, seconds, context):
+            seen.append(seconds)
+            super().observe(key, seconds, context)
+
+    monkeypatch.setattr(autorun, "AutoRun", Blocking)
+    monkeypatch.setattr(autorun, "cost_table_for", lambda spec, dtype, persist=True: Spying("test", None))
+    decode.generate(target, prompts, opts, draft=drafter, chooser=Scripted(["4"], ("4",), (4,)))
+    decode_calls = calls[-len(seen) - autorun.AHEAD:]  # after the timing calls; the last groups ran no round
+    assert [r for r, _, _ in decode_calls[:3]] == [2, 4, 8]
+    for seconds, (_, ran, took) in zip(seen, decode_calls):
+        assert took / ran * 0.8 < seconds < took / ran * 1.25, (seen, decode_calls)
 
 
 def test_a_tree_round_shows_what_each_smaller_tree_would_have_accepted(target, drafter, batch):
