@@ -13,9 +13,8 @@
 #   PART pair-load  serve the default pair under load on held-out prompts: ar, ddtree 16, 32, 64 and auto at
 #              concurrency 1,4,16,32 -> OUTDIR/load_pair/summary.md
 #   PART calls what a device call of generate's auto loop costs (benchmarks/auto_overhead.py, random weights of the
-#              default pair's shape, a tree of 32, 256 tokens): groups of 8 rounds dispatched one ahead and none
-#              ahead, each decode traced; then the same without XLA's command buffers, and with their temporaries at
-#              stable addresses (SKIP_TEMP) -> OUTDIR/calls_{default,no_cb,skip_temp}.json (about 4 minutes)
+#              default pair's shape, a tree of 32, 256 tokens): auto in groups of 8 rounds and in growing groups
+#              against the fixed budget's one call -> OUTDIR/calls.json (about 2 minutes)
 set -u
 OUT=${1:?output directory}; PART=${2:?part: 8b, 8b-dflash, pair, pair-load or calls}
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -40,15 +39,8 @@ case "$PART" in
       --requests-per-client 2 --min-requests 8 --max-tokens 128 --wait-compiled 60 --time-limit 470
     ;;
   calls)
-    v=(--model smollm2-135m --budget 32 --tokens 256 --reps 2 --variant g8:forms=32,max=8
-       --variant g8s:forms=32,max=8,ahead=0)
-    traces=$(mktemp -d)  # tens of MB: the record keeps their summary
-    timeout 170 python3 benchmarks/auto_overhead.py "${v[@]}" --variant one:forms=32 --json "$OUT/calls_default.json" \
-      --profile "$traces" 2>&1 | grep -Ev '^(W|I|E)[0-9]' | tail -n 4
-    XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 100 python3 benchmarks/auto_overhead.py "${v[@]}" \
-      --json "$OUT/calls_no_cb.json" 2>&1 | grep -Ev '^(W|I|E)[0-9]' | tail -n 3
-    XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP timeout 100 python3 benchmarks/auto_overhead.py \
-      "${v[@]}" --json "$OUT/calls_skip_temp.json" 2>&1 | grep -Ev '^(W|I|E)[0-9]' | tail -n 3
+    timeout 170 python3 benchmarks/auto_overhead.py --model smollm2-135m --budget 32 --tokens 256 --reps 2 \
+      --variant g8:forms=32,max=8 --variant grow:forms=32 --json "$OUT/calls.json" 2>&1 | grep -Ev '^(W|I|E)[0-9]' | tail -n 3
     ;;
   *) echo "unknown part $PART (8b, 8b-dflash, pair, pair-load or calls)" >&2; exit 2 ;;
 esac

@@ -3,13 +3,14 @@
 Each form a run may take (policy.allowed at its slot batch) is one compiled group of rounds (``decode.run_group``).
 A program whose seconds per round the cost table (costs.py) does not know is timed here, on dummy sequences
 (:func:`rewind`, :func:`measure`); the engine times its programs with the same two functions. :class:`AutoRun` is
-``decode.generate``'s loop under auto: groups dispatched one ahead of the host's reading, each of the form a
+``decode.generate``'s loop under auto: groups run one after another on a worker thread, each of the form a
 :class:`policy.Policy` picks from the statistics read so far.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import time
@@ -32,7 +33,6 @@ FIRST_GROUPS = (2, 4)  # ... except its first groups: the first informed choice 
 MAX_GROUP_ROUNDS = 64  # ... and a group of the speculative form the group before ran doubles, up to this (not
 # when streaming): group_rounds
 MEASURE_CALLS = 3  # timed calls of a new program (the median counts)
-AHEAD = 1  # groups dispatched beyond the one the host waits to read: the device never waits for the host's choice
 
 
 def cost_table_for(spec: Spec, dtype, persist: bool = True) -> costs.CostTable:
@@ -65,15 +65,6 @@ def measure(fn: Callable, state: State, rewind: Callable[[State], State], calls:
     return (float(np.median(per_round)) if per_round else None), state
 
 
-def seen_done(inflight) -> None:
-    """Mark now as the end of every group in ``inflight`` ([form, Snapshot, dispatched, None or seen done]) whose
-    Snapshot is ready and that had no end yet (``jax.Array.is_ready`` does not wait)."""
-    now = time.perf_counter()
-    for g in inflight:
-        if g[3] is None and all(x.is_ready() for x in jax.tree.leaves(g[1])):
-            g[3] = now
-
-
 @functools.partial(donating_jit, donate_argnums=(0,))
 def rewind(state: State, mask: Array, length: Array, limit: Array) -> State:
     """The sequences where ``mask`` [B] is set turned into runnable dummies for timing a program: not done, both
@@ -98,6 +89,23 @@ def group_rounds(form: str, previous: str | None, rounds: int, base: int, larges
     if form == previous and form != policy.AR:
         return min(2 * rounds, largest)
     return base
+
+
+class Chain:
+    """The decode state and the next group's first undelivered indices, advanced by one group after another on one
+    worker thread (each :meth:`run` takes the state the last one left)."""
+
+    def __init__(self, tparams, dparams, state: State, starts: Array):
+        self.tparams, self.dparams, self.state, self.starts = tparams, dparams, state, starts
+
+    def run(self, fn: Callable, rounds: int):
+        """Run ``rounds`` rounds of the compiled group ``fn`` and wait for them: (Snapshot, when the dispatch began,
+        when the group had run)."""
+        called = time.perf_counter()
+        self.state, snap = fn(self.tparams, self.dparams, self.state, self.starts, jnp.int32(rounds))
+        self.starts = snap.end
+        jax.block_until_ready(snap)
+        return snap, called, time.perf_counter()
 
 
 class AutoRun:
@@ -167,51 +175,49 @@ class AutoRun:
         return {f: (1e3 * s, 1e3 * (self.costs.get(self.keys[f]) or s)) for f, s in self.timed.items()}
 
     def decode(self, state: State, lens: list[int], on_tokens) -> State:
-        """Groups until every sequence is done: group g + AHEAD is dispatched before group g's Snapshot is read (its
-        window starts at the ends of the group before it, on device), so the choice uses statistics AHEAD groups
-        old. A group's device time, for the cost table, runs from the later of its dispatch and the end of the group
-        before it to its own end: the first moment the host saw its Snapshot ready (checked around every dispatch,
-        then at its read). A dispatch may return only once its group has run (XLA's GPU runtime reads a round loop's
-        predicate on the host), so "when the read returned" would count the next group's rounds too."""
+        """Groups until every sequence is done, dispatched in order by one worker thread (:class:`Chain`): while it
+        runs group g, the host reads group g - 1, chooses group g + 1 from the statistics read so far and queues it,
+        so that the device runs group after group without waiting for the host. (On a GPU a dispatch returns only
+        once its group has run, XLA's runtime reading the round loop's predicate on the host: dispatched from the
+        host's own thread, every group would wait for the host's reading and choosing.)"""
         self._warm(lens)
         live = list(range(self.n))
         for i in live:
             self.policy.start(i)
         emitted = np.asarray(lens)
-        starts = jnp.asarray(lens, jnp.int32)
-        inflight: collections.deque = collections.deque()  # [form, Snapshot, when dispatched, when first seen done]
-        last = 0.0  # when the last group read was seen done
+        chain = Chain(self.tparams, self.dparams, state, jnp.asarray(lens, jnp.int32))
+        queued: collections.deque = collections.deque()  # (form, Future of Chain.run) of the groups not yet read
+        last = 0.0  # when the last group read ended
         first = [r for r in FIRST_GROUPS if r < self.rounds]
         rounds, previous, dispatched = 0, None, 0
-        while dispatched < self.spec.max_rounds + 2 * self.max_group:  # every round commits: enough rounds
-            options = {(f, self.batch): c for f, k in self.keys.items() if (c := self.costs.get(k)) is not None}
-            form, _ = self.policy.choose(live, options)
-            rounds = first.pop(0) if first else group_rounds(form, previous, rounds, self.rounds, self.max_group)
-            seen_done(inflight)
-            called = time.perf_counter()
-            state, snap = self.fns[form](self.tparams, self.dparams, state, starts, jnp.int32(rounds))
-            starts, previous, dispatched = snap.end, form, dispatched + rounds
-            inflight.append([form, snap, called, None])
-            seen_done(inflight)
-            if len(inflight) <= AHEAD:
-                continue
-            form, snap, called, done_at = inflight.popleft()
-            host = jax.device_get(snap)
-            end = done_at or time.perf_counter()
-            ran = int(np.max(host.new_rounds))
-            if ran:
-                self.costs.observe(self.keys[form], (end - max(last, called)) / ran, int(np.mean(emitted)))
-            last = end
-            for i in live:
-                self.policy.observe(i, form, host.new_stats[i])
-            if on_tokens is not None:
-                on_tokens([host.window[i, : max(int(host.end[i]) - int(emitted[i]), 0)].tolist()
-                           for i in range(self.n)])
-            emitted = np.maximum(emitted, host.end)
-            live = [i for i in live if not host.done[i]]
-            if not live:
-                break
-        else:
-            raise RuntimeError(fault_message(self.spec, f"unfinished after {self.spec.max_rounds} rounds"))
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddtree-groups") as worker:
+            while dispatched < self.spec.max_rounds + 2 * self.max_group:  # every round commits: enough rounds
+                options = {(f, self.batch): c for f, k in self.keys.items() if (c := self.costs.get(k)) is not None}
+                form, _ = self.policy.choose(live, options)
+                rounds = first.pop(0) if first else group_rounds(form, previous, rounds, self.rounds, self.max_group)
+                queued.append((form, worker.submit(chain.run, self.fns[form], rounds)))
+                previous, dispatched = form, dispatched + rounds
+                if len(queued) < 2:
+                    continue
+                form, future = queued.popleft()
+                snap, called, ended = future.result()
+                host = jax.device_get(snap)
+                ran = int(np.max(host.new_rounds))
+                if ran:  # the device ran it from the later of its dispatch and the end of the group before it
+                    self.costs.observe(self.keys[form], (ended - max(last, called)) / ran, int(np.mean(emitted)))
+                last = ended
+                for i in live:
+                    self.policy.observe(i, form, host.new_stats[i])
+                if on_tokens is not None:
+                    on_tokens([host.window[i, : max(int(host.end[i]) - int(emitted[i]), 0)].tolist()
+                               for i in range(self.n)])
+                emitted = np.maximum(emitted, host.end)
+                live = [i for i in live if not host.done[i]]
+                if not live:
+                    break
+            else:
+                raise RuntimeError(fault_message(self.spec, f"unfinished after {self.spec.max_rounds} rounds"))
+            for _, future in queued:  # the group queued behind the last one read: its sequences are done
+                future.result()
         self.costs.save()
-        return state
+        return chain.state

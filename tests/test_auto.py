@@ -322,9 +322,9 @@ def test_every_form_is_timed_afresh_before_the_decode(target, drafter, batch, mo
 
 def test_a_groups_cost_is_its_own_when_a_dispatch_waits_for_the_group(target, drafter, batch, monkeypatch):
     """On a GPU, XLA's runtime reads a round loop's predicate on the host, so a group's dispatch returns only once
-    its rounds have run; the group dispatched ahead then runs before the host reads the one before it. Each group's
-    cost per round, as the cost table observes it, must be that group's own (here every dispatch waits for its group
-    and sleeps 30 ms a round on top), not the next group's: groups double, so that would be twice the cost."""
+    its rounds have run, and AutoRun's worker thread runs the group queued behind it before the host reads the first.
+    Each group's cost per round, as the cost table observes it, must be that group's own (here every dispatch waits
+    for its group and sleeps 30 ms a round on top), not the next group's: groups double, so that would be twice it."""
     prompts, n = batch
     opts = decode.GenerateOptions(method="ddtree", max_new_tokens=n, forms=("4",))
     calls, seen = [], []  # (rounds asked, run, seconds) of each dispatch; seconds a round each observation
@@ -353,7 +353,7 @@ def test_a_groups_cost_is_its_own_when_a_dispatch_waits_for_the_group(target, dr
     monkeypatch.setattr(autorun, "AutoRun", Blocking)
     monkeypatch.setattr(autorun, "cost_table_for", lambda spec, dtype, persist=True: Spying("test", None))
     decode.generate(target, prompts, opts, draft=drafter, chooser=Scripted(["4"], ("4",), (4,)))
-    decode_calls = calls[-len(seen) - autorun.AHEAD:]  # after the timing calls; the last groups ran no round
+    decode_calls = calls[-len(seen) - 1:]  # after the timing calls; the last group ran no round
     assert [r for r, _, _ in decode_calls[:3]] == [2, 4, 8]
     for seconds, (_, ran, took) in zip(seen, decode_calls):
         assert took / ran * 0.8 < seconds < took / ran * 1.25, (seen, decode_calls)
