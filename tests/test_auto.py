@@ -322,12 +322,13 @@ def test_every_form_is_timed_afresh_before_the_decode(target, drafter, batch, mo
 
 def test_a_groups_cost_is_its_own_when_a_dispatch_waits_for_the_group(target, drafter, batch, monkeypatch):
     """On a GPU, XLA's runtime reads a round loop's predicate on the host, so a group's dispatch returns only once
-    its rounds have run, and AutoRun's worker thread runs the group queued behind it before the host reads the first.
-    Each group's cost per round, as the cost table observes it, must be that group's own (here every dispatch waits
-    for its group and sleeps 30 ms a round on top), not the next group's: groups double, so that would be twice it."""
+    its rounds have run (here every dispatch waits for its group and sleeps 30 ms a round on top). AutoRun's worker
+    thread dispatches the groups, so the host chooses each group while the one before it still runs (the device
+    never waits for the choice). Each group's cost per round, as the cost table observes it, must be that group's own,
+    not the next group's: groups double, so that would be twice it."""
     prompts, n = batch
     opts = decode.GenerateOptions(method="ddtree", max_new_tokens=n, forms=("4",))
-    calls, seen = [], []  # (rounds asked, run, seconds) of each dispatch; seconds a round each observation
+    calls, seen = [], []  # (rounds asked, run, seconds, when it ended) of each dispatch; seconds a round observed
 
     class Blocking(autorun.AutoRun):
         def __init__(self, *a, **k):
@@ -341,7 +342,7 @@ def test_a_groups_cost_is_its_own_when_a_dispatch_waits_for_the_group(target, dr
                 out = jax.block_until_ready(fn(tparams, dparams, state, starts, rounds))
                 ran = int(out[1].new_rounds.max())
                 time.sleep(0.03 * ran)
-                calls.append((int(rounds), ran, time.perf_counter() - t0))
+                calls.append((int(rounds), ran, time.perf_counter() - t0, time.perf_counter()))
                 return out
             return call
 
@@ -350,12 +351,20 @@ def test_a_groups_cost_is_its_own_when_a_dispatch_waits_for_the_group(target, dr
             seen.append(seconds)
             super().observe(key, seconds, context)
 
+    class Timed(Scripted):
+        def choose(self, seqs, options):
+            chosen_at.append(time.perf_counter())
+            return super().choose(seqs, options)
+
+    chosen_at = []
     monkeypatch.setattr(autorun, "AutoRun", Blocking)
     monkeypatch.setattr(autorun, "cost_table_for", lambda spec, dtype, persist=True: Spying("test", None))
-    decode.generate(target, prompts, opts, draft=drafter, chooser=Scripted(["4"], ("4",), (4,)))
-    decode_calls = calls[-len(seen) - 1:]  # after the timing calls; the last group ran no round
-    assert [r for r, _, _ in decode_calls[:3]] == [2, 4, 8]
-    for seconds, (_, ran, took) in zip(seen, decode_calls):
+    decode.generate(target, prompts, opts, draft=drafter, chooser=Timed(["4"], ("4",), (4,)))
+    decode_calls = calls[-len(chosen_at):]  # after the timing calls; the last group ran no round
+    assert [c[0] for c in decode_calls[:3]] == [2, 4, 8] and decode_calls[-1][1] == 0
+    assert all(at < before[3] for at, before in zip(chosen_at[1:], decode_calls)), (chosen_at, decode_calls)
+    assert len(seen) == len(decode_calls) - 1
+    for seconds, (_, ran, took, _) in zip(seen, decode_calls):
         assert took / ran * 0.8 < seconds < took / ran * 1.25, (seen, decode_calls)
 
 
