@@ -37,7 +37,7 @@ from ddtree_jax.shapes import SHAPES, build_params, model_configs  # noqa: E402
 from ddtree_jax.spec import AUTO, GenerateOptions  # noqa: E402
 
 
-def variant(text: str) -> tuple[str, tuple[str, ...], int, int, int]:
+def variant(text: str) -> tuple[str, tuple[str, ...], int, int]:
     """NAME:forms=F+F...[,group=N][,max=M] -> (NAME, forms, group rounds, largest group)."""
     name, colon, rest = text.partition(":")
     fields = dict(x.split("=", 1) for x in rest.split(",") if "=" in x)
