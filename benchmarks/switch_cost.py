@@ -1,7 +1,7 @@
 """Where --tree-budget auto chooses a round's form: on the host between groups of rounds, or on the device per round.
 
 The engine and ``decode.generate`` choose on the host: each form (AR step, chain, tree of b nodes) is its own compiled
-group of rounds, dispatched before the previous group's statistics are read. The alternative keeps one program whose
+group of rounds, chosen from the statistics of the groups read so far. The alternative keeps one program whose
 round body is a ``lax.switch`` over every form's round, the branch index read from the state each round. This times,
 on one random-weight model shape, slot batch and context:
 
