@@ -1,4 +1,4 @@
-"""Continuous batching over the on-device round loop: a fixed set of slots, a queue, one host thread.
+"""Continuous batching over the on-device round loop: a fixed set of slots, a queue, an engine thread.
 
 The engine owns one batch :class:`round.State` of ``max_batch`` slots, each sized for ``max_len``
 tokens (prompt + generated), and compiled groups of ``rounds_per_step`` rounds (``programs.py``: one per form,
@@ -14,10 +14,14 @@ slot batch and sampling variant) that return what the host needs. Its thread loo
              ended frees its slot before its last event is sent
 
 so new requests join between device calls, while the others keep decoding; background threads compile the programs
-meanwhile. Everything per request (temperature, top_p, top_k, seed, max_tokens, stop token ids) lives in
-the slot's own arrays, set by ``decode.init_state`` at admission; sampling keys depend only on a request's own seed
-and positions (``accept.node_keys``), so a seeded request gives the same tokens whatever else is in the batch and
-whatever forms its rounds take (AR's tokens for that seed). Stop strings are matched on the host, on the decoded
+meanwhile. The steps run on a step thread: while nothing changes the slots (no cancel, no admission, no request
+ended on the host), the next step is queued before the last one is delivered, so the device does not wait for the
+delivery (on a GPU a call returns only once its rounds have run: XLA reads the round loop's predicate on the host).
+
+Everything per request (temperature, top_p, top_k, seed, max_tokens, stop token ids) lives in the slot's own arrays,
+set by ``decode.init_state`` at admission; sampling keys depend only on a request's own seed and positions
+(``accept.node_keys``), so a seeded request gives the same tokens whatever else is in the batch and whatever forms
+its rounds take (AR's tokens for that seed). Stop strings are matched on the host, on the decoded
 text: the text is cut before the stop string and the slot is cancelled.
 
 Shapes are static: every prompt is padded to a bucket (64, 128, 256, ... up to the longest allowed
@@ -33,6 +37,7 @@ thread (the request types: ``requests.py``). ``http_server.py`` turns them into 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -89,6 +94,19 @@ def prefill(spec: Spec, target, drafter, state: State, tokens: Array) -> State:
 
 
 # ----------------------------------------------------------------------------------------- engine
+
+
+@dataclasses.dataclass(frozen=True)
+class Stepped:
+    """A step the step thread ran (:meth:`Engine._device_step`), for the engine thread to count and deliver."""
+
+    program: Program
+    jobs: list  # (slot, Job) of the live slots when it was chosen
+    reason: str  # why its program ran: policy, probe or timing
+    quiet: bool  # no compilation ran meanwhile (its time counts as the program's cost)
+    starts: np.ndarray  # [B] each slot's first undelivered index: where its Snapshot window starts
+    snap: decode.Snapshot  # [B], on the host
+    elapsed: float  # seconds from its dispatch to its Snapshot read
 
 
 class Engine:
@@ -169,6 +187,8 @@ class Engine:
         self.step_sizes: collections.Counter[int] = collections.Counter()  # steps run per slot-batch size
         self.step_programs: collections.Counter[tuple] = collections.Counter()  # steps per (form, size, variant)
         self._ended: list[int] = []  # slots of jobs that ended since the last device update
+        self._starts = np.zeros(b, np.int32)  # per slot, where the next step's window starts (the step thread's)
+        self._steps = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddtree-step")
         self._busy = 0.0  # time.monotonic() of the last step (idle timings wait IDLE_S after it)
         self.waiting: collections.deque[Job] = collections.deque()
         self._cancels: set[str] = set()
@@ -326,6 +346,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
         self.programs.join(timeout)
+        self._steps.shutdown(wait=True)
         self.ready = False
         self.costs.save()
 
@@ -362,10 +383,12 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
+        inflight = None  # the Future of the step on the step thread, not yet delivered
         try:
             while True:
                 with self._lock:
-                    while not self._stopping and not self._cancels and not self.active_slots and not self.waiting:
+                    while (inflight is None and not self._stopping and not self._cancels and not self.active_slots
+                           and not self.waiting):
                         due = self._timing_due()
                         if due == 0.0:
                             break
@@ -373,19 +396,29 @@ class Engine:
                     if self._stopping:
                         break
                     cancels, self._cancels = self._cancels, set()
-                self._cancel(cancels)
-                self._mark_ended()  # before admission, which may reuse the freed slots
-                self._admit()
-                if not self.active_slots and self._timing_due() == 0.0:
-                    self._measure_ready()
+                    admit = bool(self.waiting) and self.active_slots < len(self.slots)
+                if inflight is not None and (cancels or self._ended or admit or not self.active_slots):
+                    self._deliver(*self._stepped(inflight.result()))  # the state changes below need it back
+                    inflight = None
+                if inflight is None:
+                    self._cancel(cancels)
+                    self._mark_ended()  # before admission, which may reuse the freed slots
+                    self._admit()
+                    if not self.active_slots and self._timing_due() == 0.0:
+                        self._measure_ready()
                 if self.active_slots:
-                    self._deliver(*self._step())
-                    self._mark_ended()
+                    queued = self._dispatch()
+                    if inflight is not None:  # the step before it, delivered while this one runs
+                        self._deliver(*self._stepped(inflight.result()))
+                    inflight = queued
                     self._busy = time.monotonic()
         except BaseException as e:  # noqa: BLE001 - every request must hear about it
             self.failure = f"engine failed: {type(e).__name__}: {e}"
             log.exception("engine loop failed")
         finally:
+            if inflight is not None:
+                inflight.cancel()
+                concurrent.futures.wait([inflight])
             reason = self.failure or "the server is shutting down"
             with self._lock:
                 self._stopping = True
@@ -454,6 +487,7 @@ class Engine:
         else:
             self.state = slots.insert_first(self.state, jnp.int32(slot), one)
         job.slot, job.emitted = slot, n
+        self._starts[slot] = n
         if self.tokenizer is not None:
             job.decoder = self.tokenizer.incremental_decoder()
         self.slots[slot] = job
@@ -469,10 +503,9 @@ class Engine:
             return None
         return max(0.0, self._busy + IDLE_S - time.monotonic())
 
-    def _step(self) -> tuple[np.ndarray, decode.Snapshot]:
-        """Run ``rounds_per_step`` rounds of the chosen program (:meth:`programs.Programs.choose`) on the live slots;
-        return (starts [B], Snapshot [B]) for every slot."""
-        starts = np.array([j.emitted if j is not None else 0 for j in self.slots], np.int32)
+    def _dispatch(self) -> concurrent.futures.Future:
+        """Choose the next step's program (:meth:`programs.Programs.choose`) for the live slots and queue it on the
+        step thread (:meth:`_device_step`); its result goes to :meth:`_stepped`."""
         live = [s for s, j in enumerate(self.slots) if j is not None]
         probes = self.policy.probes
         program = self.programs.choose(live, [self.slots[s].params for s in live], self.policy)
@@ -482,30 +515,43 @@ class Engine:
         rows = np.array((live + [s for s, j in enumerate(self.slots) if j is None])[: program.size], np.int32)
         if program.size == len(self.slots):
             rows = np.arange(len(self.slots), dtype=np.int32)
-        quiet = self.programs.quiet()
+        jobs = [(s, self.slots[s]) for s in live]
+        return self._steps.submit(self._device_step, program, rows, jobs, reason, self.programs.quiet())
+
+    def _device_step(self, program: Program, rows: np.ndarray, jobs, reason: str, quiet: bool) -> Stepped:
+        """On the step thread: run ``rounds_per_step`` rounds of ``program`` on ``rows`` and read its Snapshot
+        (every slot's, in slot order). Its windows start at :attr:`_starts`, which it then moves to their ends."""
+        starts = self._starts.copy()
         jax.block_until_ready(self.state)  # an admission's insert, queued before: not this step's time
         t0 = time.perf_counter()
         self.state, part = self.programs.call(program, self.state, rows, starts[rows])
         part = jax.device_get(part)
         elapsed = time.perf_counter() - t0
-        quiet = quiet and self.programs.quiet()
         if program.size == len(self.slots):
             snap = part
         else:
             snap = jax.tree.map(lambda x: np.zeros((len(self.slots),) + x.shape[1:], x.dtype), part)
             for full, x in zip(jax.tree.leaves(snap), jax.tree.leaves(part)):
                 full[rows] = x
+        self._starts[rows] = np.maximum(starts[rows], part.end)
+        return Stepped(program, jobs, reason, quiet and self.programs.quiet(), starts, snap, elapsed)
+
+    def _stepped(self, step: Stepped) -> tuple[np.ndarray, decode.Snapshot]:
+        """Count a step that ran (metrics, its program's cost, the policy's statistics of the slots whose jobs it
+        ran for and that still hold them); (starts [B], Snapshot [B]) for :meth:`_deliver`."""
+        program, snap = step.program, step.snap
+        live = [s for s, job in step.jobs if self.slots[s] is job]
         self.step_sizes[program.size] += 1
         self.step_programs[program.form, program.size, program.variant] += 1
         rounds = int(snap.new_rounds.max()) if snap.new_rounds.size else 0
         if rounds:
-            self.metrics.round_latency.observe(elapsed / rounds)
-            self.programs.stepped(program, elapsed, rounds, self._context(), quiet)
+            self.metrics.round_latency.observe(step.elapsed / rounds)
+            self.programs.stepped(program, step.elapsed, rounds, self._context(), step.quiet)
         if snap.new_stats is not None:
             for s in live:
                 self.policy.observe(s, program.form, snap.new_stats[s])
-        self.metrics.stepped(self, program, live, snap, reason)
-        return starts, snap
+        self.metrics.stepped(self, program, live, snap, step.reason)
+        return step.starts, snap
 
     def _deliver(self, starts: np.ndarray, snap: decode.Snapshot) -> None:
         for s, job in enumerate(self.slots):

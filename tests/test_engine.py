@@ -8,6 +8,7 @@ import dataclasses
 import threading
 import time
 
+import jax
 import pytest
 
 from ddtree_jax import decode, engine as engines, programs
@@ -105,6 +106,38 @@ def test_events_stream_every_token_once_and_text_decodes(engine, tokenizer, refe
     assert tokens == run["ar"][n: n + 40]
     assert "".join(e.text for e in events) == tokenizer.decode(tokens)
     assert events[-1].completion_tokens == 40 and events[-1].prompt_tokens == n
+
+
+def test_a_step_runs_while_the_one_before_it_is_delivered(engine, reference_runs, monkeypatch):
+    """On a GPU a step's call returns only once its rounds have run (here every call waits for its step and sleeps
+    50 ms on top), so the engine queues the next step on its step thread before delivering the last one: a lone
+    request's tokens are delivered while the following step runs (the thread's start of it may race the delivery,
+    so at least half of them), and they are still AR's, each once."""
+    run = reference_runs[2]
+    steps, events, done = [], [], threading.Event()  # (start, end) of each call; (time, event)
+    call = engine.programs.call
+
+    def blocking(*args):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(call(*args))
+        time.sleep(0.05)
+        steps.append((t0, time.perf_counter()))
+        return out
+
+    def sink(ev):
+        events.append((time.perf_counter(), ev))
+        if ev.finish_reason:
+            done.set()
+
+    monkeypatch.setattr(engine.programs, "call", blocking)
+    engine.submit(run["prompt"], greedy(40), sink)
+    assert done.wait(120)
+    streamed = [at for at, ev in events if ev.finish_reason is None]
+    assert len(streamed) >= 3
+    during = [at for at in streamed if any(a < at < b for a, b in steps)]
+    assert 2 * len(during) >= len(streamed), (streamed, steps)  # delivered between the steps, none would be
+    n = len(run["prompt"])
+    assert [t for _, ev in events for t in ev.token_ids] == run["ar"][n: n + 40]
 
 
 def test_stop_token_ids_and_max_tokens(engine, reference_runs):
