@@ -187,7 +187,6 @@ class AutoRun:
         emitted = np.asarray(lens)
         chain = Chain(self.tparams, self.dparams, state, jnp.asarray(lens, jnp.int32))
         queued: collections.deque = collections.deque()  # (form, Future of Chain.run) of the groups not yet read
-        last = 0.0  # when the last group read ended
         first = [r for r in FIRST_GROUPS if r < self.rounds]
         rounds, previous, dispatched = 0, None, 0
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddtree-groups") as worker:
@@ -203,9 +202,8 @@ class AutoRun:
                 snap, called, ended = future.result()
                 host = jax.device_get(snap)
                 ran = int(np.max(host.new_rounds))
-                if ran:  # the device ran it from the later of its dispatch and the end of the group before it
-                    self.costs.observe(self.keys[form], (ended - max(last, called)) / ran, int(np.mean(emitted)))
-                last = ended
+                if ran:  # from its dispatch, which the worker began after the group before it had run
+                    self.costs.observe(self.keys[form], (ended - called) / ran, int(np.mean(emitted)))
                 for i in live:
                     self.policy.observe(i, form, host.new_stats[i])
                 if on_tokens is not None:

@@ -98,7 +98,8 @@ def prefill(spec: Spec, target, drafter, state: State, tokens: Array) -> State:
 
 @dataclasses.dataclass(frozen=True)
 class Stepped:
-    """A step the step thread ran (:meth:`Engine._device_step`), for the engine thread to count and deliver."""
+    """A step the step thread ran (:meth:`Engine._device_step`), for the engine thread to count and deliver
+    (:meth:`Engine._finish`)."""
 
     program: Program
     jobs: list  # (slot, Job) of the live slots when it was chosen
@@ -398,7 +399,7 @@ class Engine:
                     cancels, self._cancels = self._cancels, set()
                     admit = bool(self.waiting) and self.active_slots < len(self.slots)
                 if inflight is not None and (cancels or self._ended or admit or not self.active_slots):
-                    self._deliver(*self._stepped(inflight.result()))  # the state changes below need it back
+                    self._finish(inflight.result())  # the state changes below need it back
                     inflight = None
                 if inflight is None:
                     self._cancel(cancels)
@@ -409,7 +410,7 @@ class Engine:
                 if self.active_slots:
                     queued = self._dispatch()
                     if inflight is not None:  # the step before it, delivered while this one runs
-                        self._deliver(*self._stepped(inflight.result()))
+                        self._finish(inflight.result())
                     inflight = queued
                     self._busy = time.monotonic()
         except BaseException as e:  # noqa: BLE001 - every request must hear about it
@@ -505,7 +506,7 @@ class Engine:
 
     def _dispatch(self) -> concurrent.futures.Future:
         """Choose the next step's program (:meth:`programs.Programs.choose`) for the live slots and queue it on the
-        step thread (:meth:`_device_step`); its result goes to :meth:`_stepped`."""
+        step thread (:meth:`_device_step`); its result goes to :meth:`_finish`."""
         live = [s for s, j in enumerate(self.slots) if j is not None]
         probes = self.policy.probes
         program = self.programs.choose(live, [self.slots[s].params for s in live], self.policy)
@@ -536,9 +537,9 @@ class Engine:
         self._starts[rows] = np.maximum(starts[rows], part.end)
         return Stepped(program, jobs, reason, quiet and self.programs.quiet(), starts, snap, elapsed)
 
-    def _stepped(self, step: Stepped) -> tuple[np.ndarray, decode.Snapshot]:
+    def _finish(self, step: Stepped) -> None:
         """Count a step that ran (metrics, its program's cost, the policy's statistics of the slots whose jobs it
-        ran for and that still hold them); (starts [B], Snapshot [B]) for :meth:`_deliver`."""
+        ran for and that still hold them), then deliver its tokens (:meth:`_deliver`)."""
         program, snap = step.program, step.snap
         live = [s for s, job in step.jobs if self.slots[s] is job]
         self.step_sizes[program.size] += 1
@@ -551,7 +552,7 @@ class Engine:
             for s in live:
                 self.policy.observe(s, program.form, snap.new_stats[s])
         self.metrics.stepped(self, program, live, snap, step.reason)
-        return step.starts, snap
+        self._deliver(step.starts, snap)
 
     def _deliver(self, starts: np.ndarray, snap: decode.Snapshot) -> None:
         for s, job in enumerate(self.slots):
