@@ -1,10 +1,11 @@
-"""The run of ``--tree-budget auto`` on the host: timing compiled programs, and generate's loop of groups.
+"""generate's loops of groups on the host (auto's, and a fixed budget's when streaming); timing compiled programs.
 
 Each form a run may take (policy.allowed at its slot batch) is one compiled group of rounds (``decode.run_group``).
 A program whose seconds per round the cost table (costs.py) does not know is timed here, on dummy sequences
 (:func:`rewind`, :func:`measure`); the engine times its programs with the same two functions. :class:`AutoRun` is
 ``decode.generate``'s loop under auto: groups run one after another on a worker thread, each of the form a
-:class:`policy.Policy` picks from the statistics read so far.
+:class:`policy.Policy` picks from the statistics read so far; :func:`stream` is the fixed budget's loop when
+``on_tokens`` streams the output.
 """
 
 from __future__ import annotations
@@ -108,6 +109,34 @@ class Chain:
         return snap, called, time.perf_counter()
 
 
+def deliver(host, emitted: np.ndarray, n: int, on_tokens) -> np.ndarray:
+    """Hand ``on_tokens`` (when given) the tokens of a read Snapshot ``host`` each of the first ``n`` sequences
+    gained past ``emitted`` [B] (its first undelivered indices); the new ``emitted``."""
+    if on_tokens is not None:
+        on_tokens([host.window[i, : max(int(host.end[i]) - int(emitted[i]), 0)].tolist() for i in range(n)])
+    return np.maximum(emitted, host.end)
+
+
+def stream(spec: Spec, fn: Callable, chain: Chain, rounds: int, n: int, on_tokens) -> State:
+    """generate's streamed decode at a fixed budget: groups of ``rounds`` rounds of ``fn`` (``run_group`` compiled
+    for ``spec``), each read and its tokens delivered to the first ``n`` sequences while the worker thread runs the
+    next one (as in :meth:`AutoRun.decode`), until every sequence is done; the final state."""
+    emitted = np.asarray(chain.starts)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddtree-groups") as worker:
+        queued = collections.deque([worker.submit(chain.run, fn, rounds)])
+        for _ in range(-(-spec.max_rounds // rounds)):  # every round commits a token: enough groups
+            queued.append(worker.submit(chain.run, fn, rounds))
+            host = jax.device_get(queued.popleft().result()[0])
+            emitted = deliver(host, emitted, n, on_tokens)
+            if host.done.all():
+                break
+        else:
+            raise RuntimeError(fault_message(spec, f"unfinished after {spec.max_rounds} rounds"))
+        for future in queued:  # the group queued behind the last one read: its sequences are done
+            future.result()
+    return chain.state
+
+
 class AutoRun:
     """generate's loop of groups under ``tree_budget="auto"``: one compiled group per form allowed at the batch
     (policy.allowed), each run and timed before the decode on a fresh state of the batch's shape (``fresh()``, its
@@ -206,10 +235,7 @@ class AutoRun:
                     self.costs.observe(self.keys[form], (ended - called) / ran, int(np.mean(emitted)))
                 for i in live:
                     self.policy.observe(i, form, host.new_stats[i])
-                if on_tokens is not None:
-                    on_tokens([host.window[i, : max(int(host.end[i]) - int(emitted[i]), 0)].tolist()
-                               for i in range(self.n)])
-                emitted = np.maximum(emitted, host.end)
+                emitted = deliver(host, emitted, self.n, on_tokens)
                 live = [i for i in live if not host.done[i]]
                 if not live:
                     break

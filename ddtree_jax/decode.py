@@ -313,7 +313,8 @@ def generate(
 ) -> GenerateResult:
     """Generate for a batch of prompts. target: (ModelConfig, TargetParams); draft: (DraftConfig, DraftParams).
 
-    on_tokens, when given, is called every ``stream_every`` rounds with the tokens each sequence gained.
+    on_tokens, when given, is called every ``stream_every`` rounds with the tokens each sequence gained, from the
+    host's thread while a worker thread runs the next rounds (``autorun.stream``; under auto, ``autorun.AutoRun``).
     proposer, when given, replaces ``draft.propose`` (same signature): a research hook for other drafters.
     mesh, when given (``sharding.make_mesh``), runs tensor/data parallel: the weights are placed on it (KV
     heads repeated when the model axis exceeds them) and the batch is padded to a multiple of its data axis.
@@ -356,19 +357,21 @@ def generate(
 
     t0 = time.perf_counter()  # compile ahead of time so that the timings below are execution only
     prefill_fn = compiled(prefill, spec, tparams, dparams, state, tokens)
-    if auto:
+    if auto or on_tokens is not None:
         from ddtree_jax import autorun  # here: autorun builds on this module (its State, programs and run_group)
-
+    if auto:
         def fresh():
             return start(spec, rows, per_row, options.max_new_tokens, tparams.embed.dtype, mesh)[0]
 
         table = autorun.cost_table_for(spec, tparams.embed.dtype, persist=persist_costs)
         base, largest = (stream_every, stream_every) if on_tokens else (autorun.GROUP_ROUNDS, autorun.MAX_GROUP_ROUNDS)
         run = autorun.AutoRun(spec, options, tparams, dparams, fresh, len(prompts), base, table, chooser, largest)
+    elif on_tokens is not None:
+        starts = jax.ShapeDtypeStruct((len(rows),), jnp.int32)
+        group_fn = compiled(run_group, spec, tparams, dparams, state, starts, jnp.int32(0), stream_every)
     else:
-        per_call = stream_every if on_tokens else options.max_new_tokens + 1  # rounds per run_rounds call
-        budget_rounds = jnp.int32(per_call)
-        rounds_fn = compiled(run_rounds, spec, tparams, dparams, state, budget_rounds)
+        all_rounds = jnp.int32(options.max_new_tokens + 1)  # one call: every round commits a token
+        rounds_fn = compiled(run_rounds, spec, tparams, dparams, state, all_rounds)
     compile_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -379,18 +382,12 @@ def generate(
     t0 = time.perf_counter()
     if auto:
         state = run.decode(state, lens, on_tokens)
+    elif on_tokens is not None:  # groups run by a worker thread while the host delivers the last one's tokens
+        chain = autorun.Chain(tparams, dparams, state, jnp.asarray(lens, jnp.int32))
+        state = autorun.stream(spec, group_fn, chain, stream_every, len(prompts), on_tokens)
     else:
-        emitted = np.asarray(lens)
-        for _ in range(-(-spec.max_rounds // per_call)):  # every round commits a token: enough calls
-            state = rounds_fn(tparams, dparams, state, budget_rounds)
-            if on_tokens is not None:
-                ends = final_length(state)
-                out = np.asarray(state.out)
-                on_tokens([out[i, emitted[i] : ends[i]].tolist() for i in range(len(prompts))])
-                emitted = np.maximum(emitted, ends)
-            if bool(jnp.all(state.done)):
-                break
-        else:
+        state = rounds_fn(tparams, dparams, state, all_rounds)
+        if not bool(jnp.all(state.done)):
             raise RuntimeError(fault_message(spec, f"unfinished after {spec.max_rounds} rounds"))
     jax.block_until_ready(state.out)
     decode_s = time.perf_counter() - t0 - (run.measure_s if auto else 0.0)  # warming and timing forms count as compiling

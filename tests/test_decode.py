@@ -2,6 +2,7 @@
 
 import dataclasses
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -182,6 +183,42 @@ def test_streaming_callback_sees_every_token_once(target, drafter, reference_run
     _, _, traced = rows_with_their_own_limits(target, drafter, reference_runs[:1],
                                               decode.GenerateOptions(method="ddtree", tree_budget=4, trace=True))
     assert res.rounds[0] == traced[0] and len(traced[0]) == len(run["ddtree"]["4"]["rounds"])
+
+
+def test_streamed_tokens_are_delivered_while_the_next_group_runs(target, drafter, reference_runs, monkeypatch):
+    """On a GPU a group's dispatch returns only once its rounds have run (XLA's runtime reads the round loop's
+    predicate on the host); here every group waits for itself and sleeps 30 ms on top. A worker thread runs the
+    groups, so the host delivers each group's tokens while the next one runs (the device never waits for the host's
+    delivery, here 10 ms each), and the tokens are AR's."""
+    run = reference_runs[0]
+    groups, delivered, seen = [], [], []  # (began, ended) of each group; when each delivery was done
+    compiled = decode.compiled
+
+    def blocking(fn, spec, *args):
+        exe = compiled(fn, spec, *args)
+        if fn is not decode.run_group:
+            return exe
+
+        def call(*a):
+            began = time.perf_counter()
+            out = jax.block_until_ready(exe(*a))
+            time.sleep(0.03)
+            groups.append((began, time.perf_counter()))
+            return out
+        return call
+
+    def on_tokens(new):  # a slow reader (a terminal, a socket): 10 ms a delivery
+        time.sleep(0.01)
+        delivered.append(time.perf_counter())
+        seen.extend(new[0])
+
+    monkeypatch.setattr(decode, "compiled", blocking)
+    res = decode.generate(target, [run["prompt"]], options("ddtree", run, tree_budget=4), draft=drafter,
+                          on_tokens=on_tokens, stream_every=2)
+    assert run["prompt"] + seen == res.output_ids[0] == run["ar"]
+    assert len(delivered) >= 3
+    during = [at for at in delivered if any(a < at < b for a, b in groups)]
+    assert 2 * len(during) >= len(delivered), (delivered, groups)  # none was, with the groups run on the host's thread
 
 
 def test_bad_requests_are_clear_errors(target, drafter):
