@@ -6,7 +6,7 @@ their decode time per round (decode time over the rounds run) compares directly:
 every round against auto's groups (the host's reading and choosing between them, each form's program taking the decode
 state) and auto's rounds (the tree built at the largest tree form for the predictions, their bookkeeping). A variant
 is NAME:forms=F+F+...[,group=N][,max=M] (auto among those forms, groups of N rounds,
-``autorun.GROUP_ROUNDS``, default 8, doubling while a speculative form holds up to M, ``autorun.MAX_GROUP_ROUNDS``,
+``autorun.GROUP_ROUNDS``, default 8, doubling while speculative forms follow one another up to M, ``autorun.MAX_GROUP_ROUNDS``,
 default 64; the first groups stay ``autorun.FIRST_GROUPS``). Reports each
 variant's median ms a round and its ratio to the fixed budget's; the record keeps, per auto variant and timed pass,
 each form's cost as timed before the decode and as the decode's own timings moved it (``costs_ms``): whether auto

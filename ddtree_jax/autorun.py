@@ -83,11 +83,13 @@ def rewind(state: State, mask: Array, length: Array, limit: Array) -> State:
 
 
 def group_rounds(form: str, previous: str | None, rounds: int, base: int, largest: int) -> int:
-    """Rounds of the next group of ``form`` after a group of ``rounds`` rounds of ``previous``: twice as many when
-    the policy keeps a speculative form, up to ``largest`` (each group is a device call, and on a GPU a call costs
-    the round loop more than on CPU: docs/ADAPTIVE.md#the-default-pair-on-a-gpu-batch-1), ``base`` otherwise. AR
-    steps record no statistics, so their groups stay short: the probes' wait counts groups (policy.Policy.choose)."""
-    if form == previous and form != policy.AR:
+    """Rounds of the next group of ``form`` after a group of ``rounds`` rounds of ``previous``: twice as many while
+    speculative forms follow one another, up to ``largest``, ``base`` otherwise. Each group is a device call, and on a
+    GPU a call costs about as much as a round or two of a small model (docs/ADAPTIVE.md#the-default-pair-on-a-gpu-
+    batch-1), so a switch between trees, which the policy makes on any small difference of cost or acceptance, keeps
+    the groups long: every tree round's statistics inform every tree form, whichever ran. AR steps record no
+    statistics, so their groups stay short: the probes' wait counts groups (policy.Policy.choose)."""
+    if policy.AR not in (form, previous) and previous is not None:
         return min(2 * rounds, largest)
     return base
 
@@ -141,7 +143,7 @@ class AutoRun:
     """generate's loop of groups under ``tree_budget="auto"``: one compiled group per form allowed at the batch
     (policy.allowed), each run and timed before the decode on a fresh state of the batch's shape (``fresh()``, its
     caches at the prompt lengths); ``cost_table`` keeps the timings. A group runs ``rounds`` rounds, or up to
-    ``max_group`` while the policy keeps a speculative form (:func:`group_rounds`; the first groups FIRST_GROUPS)."""
+    ``max_group`` while the policy keeps to speculative forms (:func:`group_rounds`; the first groups FIRST_GROUPS)."""
 
     def __init__(self, spec: Spec, options: GenerateOptions, tparams, dparams, fresh: Callable[[], State],
                  n_prompts: int, rounds: int, cost_table, chooser, max_group: int):

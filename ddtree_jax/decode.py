@@ -320,8 +320,8 @@ def generate(
     heads repeated when the model axis exceeds them) and the batch is padded to a multiple of its data axis.
     tuning: how the decode runs on the device (its layout applied to the weights here; ``ddtree_jax.tuning``).
 
-    ``options.tree_budget="auto"`` (dflash, ddtree): groups of rounds (``autorun.GROUP_ROUNDS``, doubling while a
-    speculative form holds up to ``autorun.MAX_GROUP_ROUNDS``, or ``stream_every`` when streaming; the first ones
+    ``options.tree_budget="auto"`` (dflash, ddtree): groups of rounds (``autorun.GROUP_ROUNDS``, doubling while
+    speculative forms follow one another up to ``autorun.MAX_GROUP_ROUNDS``, or ``stream_every`` when streaming; the first ones
     ``autorun.FIRST_GROUPS``), each of the form a :class:`policy.Policy` (``chooser``,
     default a new one) picks from the statistics of the groups read so far, weighed against each program's seconds
     per round (timed here unless known; with ``persist_costs`` read from and kept in the cache directory's cost table,

@@ -221,14 +221,14 @@ def test_any_sequence_of_forms_gives_ars_tokens_and_traces_each_rounds_own_tree(
     assert forced.round_forms[0][: a + b + c] == ["ar"] * (a + b) + ["4"] * c
 
 
-def test_a_group_doubles_while_its_speculative_form_holds(target, drafter, batch):
-    """generate's groups under auto double while the policy keeps a speculative form (up to
-    autorun.MAX_GROUP_ROUNDS: each device call costs the host's turn, and on a GPU more) and start again at
-    autorun.GROUP_ROUNDS when it changes; AR groups, which teach the policy nothing, stay short; streaming keeps
-    groups of stream_every rounds."""
-    assert [autorun.group_rounds(f, p, r, 8, 64) for f, p, r in (("4", "4", 8), ("4", "4", 64), ("chain", "chain", 16),
-                                                                  ("4", "chain", 32), ("ar", "ar", 8), ("4", None, 2))] \
-        == [16, 64, 32, 8, 8, 8]
+def test_groups_double_while_speculative_forms_follow_one_another(target, drafter, batch):
+    """generate's groups under auto double while speculative forms follow one another, whichever (up to
+    autorun.MAX_GROUP_ROUNDS: each device call costs the host's turn, and on a GPU about a round of a small model),
+    and start again at autorun.GROUP_ROUNDS after AR; AR groups, which teach the policy nothing, stay short;
+    streaming keeps groups of stream_every rounds."""
+    cases = (("4", "4", 8), ("4", "4", 64), ("chain", "chain", 16), ("4", "chain", 16), ("8", "4", 32),
+             ("ar", "ar", 8), ("ar", "4", 32), ("4", "ar", 8), ("4", None, 2))
+    assert [autorun.group_rounds(f, p, r, 8, 64) for f, p, r in cases] == [16, 64, 32, 32, 64, 8, 8, 8, 8]
     prompts, n = batch
     opts = decode.GenerateOptions(method="ddtree", max_new_tokens=n, forms=FORMS)
 
