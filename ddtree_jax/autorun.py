@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
+import sys
+import threading
 import time
 from typing import Callable
 
@@ -34,6 +37,7 @@ FIRST_GROUPS = (2, 4)  # ... except its first groups: the first informed choice 
 MAX_GROUP_ROUNDS = 64  # ... and a group of the speculative form the group before ran doubles, up to this (not
 # when streaming): group_rounds
 MEASURE_CALLS = 3  # timed calls of a new program (the median counts)
+HANDOFF_S = 1e-4  # CPython's switch interval while a worker thread runs device calls: quick_handoffs
 
 
 def cost_table_for(spec: Spec, dtype, persist: bool = True) -> costs.CostTable:
@@ -82,6 +86,34 @@ def rewind(state: State, mask: Array, length: Array, limit: Array) -> State:
                                stop_ids=jnp.where(mask[:, None], -1, state.stop_ids), done=state.done & ~mask)
 
 
+class _Handoffs:
+    """How many :func:`quick_handoffs` are open, and the switch interval before the first (restored after the last,
+    in whatever order they close: an engine may stop while another still runs)."""
+    lock, users, saved = threading.Lock(), 0, 0.0
+
+
+@contextlib.contextmanager
+def quick_handoffs():
+    """Lower CPython's switch interval to HANDOFF_S (sys.setswitchinterval) while a worker thread runs the device
+    calls and the host's thread reads, chooses and delivers between them: a thread that wants the GIL may wait up to
+    that interval (5 ms by default) before its holder must drop it, and each such wait between a group's end and the
+    next dispatch leaves the device idle. On an H100 (benchmarks/call_cost.py, call_cost_h100.json) a call of 8
+    rounds of the default pair's shape took 31 ms from a worker thread beside a reading host, 20 ms from the main
+    thread alone, and 20 ms from the worker at 0.1 ms."""
+    with _Handoffs.lock:
+        if _Handoffs.users == 0:
+            _Handoffs.saved = sys.getswitchinterval()
+            sys.setswitchinterval(min(_Handoffs.saved, HANDOFF_S))
+        _Handoffs.users += 1
+    try:
+        yield
+    finally:
+        with _Handoffs.lock:
+            _Handoffs.users -= 1
+            if _Handoffs.users == 0:
+                sys.setswitchinterval(_Handoffs.saved)
+
+
 def group_rounds(form: str, previous: str | None, rounds: int, base: int, largest: int) -> int:
     """Rounds of the next group of ``form`` after a group of ``rounds`` rounds of ``previous``: twice as many while
     speculative forms follow one another, up to ``largest``, ``base`` otherwise. Each group is a device call, and on a
@@ -124,7 +156,7 @@ def stream(spec: Spec, fn: Callable, chain: Chain, rounds: int, n: int, on_token
     for ``spec``), each read and its tokens delivered to the first ``n`` sequences while the worker thread runs the
     next one (as in :meth:`AutoRun.decode`), until every sequence is done; the final state."""
     emitted = np.asarray(chain.starts)
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddtree-groups") as worker:
+    with quick_handoffs(), concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddtree-groups") as worker:
         queued = collections.deque([worker.submit(chain.run, fn, rounds)])
         for _ in range(-(-spec.max_rounds // rounds)):  # every round commits a token: enough groups
             queued.append(worker.submit(chain.run, fn, rounds))
@@ -220,7 +252,7 @@ class AutoRun:
         queued: collections.deque = collections.deque()  # (form, Future of Chain.run) of the groups not yet read
         first = [r for r in FIRST_GROUPS if r < self.rounds]
         rounds, previous, dispatched = 0, None, 0
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddtree-groups") as worker:
+        with quick_handoffs(), concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddtree-groups") as worker:
             while dispatched < self.spec.max_rounds + 2 * self.max_group:  # every round commits: enough rounds
                 options = {(f, self.batch): c for f, k in self.keys.items() if (c := self.costs.get(k)) is not None}
                 form, _ = self.policy.choose(live, options)

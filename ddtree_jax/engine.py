@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -190,6 +191,7 @@ class Engine:
         self._ended: list[int] = []  # slots of jobs that ended since the last device update
         self._starts = np.zeros(b, np.int32)  # per slot, where the next step's window starts (the step thread's)
         self._steps = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddtree-step")
+        self._handoffs = contextlib.ExitStack()  # autorun.quick_handoffs from start to stop: steps beside the host
         self._busy = 0.0  # time.monotonic() of the last step (idle timings wait IDLE_S after it)
         self.waiting: collections.deque[Job] = collections.deque()
         self._cancels: set[str] = set()
@@ -332,6 +334,7 @@ class Engine:
         first request compiles the first program and the prefill)."""
         if warmup:
             self.warmup()
+        self._handoffs.enter_context(autorun.quick_handoffs())
         self._thread = threading.Thread(target=self._run, name="ddtree-engine", daemon=True)
         self._thread.start()
         self.programs.start()
@@ -348,6 +351,7 @@ class Engine:
             self._thread.join(timeout)
         self.programs.join(timeout)
         self._steps.shutdown(wait=True)
+        self._handoffs.close()
         self.ready = False
         self.costs.save()
 

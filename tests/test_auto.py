@@ -5,6 +5,7 @@ predictions, and whatever forms run, greedy output is AR's and sampled output AR
 import dataclasses
 import itertools
 import re
+import sys
 import time
 
 import jax
@@ -405,3 +406,17 @@ def test_a_tree_round_shows_what_each_smaller_tree_would_have_accepted(target, d
     assert pred["2"][:, :2].all() and not pred["2"][:, 2].any() and pred["4"].all() and pred["chain"].all()
     np.testing.assert_allclose(pred["2"][:, :2], pred["8"][:, :2], rtol=1e-6)
     np.testing.assert_allclose(pred["chain"], pred["8"], rtol=1e-6)
+
+
+def test_quick_handoffs_restore_the_interval_after_the_last_closes_in_any_order():
+    """Two users of autorun.quick_handoffs (two engines, an engine and a generate) may close in either order: the
+    switch interval stays short until the last one closes, then is what it was before the first."""
+    before = sys.getswitchinterval()
+    a, b = autorun.quick_handoffs(), autorun.quick_handoffs()
+    a.__enter__()
+    b.__enter__()
+    assert sys.getswitchinterval() <= autorun.HANDOFF_S < before
+    a.__exit__(None, None, None)  # the first to open closes first
+    assert sys.getswitchinterval() <= autorun.HANDOFF_S
+    b.__exit__(None, None, None)
+    assert sys.getswitchinterval() == before

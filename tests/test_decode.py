@@ -2,6 +2,7 @@
 
 import dataclasses
 import re
+import sys
 import time
 
 import jax
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax import accept, decode, projection, slots, tuning, weight_layout
+from ddtree_jax import accept, autorun, decode, projection, slots, tuning, weight_layout
 from ddtree_jax import spec as spec_lib
 from ddtree_jax.params import LayerWeights
 from ddtree_jax.round import draft_logits
@@ -189,9 +190,11 @@ def test_streamed_tokens_are_delivered_while_the_next_group_runs(target, drafter
     """On a GPU a group's dispatch returns only once its rounds have run (XLA's runtime reads the round loop's
     predicate on the host); here every group waits for itself and sleeps 30 ms on top. A worker thread runs the
     groups, so the host delivers each group's tokens while the next one runs (the device never waits for the host's
-    delivery, here 10 ms each), and the tokens are AR's."""
+    delivery, here 10 ms each; nor for the GIL: CPython's switch interval is short meanwhile), and the tokens are
+    AR's."""
     run = reference_runs[0]
     groups, delivered, seen = [], [], []  # (began, ended) of each group; when each delivery was done
+    intervals, before = [], sys.getswitchinterval()  # CPython's switch interval during each delivery; before
     compiled = decode.compiled
 
     def blocking(fn, spec, *args):
@@ -211,6 +214,7 @@ def test_streamed_tokens_are_delivered_while_the_next_group_runs(target, drafter
         time.sleep(0.01)
         delivered.append(time.perf_counter())
         seen.extend(new[0])
+        intervals.append(sys.getswitchinterval())
 
     monkeypatch.setattr(decode, "compiled", blocking)
     res = decode.generate(target, [run["prompt"]], options("ddtree", run, tree_budget=4), draft=drafter,
@@ -219,6 +223,8 @@ def test_streamed_tokens_are_delivered_while_the_next_group_runs(target, drafter
     assert len(delivered) >= 3
     during = [at for at in delivered if any(a < at < b for a, b in groups)]
     assert 2 * len(during) >= len(delivered), (delivered, groups)  # none was, with the groups run on the host's thread
+    # the host's thread hands the GIL back quickly while the groups run (autorun.quick_handoffs), and only then
+    assert max(intervals) <= autorun.HANDOFF_S < before == sys.getswitchinterval()
 
 
 def test_bad_requests_are_clear_errors(target, drafter):

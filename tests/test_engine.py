@@ -5,13 +5,14 @@ the forms and slot batches a step may take."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import time
 
 import jax
 import pytest
 
-from ddtree_jax import decode, engine as engines, programs
+from ddtree_jax import autorun, decode, engine as engines, programs
 from ddtree_jax.tokenizer import load_tokenizer
 from tests.conftest import fixture_path
 
@@ -276,7 +277,9 @@ def test_stop_answers_every_pending_request(target, drafter, engine, reference_r
     finals = []
     for r in reference_runs * 3:
         eng.submit(r["prompt"], greedy(60), lambda ev: ev.finish_reason and finals.append(ev))
+    assert sys.getswitchinterval() <= autorun.HANDOFF_S  # the step threads hand the GIL back quickly
     eng.stop()
+    assert sys.getswitchinterval() <= autorun.HANDOFF_S  # ... while the module's engine still runs
     assert len(finals) == 9 and all(f.finish_reason in ("error", "length") for f in finals)
     assert any(f.finish_reason == "error" and "shutting down" in f.error for f in finals)
     with pytest.raises(engines.EngineClosed):
