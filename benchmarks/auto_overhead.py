@@ -5,12 +5,12 @@ A round of a random drafter almost always accepts one token, so the runs have ab
 their decode time per round (decode time over the rounds run) compares directly: the fixed budget's one device call of
 every round against auto's groups (the host's reading and choosing between them, each form's program taking the decode
 state) and auto's rounds (the tree built at the largest tree form for the predictions, their bookkeeping). A variant
-is NAME:forms=F+F+...[,group=N][,max=M] (auto among those forms, groups of N rounds,
-``autorun.GROUP_ROUNDS``, default 8, doubling while speculative forms follow one another up to M, ``autorun.MAX_GROUP_ROUNDS``,
-default 64; the first groups stay ``autorun.FIRST_GROUPS``). Reports each
-variant's median ms a round and its ratio to the fixed budget's; the record keeps, per auto variant and timed pass,
-each form's cost as timed before the decode and as the decode's own timings moved it (``costs_ms``): whether auto
-chose by the costs its decode then paid.
+is NAME:forms=F+F+...[,group=N][,max=M][,si=S] (auto among those forms, groups of N rounds, ``autorun.GROUP_ROUNDS``,
+default 8, doubling while speculative forms follow one another up to M, ``autorun.MAX_GROUP_ROUNDS``, default 64; the
+first groups stay ``autorun.FIRST_GROUPS``; CPython's switch interval S seconds while the groups run,
+``autorun.HANDOFF_S``, default 1e-4). Reports each variant's median ms a round and its ratio to the fixed budget's;
+the record keeps, per auto variant and timed pass, each form's cost as timed before the decode and as the decode's own
+timings moved it (``costs_ms``): whether auto chose by the costs its decode then paid.
 
     PYTHONPATH=. python benchmarks/auto_overhead.py --model smollm2-135m --budget 32 --variant one:forms=32 \\
         --variant one-g8:forms=32,max=8 --variant two:forms=32+256 --json OUT/auto_overhead.json
@@ -37,21 +37,24 @@ from ddtree_jax.shapes import SHAPES, build_params, model_configs  # noqa: E402
 from ddtree_jax.spec import AUTO, GenerateOptions  # noqa: E402
 
 
-def variant(text: str) -> tuple[str, tuple[str, ...], int, int]:
-    """NAME:forms=F+F...[,group=N][,max=M] -> (NAME, forms, group rounds, largest group)."""
+def variant(text: str) -> tuple[str, tuple[str, ...], int, int, float]:
+    """NAME:forms=F+F...[,group=N][,max=M][,si=S] -> (NAME, forms, group rounds, largest group, switch interval)."""
     name, colon, rest = text.partition(":")
     fields = dict(x.split("=", 1) for x in rest.split(",") if "=" in x)
-    if not (name and colon and "forms" in fields) or set(fields) - {"forms", "group", "max"}:
-        raise argparse.ArgumentTypeError(f"{text!r} is not NAME:forms=F+F...[,group=N][,max=M]")
+    if not (name and colon and "forms" in fields) or set(fields) - {"forms", "group", "max", "si"}:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME:forms=F+F...[,group=N][,max=M][,si=S]")
     try:
         forms = policy.parse_forms(fields["forms"].split("+"))
         group = int(fields.get("group", autorun.GROUP_ROUNDS))
         largest = int(fields.get("max", max(group, autorun.MAX_GROUP_ROUNDS)))
         if not 1 <= group <= largest:
             raise ValueError(f"group={group}, max={largest}: 1 <= group <= max")
+        si = float(fields.get("si", autorun.HANDOFF_S))
+        if not si > 0:
+            raise ValueError(f"si={si}: the switch interval must be positive")
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    return name, forms, group, largest
+    return name, forms, group, largest, si
 
 
 class RecordingTable(costs.CostTable):
@@ -86,7 +89,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=cli.positive_int, default=3,
                    help="timed passes over the variants (after one untimed)")
     p.add_argument("--variant", type=variant, action="append", required=True,
-                   help="NAME:forms=F+F...[,group=N][,max=M]")
+                   help="NAME:forms=F+F...[,group=N][,max=M][,si=S]")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--profile", help="a directory: also trace one decode of each variant (jax.profiler) and record "
                                      "its programs' executions in time order and the device's idle gaps")
@@ -100,17 +103,17 @@ def main(argv=None) -> int:
     target, draft = (tcfg, tp), (dcfg, dp)
     prompts = [[1 + i % (tcfg.vocab_size - 1) for i in range(args.prompt_len)]]
     runs = {"fixed": (GenerateOptions(method="ddtree", tree_budget=args.budget, max_new_tokens=args.tokens),
-                      autorun.GROUP_ROUNDS, autorun.MAX_GROUP_ROUNDS)}
-    for name, forms, group, largest in args.variant:
+                      autorun.GROUP_ROUNDS, autorun.MAX_GROUP_ROUNDS, autorun.HANDOFF_S)}
+    for name, forms, group, largest, si in args.variant:
         runs[name] = (GenerateOptions(method="ddtree", tree_budget=AUTO, forms=forms, max_new_tokens=args.tokens),
-                      group, largest)
+                      group, largest, si)
     ms: dict[str, list[float]] = {k: [] for k in runs}
     forms_run: dict[str, dict] = {}
     cost_logs: dict[str, list[dict]] = {k: [] for k in runs}  # per timed pass: program key -> RecordingTable.log
 
     def run(name: str):
         """One decode of a variant: (GenerateResult, its RecordingTable or None)."""
-        options, group, largest = runs[name]
+        options, group, largest, si = runs[name]
         tables: list[RecordingTable] = []
 
         def table_for(spec, dtype, persist=True, _real=autorun.cost_table_for):
@@ -119,6 +122,7 @@ def main(argv=None) -> int:
 
         with mock.patch.object(autorun, "GROUP_ROUNDS", group), \
                 mock.patch.object(autorun, "MAX_GROUP_ROUNDS", largest), \
+                mock.patch.object(autorun, "HANDOFF_S", si), \
                 mock.patch.object(autorun, "cost_table_for", table_for):
             return decode.generate(target, prompts, options, draft=draft), (tables[-1] if tables else None)
 
@@ -137,10 +141,10 @@ def main(argv=None) -> int:
     out = {"model": args.model, "budget": args.budget, "tokens": args.tokens, "prompt_len": args.prompt_len,
            "reps": args.reps, "device": jax.devices()[0].device_kind, "date": records.now(),
            "command": f"PYTHONPATH=. python benchmarks/auto_overhead.py {command}", "variants": {}}
-    for name, (options, group, largest) in runs.items():
+    for name, (options, group, largest, si) in runs.items():
         med = statistics.median(ms[name])
         out["variants"][name] = {"forms": list(options.forms) or [str(args.budget)], "group_rounds": group,
-                                 "max_group_rounds": largest, "ms_per_round": ms[name],
+                                 "max_group_rounds": largest, "switch_interval_s": si, "ms_per_round": ms[name],
                                  "median_ms": med, "vs_fixed": med / base, "forms_run": forms_run.get(name),
                                  "costs_ms": cost_logs[name] or None}
         print(f"{name:>12}: {med:.3f} ms a round ({med / base:.3f}x fixed {args.budget}), runs "

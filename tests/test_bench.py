@@ -183,7 +183,7 @@ def test_auto_overhead_script(tmp_path):
     loaded.loader.exec_module(module)
     out = tmp_path / "ao.json"
     assert module.main(["--model", "tiny", "--budget", "4", "--tokens", "6", "--prompt-len", "8", "--reps", "1",
-                        "--variant", "one:forms=4,group=2,max=2", "--variant", "two:forms=4+8", "--json",
+                        "--variant", "one:forms=4,group=2,max=2,si=0.005", "--variant", "two:forms=4+8", "--json",
                         str(out), "--profile", str(tmp_path / "prof")]) == 0
     record = json.loads(out.read_text())
     got = record["variants"]
@@ -192,6 +192,7 @@ def test_auto_overhead_script(tmp_path):
     assert got["fixed"]["forms_run"] is None and got["fixed"]["vs_fixed"] == 1.0
     one = got["one"]
     assert set(one["forms_run"]) == {"4"} and (one["group_rounds"], one["max_group_rounds"]) == (2, 2)
+    assert (one["switch_interval_s"], got["two"]["switch_interval_s"]) == (0.005, autorun.HANDOFF_S)
     assert set(got["two"]["forms_run"]) <= {"4", "8"} and got["two"]["group_rounds"] == 8
     assert all(len(v["ms_per_round"]) == 1 and v["median_ms"] > 0 for v in got.values())
     assert got["fixed"]["costs_ms"] is None  # each auto pass's costs: both forms timed before the decode, the run
@@ -201,7 +202,7 @@ def test_auto_overhead_script(tmp_path):
     assert ran and all(len(costs[k]["estimate_ms"]) == len(costs[k]["observed_ms"]) for k in ran)
     for bad, msg in (("x:forms=4,rounds=2", "is not NAME:forms"), ("x:forms=tree", "unknown form"),
                      ("x:forms=4,group=0", "1 <= group <= max"), ("x:forms=4,group=8,max=4", "1 <= group <= max"),
-                     ("x:forms=4,ahead=1", "is not NAME:forms")):
+                     ("x:forms=4,ahead=1", "is not NAME:forms"), ("x:forms=4,si=0", "must be positive")):
         with pytest.raises(argparse.ArgumentTypeError, match=msg):
             module.variant(bad)
 
