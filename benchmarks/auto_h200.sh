@@ -13,8 +13,9 @@
 #   PART pair-load  serve the default pair under load on held-out prompts: ar, ddtree 16, 32, 64 and auto at
 #              concurrency 1,4,16,32 -> OUTDIR/load_pair/summary.md
 #   PART calls what a device call of generate's auto loop costs (benchmarks/auto_overhead.py, random weights of the
-#              default pair's shape, a tree of 32, 256 tokens): auto in groups of 8 rounds and in growing groups
-#              against the fixed budget's one call -> OUTDIR/calls.json (about 2 minutes)
+#              default pair's shape, a tree of 32, 256 tokens): auto in groups of 8 rounds and in growing groups, each
+#              at the switch interval auto sets (autorun.HANDOFF_S) and at CPython's 5 ms, against the fixed budget's
+#              one call -> OUTDIR/calls.json (about 3 minutes)
 set -u
 OUT=${1:?output directory}; PART=${2:?part: 8b, 8b-dflash, pair, pair-load or calls}
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -39,8 +40,9 @@ case "$PART" in
       --requests-per-client 2 --min-requests 8 --max-tokens 128 --wait-compiled 60 --time-limit 470
     ;;
   calls)
-    timeout 170 python3 benchmarks/auto_overhead.py --model smollm2-135m --budget 32 --tokens 256 --reps 2 \
-      --variant g8:forms=32,max=8 --variant grow:forms=32 --json "$OUT/calls.json" 2>&1 | grep -Ev '^(W|I|E)[0-9]' | tail -n 3
+    timeout 230 python3 benchmarks/auto_overhead.py --model smollm2-135m --budget 32 --tokens 256 --reps 2 \
+      --variant g8:forms=32,max=8 --variant g8-5ms:forms=32,max=8,si=0.005 --variant grow:forms=32 \
+      --variant grow-5ms:forms=32,si=0.005 --json "$OUT/calls.json" 2>&1 | grep -Ev '^(W|I|E)[0-9]' | tail -n 5
     ;;
   *) echo "unknown part $PART (8b, 8b-dflash, pair, pair-load or calls)" >&2; exit 2 ;;
 esac
