@@ -207,6 +207,23 @@ def test_auto_overhead_script(tmp_path):
             module.variant(bad)
 
 
+def test_call_cost_script(tmp_path):
+    """benchmarks/call_cost.py on the tiny shape (CPU, in this process): every mode timed at the round counts asked,
+    each call's Snapshot ready no sooner than the call returned, the worker modes' wall time a call recorded, and
+    CPython's switch interval restored afterwards."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "call_cost.py"
+    loaded = importlib.util.spec_from_file_location("call_cost", script)
+    module = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(module)
+    before, out = sys.getswitchinterval(), tmp_path / "cc.json"
+    assert module.main([str(out), "--model", "tiny", "--calls", "3", "--max-rounds", "8"]) == 0
+    assert sys.getswitchinterval() == before
+    calls = json.loads(out.read_text())["calls"]
+    assert set(calls) == set(module.MODES) and list(calls["main"]) == ["0", "1", "2", "4", "8"]
+    assert all(list(calls[m]) == ["8"] and calls[m]["8"]["wall_ms_per_call"] > 0 for m in module.MODES[1:])
+    assert all(c["ready_ms"] >= c["call_returned_ms"] > 0 for m in calls.values() for c in m.values())
+
+
 def test_the_recorded_h200_results_hold_issue_5s_fields_and_grid():
     """benchmarks/results/h200.json as issue 5 asks: every record has its fields (budget null exactly for ar and
     dflash, a roofline for every ar record); the current layout covers both models at prompts 512 and 2k, batches 1
