@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2-135m", choices=sorted(SHAPES), help="random weights of this shape")
     p.add_argument("--calls", type=cli.positive_int, default=12, help="calls a mode and round count (the first two "
                                                                         "untimed); at least 3")
-    p.add_argument("--max-rounds", type=cli.positive_int, default=64, help="leave out round counts above this")
+    p.add_argument("--max-rounds", type=cli.positive_int, default=64, help="round counts above this become this")
     args = p.parse_args(argv)
     if args.calls < 3:
         p.error("--calls must be at least 3")
@@ -76,9 +76,8 @@ def main(argv=None) -> int:
     try:
         for mode in MODES:
             sys.setswitchinterval(1e-4 if mode.endswith("_si") else 5e-3)
-            for r in (MAIN_ROUNDS if mode == "main" else WORKER_ROUNDS):
-                if r > args.max_rounds:
-                    continue
+            counts = MAIN_ROUNDS if mode == "main" else WORKER_ROUNDS
+            for r in sorted({min(r, args.max_rounds) for r in counts}):
                 box = [fresh()]
 
                 def call(r=r):
