@@ -189,6 +189,9 @@ def test_auto_overhead_script(tmp_path):
     got = record["variants"]
     assert list(got) == ["fixed", "one", "two"] and (autorun.GROUP_ROUNDS, autorun.MAX_GROUP_ROUNDS) == (8, 64)
     assert set(record["profiles"]) == set(got) and all(p["decode_ms"] > 0 for p in record["profiles"].values())
+    # the host's own events too: where a call's time goes before and between its device work
+    host = record["profiles"]["one"]["host"]["top_events"]
+    assert any("Execute" in e["name"] for e in host) and all(e["total_us"] > 0 and e["count"] > 0 for e in host)
     assert got["fixed"]["forms_run"] is None and got["fixed"]["vs_fixed"] == 1.0
     one = got["one"]
     assert set(one["forms_run"]) == {"4"} and (one["group_rounds"], one["max_group_rounds"]) == (2, 2)

@@ -96,7 +96,8 @@ def busy_and_gaps(spans: list[tuple[int, int]]) -> tuple[int, list[int]]:
 
 def profile_summary(path: str, top: int = 25, modules_kept: int = 40) -> dict:
     """Summarise a jax.profiler xplane.pb: device kernels by total time, busy vs span, gaps, memcpys, and the first
-    ``modules_kept`` executions of compiled programs in time order."""
+    ``modules_kept`` executions of compiled programs in time order; and the host's events (the runtime's own
+    annotations, e.g. an executable's launch and its thunks, on every host thread) by total time, under "host"."""
     import jax
 
     pd = jax.profiler.ProfileData.from_file(path)
@@ -104,6 +105,13 @@ def profile_summary(path: str, top: int = 25, modules_kept: int = 40) -> dict:
     for plane in pd.planes:
         lines = list(plane.lines)
         out["planes"].append({"name": plane.name, "lines": [ln.name for ln in lines][:12]})
+        if plane.name.startswith("/host:CPU"):
+            events: dict[str, list[float]] = {}
+            for ln in lines:
+                for e in ln.events:
+                    events.setdefault(e.name, []).append(e.duration_ns / 1e3)
+            ranked = sorted(((sum(v), len(v), k) for k, v in events.items()), reverse=True)
+            out["host"] = {"top_events": [{"name": k[:140], "total_us": t, "count": c} for t, c, k in ranked[:top]]}
         if not plane.name.startswith("/device:"):
             continue
         kernels: dict[str, list[float]] = {}
