@@ -3,9 +3,9 @@
 Each form a run may take (policy.allowed at its slot batch) is one compiled group of rounds (``decode.run_group``).
 A program whose seconds per round the cost table (costs.py) does not know is timed here, on dummy sequences
 (:func:`rewind`, :func:`measure`); the engine times its programs with the same two functions. :class:`AutoRun` is
-``decode.generate``'s loop under auto: groups run one after another on a worker thread, each of the form a
-:class:`policy.Policy` picks from the statistics read so far; :func:`stream` is the fixed budget's loop when
-``on_tokens`` streams the output.
+``decode.generate``'s loop under auto: groups run one after another on a worker thread (:meth:`Chain.groups`), each
+of the form a :class:`policy.Policy` picks from the statistics read so far; :func:`stream` is the fixed budget's loop
+on the same worker when ``on_tokens`` streams the output.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import itertools
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -128,19 +129,37 @@ def group_rounds(form: str, previous: str | None, rounds: int, base: int, larges
 
 class Chain:
     """The decode state and the next group's first undelivered indices, advanced by one group after another on one
-    worker thread (each :meth:`run` takes the state the last one left)."""
+    worker thread (:meth:`groups`; each :meth:`run` takes the state the last one left)."""
 
     def __init__(self, tparams, dparams, state: State, starts: Array):
         self.tparams, self.dparams, self.state, self.starts = tparams, dparams, state, starts
 
     def run(self, fn: Callable, rounds: int):
-        """Run ``rounds`` rounds of the compiled group ``fn`` and wait for them: (Snapshot, when the dispatch began,
-        when the group had run)."""
+        """Run ``rounds`` rounds of the compiled group ``fn`` and wait for them: (Snapshot, seconds from the dispatch
+        to the group's end)."""
         called = time.perf_counter()
         self.state, snap = fn(self.tparams, self.dparams, self.state, self.starts, jnp.int32(rounds))
         self.starts = snap.end
         jax.block_until_ready(snap)
-        return snap, called, time.perf_counter()
+        return snap, time.perf_counter() - called
+
+    def groups(self, plan: Callable[[], tuple]) -> Iterator[tuple]:
+        """Groups one after another on a worker thread, one queued behind the one running: ``plan()`` gives the next
+        group's (tag, compiled ``run_group``, rounds) when it is queued, on the caller's thread, so it may use all
+        that was read so far; yields each group's (tag, Snapshot read on the host, seconds it ran) in order while the
+        next one runs, so the device runs group after group without waiting for the host. (On a GPU a dispatch
+        returns only once its group has run, XLA's runtime reading the round loop's predicate on the host: dispatched
+        from the host's own thread, every group would wait for the host's reading and choosing.) Closing the
+        generator waits for the group queued behind the last one read: only then is :attr:`state` the last."""
+        with quick_handoffs(), concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddtree-groups") as worker:
+            queued: collections.deque = collections.deque()  # (tag, Future of run) of the groups not yet read
+            while True:
+                tag, fn, rounds = plan()
+                queued.append((tag, worker.submit(self.run, fn, rounds)))
+                if len(queued) > 1:
+                    tag, future = queued.popleft()
+                    snap, seconds = future.result()
+                    yield tag, jax.device_get(snap), seconds
 
 
 def deliver(host, emitted: np.ndarray, n: int, on_tokens) -> np.ndarray:
@@ -153,21 +172,16 @@ def deliver(host, emitted: np.ndarray, n: int, on_tokens) -> np.ndarray:
 
 def stream(spec: Spec, fn: Callable, chain: Chain, rounds: int, n: int, on_tokens) -> State:
     """generate's streamed decode at a fixed budget: groups of ``rounds`` rounds of ``fn`` (``run_group`` compiled
-    for ``spec``), each read and its tokens delivered to the first ``n`` sequences while the worker thread runs the
-    next one (as in :meth:`AutoRun.decode`), until every sequence is done; the final state."""
+    for ``spec``, :meth:`Chain.groups`), each read and its tokens delivered to the first ``n`` sequences while the next
+    one runs, until every sequence is done; the final state."""
     emitted = np.asarray(chain.starts)
-    with quick_handoffs(), concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddtree-groups") as worker:
-        queued = collections.deque([worker.submit(chain.run, fn, rounds)])
-        for _ in range(-(-spec.max_rounds // rounds)):  # every round commits a token: enough groups
-            queued.append(worker.submit(chain.run, fn, rounds))
-            host = jax.device_get(queued.popleft().result()[0])
+    with contextlib.closing(chain.groups(lambda: (None, fn, rounds))) as groups:
+        for _, host, _ in itertools.islice(groups, -(-spec.max_rounds // rounds)):  # every round commits a token
             emitted = deliver(host, emitted, n, on_tokens)
             if host.done.all():
                 break
         else:
             raise RuntimeError(fault_message(spec, f"unfinished after {spec.max_rounds} rounds"))
-        for future in queued:  # the group queued behind the last one read: its sequences are done
-            future.result()
     return chain.state
 
 
@@ -238,44 +252,37 @@ class AutoRun:
         return {f: (1e3 * s, 1e3 * (self.costs.get(self.keys[f]) or s)) for f, s in self.timed.items()}
 
     def decode(self, state: State, lens: list[int], on_tokens) -> State:
-        """Groups until every sequence is done, dispatched in order by one worker thread (:class:`Chain`): while it
-        runs group g, the host reads group g - 1, chooses group g + 1 from the statistics read so far and queues it,
-        so that the device runs group after group without waiting for the host. (On a GPU a dispatch returns only
-        once its group has run, XLA's runtime reading the round loop's predicate on the host: dispatched from the
-        host's own thread, every group would wait for the host's reading and choosing.)"""
+        """Groups until every sequence is done, run in order on a worker thread (:meth:`Chain.groups`): while it runs
+        group g, the host reads group g - 1 and chooses group g + 1 from the statistics read so far."""
         self._warm(lens)
         live = list(range(self.n))
         for i in live:
             self.policy.start(i)
         emitted = np.asarray(lens)
         chain = Chain(self.tparams, self.dparams, state, jnp.asarray(lens, jnp.int32))
-        queued: collections.deque = collections.deque()  # (form, Future of Chain.run) of the groups not yet read
         first = [r for r in FIRST_GROUPS if r < self.rounds]
-        rounds, previous, dispatched = 0, None, 0
-        with quick_handoffs(), concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddtree-groups") as worker:
-            while dispatched < self.spec.max_rounds + 2 * self.max_group:  # every round commits: enough rounds
-                options = {(f, self.batch): c for f, k in self.keys.items() if (c := self.costs.get(k)) is not None}
-                form, _ = self.policy.choose(live, options)
-                rounds = first.pop(0) if first else group_rounds(form, previous, rounds, self.rounds, self.max_group)
-                queued.append((form, worker.submit(chain.run, self.fns[form], rounds)))
-                previous, dispatched = form, dispatched + rounds
-                if len(queued) < 2:
-                    continue
-                form, future = queued.popleft()
-                snap, called, ended = future.result()
-                host = jax.device_get(snap)
+        rounds, previous, queued = 0, None, 0  # the last group queued: its rounds and form; rounds queued in all
+
+        def plan():
+            nonlocal rounds, previous, queued
+            options = {(f, self.batch): c for f, k in self.keys.items() if (c := self.costs.get(k)) is not None}
+            form, _ = self.policy.choose(live, options)
+            rounds = first.pop(0) if first else group_rounds(form, previous, rounds, self.rounds, self.max_group)
+            previous, queued = form, queued + rounds
+            return form, self.fns[form], rounds
+
+        with contextlib.closing(chain.groups(plan)) as groups:
+            for form, host, seconds in groups:
                 ran = int(np.max(host.new_rounds))
-                if ran:  # from its dispatch, which the worker began after the group before it had run
-                    self.costs.observe(self.keys[form], (ended - called) / ran, int(np.mean(emitted)))
+                if ran:  # the worker's own wait for the group: from its dispatch, after the group before it ran
+                    self.costs.observe(self.keys[form], seconds / ran, int(np.mean(emitted)))
                 for i in live:
                     self.policy.observe(i, form, host.new_stats[i])
                 emitted = deliver(host, emitted, self.n, on_tokens)
                 live = [i for i in live if not host.done[i]]
                 if not live:
                     break
-            else:
-                raise RuntimeError(fault_message(self.spec, f"unfinished after {self.spec.max_rounds} rounds"))
-            for _, future in queued:  # the group queued behind the last one read: its sequences are done
-                future.result()
+                if queued >= self.spec.max_rounds + 2 * self.max_group:  # every round commits a token: enough
+                    raise RuntimeError(fault_message(self.spec, f"unfinished after {self.spec.max_rounds} rounds"))
         self.costs.save()
         return chain.state
