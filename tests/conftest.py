@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # No LLVM optimisation of the compiled programs (XLA's own HLO passes all run): compiling is most of the suite's time
@@ -155,6 +156,20 @@ def decode_to_the_end(spec, tp, dp, state, tokens, rows: int):
     hist, n = np.asarray(state.accept_hist), np.asarray(state.n_rounds)
     return ([out[i, : ends[i]].tolist() for i in range(rows)], [hist[i, : n[i]].tolist() for i in range(rows)], state,
             prefill, step)
+
+
+def blocking_like_a_gpu(fn, spans: list, extra_s: float):
+    """``fn`` as a GPU runs a round loop: its call returns only once its work is done (XLA's runtime reads the loop's
+    predicate on the host), here plus ``extra_s`` seconds; each call's (start, end) is appended to ``spans``."""
+    import jax
+
+    def call(*args):
+        began = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        time.sleep(extra_s)
+        spans.append((began, time.perf_counter()))
+        return out
+    return call
 
 
 def fixture_path(*parts: str) -> str:

@@ -15,6 +15,7 @@ from ddtree_jax import spec as spec_lib
 from ddtree_jax.params import LayerWeights
 from ddtree_jax.round import draft_logits
 from ddtree_jax.tuning import Tuning
+from tests.conftest import blocking_like_a_gpu
 
 
 def tree_paths(tokens, parents):
@@ -199,16 +200,7 @@ def test_streamed_tokens_are_delivered_while_the_next_group_runs(target, drafter
 
     def blocking(fn, spec, *args):
         exe = compiled(fn, spec, *args)
-        if fn is not decode.run_group:
-            return exe
-
-        def call(*a):
-            began = time.perf_counter()
-            out = jax.block_until_ready(exe(*a))
-            time.sleep(0.03)
-            groups.append((began, time.perf_counter()))
-            return out
-        return call
+        return blocking_like_a_gpu(exe, groups, 0.03) if fn is decode.run_group else exe
 
     def on_tokens(new):  # a slow reader (a terminal, a socket): 10 ms a delivery
         time.sleep(0.01)

@@ -9,12 +9,11 @@ import sys
 import threading
 import time
 
-import jax
 import pytest
 
 from ddtree_jax import autorun, decode, engine as engines, programs
 from ddtree_jax.tokenizer import load_tokenizer
-from tests.conftest import fixture_path
+from tests.conftest import blocking_like_a_gpu, fixture_path
 
 SLOTS = 3
 MAX_LEN = 128
@@ -116,21 +115,13 @@ def test_a_step_runs_while_the_one_before_it_is_delivered(engine, reference_runs
     so at least half of them), and they are still AR's, each once."""
     run = reference_runs[2]
     steps, events, done = [], [], threading.Event()  # (start, end) of each call; (time, event)
-    call = engine.programs.call
-
-    def blocking(*args):
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(call(*args))
-        time.sleep(0.05)
-        steps.append((t0, time.perf_counter()))
-        return out
 
     def sink(ev):
         events.append((time.perf_counter(), ev))
         if ev.finish_reason:
             done.set()
 
-    monkeypatch.setattr(engine.programs, "call", blocking)
+    monkeypatch.setattr(engine.programs, "call", blocking_like_a_gpu(engine.programs.call, steps, 0.05))
     engine.submit(run["prompt"], greedy(40), sink)
     assert done.wait(120)
     streamed = [at for at, ev in events if ev.finish_reason is None]
