@@ -94,10 +94,10 @@ def busy_and_gaps(spans: list[tuple[int, int]]) -> tuple[int, list[int]]:
     return busy + cur_e - cur_s, gaps
 
 
-def profile_summary(path: str, top: int = 25, modules_kept: int = 40) -> dict:
+def profile_summary(path: str, top: int = 25, modules_kept: int = 40, host_top: int = 40) -> dict:
     """Summarise a jax.profiler xplane.pb: device kernels by total time, busy vs span, gaps, memcpys, and the first
-    ``modules_kept`` executions of compiled programs in time order; and the host's events (the runtime's own
-    annotations, e.g. an executable's launch and its thunks, on every host thread) by total time, under "host"."""
+    ``modules_kept`` executions of compiled programs in time order; and the ``host_top`` host events (the runtime's
+    own annotations, e.g. an executable's launch and its thunks, on every host thread) by total time, under "host"."""
     import jax
 
     pd = jax.profiler.ProfileData.from_file(path)
@@ -111,7 +111,8 @@ def profile_summary(path: str, top: int = 25, modules_kept: int = 40) -> dict:
                 for e in ln.events:
                     events.setdefault(e.name, []).append(e.duration_ns / 1e3)
             ranked = sorted(((sum(v), len(v), k) for k, v in events.items()), reverse=True)
-            out["host"] = {"top_events": [{"name": k[:140], "total_us": t, "count": c} for t, c, k in ranked[:top]]}
+            out["host"] = {"top_events": [{"name": k[:140], "total_us": t, "count": c}
+                                          for t, c, k in ranked[:host_top]]}
         if not plane.name.startswith("/device:"):
             continue
         kernels: dict[str, list[float]] = {}
