@@ -13,10 +13,11 @@ drafter is over- or under-confident, so :class:`Policy` keeps per sequence an ex
 
     r_i = (accepted - 1) / (predicted for the form used - 1)        (clipped to [0, RATIO_MAX])
 
-and expects E_i(c) = 1 + r_i k_i(c) (pred_i(c) - 1) tokens a round from form c (an AR step: exactly 1). A tree round
-also shows what every smaller tree would have accepted (its c best nodes are that tree: the accepted path up to its
-first node past c), so each tree form c keeps a moving factor k_i(c): its own ratio in those rounds over the ratio of
-the form they ran (1 until seen; a larger tree never seen takes the largest smaller one's; the chain 1). A large tree
+and expects E_i(c) = 1 + r_i k_i(c) (pred_i(c) - 1) tokens a round from form c (an AR step: exactly 1). A new
+sequence's r_i starts at the others' (1 for the first), worth PRIOR_ROUNDS rounds against its own first group. A tree
+round also shows what every smaller tree would have accepted (its c best nodes are that tree: the accepted path up to
+its first node past c), so each tree form c keeps a moving factor k_i(c): its own ratio in those rounds over the ratio
+of the form they ran (1 until seen; a larger tree never seen takes the largest smaller one's; the chain 1). A large tree
 whose extra nodes the drafter overrates is then seen to accept less than its prediction and is left, while the smaller
 trees are not underrated by its low ratio; and as factors, not ratios, they follow r_i when only the chain probes (a
 drafter useless for a while, then useful again). It picks the (form,
@@ -73,6 +74,9 @@ def seen_column(trees: Sequence[int], i: int) -> int:
 
 
 SMOOTHING = 0.1  # weight of one round in the moving averages: a group of 8 rounds weighs 1 - 0.9^8 = 0.57
+PRIOR_ROUNDS = 4.0  # what a ratio not yet observed (1 for a new Policy, the others' for a new sequence) weighs, in
+# rounds, against a sequence's first group: a response's first rounds accept little, and 2 rounds taken alone sent
+# decodes to AR steps (one of 8 held-out questions on 2 CPU cores; about 3 prompts in 8 on an H100)
 RATIO_MAX = 2.0
 FACTOR_MAX = 4.0  # a tree's factor on the ratio (k_i(c)), at most
 FIRST_PROBE_EVERY = 2  # AR groups before the first probe of a speculative form
@@ -167,18 +171,22 @@ def _ratio(rounds: float, accepted: float, predicted: float) -> float | None:
 class Policy:
     """Chooses the (form, slot batch) of the next group of rounds; host-side, one per engine or generate call.
 
-    forms: the candidate forms; columns: the tree budgets of round.State.stats' tree columns (in order).
+    forms: the candidate forms; columns: the tree budgets of round.State.stats' tree columns (in order);
+    prior_rounds: what a ratio not yet observed weighs against a sequence's first group, in rounds (0: the first
+    group's ratio replaces it).
     Sequences are keyed by any hashable (the engine's slots, generate's rows)."""
 
-    def __init__(self, forms: Sequence[str], columns: Sequence[int]):
+    def __init__(self, forms: Sequence[str], columns: Sequence[int], prior_rounds: float = PRIOR_ROUNDS):
         self.forms = tuple(forms)
         self.columns = tuple(columns)
+        self.prior_rounds = prior_rounds
         self.prior = Estimate()
         self.seqs: dict = {}
         self.probing: dict[int, Probing] = {}  # slot batch -> its probes' state
         self._probe_out: int | None = None  # the slot batch of a probe whose statistics have not arrived (they come
         # a group late)
         self.probes = 0  # choices that were probes (the engine's metrics tell its rounds apart by them)
+        self._exploring: set[str] = set()  # forms chosen to learn about whose statistics have not arrived
 
     # ---------------------------------------------------------------- sequences
     def start(self, seq) -> None:
@@ -194,6 +202,7 @@ class Policy:
         rounds = float(sums[ROUNDS])
         if rounds <= 0:
             return  # AR steps: nothing drafted
+        self._exploring.discard(form)
         if seq not in self.seqs:
             self.start(seq)
         preds = {CHAIN: float(sums[CHAIN_PRED]) / rounds}
@@ -209,7 +218,8 @@ class Policy:
         for est in (self.seqs[seq], self.prior):
             first = not est.observed
             if ratio is not None:
-                est.ratio = ratio if first else est.ratio + weight * (ratio - est.ratio)
+                w = rounds / (rounds + self.prior_rounds) if first else weight
+                est.ratio += w * (ratio - est.ratio)
             for f, p in preds.items():
                 old = est.preds.get(f)
                 est.preds[f] = p if old is None or first else old + weight * (p - old)
@@ -256,15 +266,18 @@ class Policy:
     def choose(self, seqs: Sequence, options: Mapping[tuple[str, int], float]) -> tuple[str, int]:
         """The (form, slot batch) among ``options`` ((form, batch) -> seconds a round, the ready programs that can
         hold ``seqs``) with the most expected tokens per second. Forms whose expectation is unknown (nothing observed
-        yet) are explored first, cheapest first; after AR has won N groups in a row at its slot batch (times the
-        probe's cost over AR's, at least 1: :class:`Probing`), one group probes the cheapest speculative form."""
+        yet) are explored first, cheapest first, each once until its statistics arrive (a group late); after AR has won
+        N groups in a row at its slot batch (times the probe's cost over AR's, at least 1: :class:`Probing`), one
+        group probes the cheapest speculative form."""
         if not options:
             raise ValueError("no program to choose from")
         totals = {form: self.total(seqs, form) for form in {f for f, _ in options}}  # once per form, not per batch
         speculative = sorted(((c, k) for k, c in options.items() if k[0] != AR), key=lambda x: x[0])
         unknown = [k for c, k in speculative if totals[k[0]] is None]
-        if unknown:
-            return unknown[0]
+        if unknown:  # the cheapest one not being explored already: the group before ran it, its statistics not read
+            pick = next((k for k in unknown if k[0] not in self._exploring), unknown[0])
+            self._exploring.add(pick[0])
+            return pick
         best = max(options, key=lambda k: (totals[k[0]] / options[k], -options[k]))
         if best[0] != AR:  # speculation pays here, and where it is cheaper: the smaller slot batches
             self.probing = {n: p for n, p in self.probing.items() if n > best[1]}

@@ -95,7 +95,7 @@ def test_rounds_that_predict_the_next_tree_up_climb_to_the_best_one():
 
 def test_the_ratio_corrects_an_overconfident_drafter_and_the_slot_batch_counts():
     pred = curve(12.0, 256)
-    p = policy.Policy(FORMS, TREES)
+    p = policy.Policy(FORMS, TREES, prior_rounds=0)
     p.start(0)
     used = pred[TREES.index(256)]
     p.observe(0, "256", stats(8, 1 + 0.25 * (used - 1), used, 1.5, pred))  # a quarter of what it predicted
@@ -121,7 +121,7 @@ def test_each_tree_keeps_its_own_ratio_so_overrated_extra_nodes_do_not_hide_a_be
     seen = {f: true[f] for f in ("16", "32", "64", "128")}
     rate = {f: (1.0 if f == "ar" else true[f]) / c for f, c in COSTS.items() if f not in ("chain", "256")}
     assert max(rate, key=rate.get) == "64"
-    p = policy.Policy(FORMS, TREES)
+    p = policy.Policy(FORMS, TREES, prior_rounds=0)
     p.start(0)
     p.observe(0, "128", stats(8, true["128"], pred[3], 1.1, pred, seen))
     for f in ("16", "32", "64", "128"):
@@ -139,7 +139,7 @@ def test_falls_back_to_ar_when_the_drafter_is_useless_and_probes_less_and_less()
     cheapest speculative form; each probe that changes nothing doubles the wait, up to MAX_PROBE_EVERY AR groups
     times the probe's cost over AR's."""
     for pred, accepted in ((curve(0.02), 1.0), (curve(6.0), 1.0)):  # flat curve; confident but never right
-        p = policy.Policy(FORMS, TREES)
+        p = policy.Policy(FORMS, TREES, prior_rounds=0)
         p.start(0)
         p.observe(0, "16", stats(8, accepted, pred[0], 1.01, pred))
         choices, probes = [], []
@@ -281,7 +281,7 @@ def test_a_slot_batch_first_met_starts_from_the_wait_a_smaller_one_earned():
 
 def test_returns_to_speculation_when_a_probe_shows_acceptance():
     pred = curve(6.0)
-    p = policy.Policy(FORMS, TREES)
+    p = policy.Policy(FORMS, TREES, prior_rounds=0)
     p.start(0)
     p.observe(0, "16", stats(8, 1.0, pred[0], 1.3, pred))  # off-domain: nothing accepted
     seen = []
@@ -296,9 +296,11 @@ def test_returns_to_speculation_when_a_probe_shows_acceptance():
 
 
 def test_new_sequences_start_from_what_the_others_showed_and_unknown_forms_are_explored():
-    p = policy.Policy(FORMS, TREES)
+    p = policy.Policy(FORMS, TREES, prior_rounds=0)  # (a first group's ratio replaces the prior: exact values)
     p.start("a")
     assert p.choose(["a"], options()) == ("chain", 1)  # nothing known: the cheapest speculative form, to learn
+    # the next group is chosen before the chain's statistics arrive: the next cheapest unknown form, not the chain again
+    assert p.choose(["a"], options()) == ("16", 1)
     pred = curve(4.0)
     p.observe("a", "chain", stats(8, 1.0, 1.4, 1.4, pred))  # ratio 0
     p.start("b")
@@ -309,6 +311,32 @@ def test_new_sequences_start_from_what_the_others_showed_and_unknown_forms_are_e
     q.observe(0, "16", stats(4, 2.0, 2.0, 1.5, pred[:2] + [0, 0, 0]))
     assert q.pred(q.seqs[0], "256") == pytest.approx(pred[1])
     assert q.summary([0], "32")[0] == pytest.approx(q.expected(0, "32"))
+
+
+def test_a_first_group_weighs_against_the_prior_so_a_slow_start_keeps_the_trees():
+    """A response's first rounds accept little: 2 rounds of a tree of 32 accepting a twentieth of what the drafter
+    predicted beyond the root do not send the decode to AR steps; the same shortfall kept up for four groups of 8
+    does."""
+    pred = curve(4.0)
+    used = pred[TREES.index(32)]
+    p = policy.Policy(FORMS, TREES)
+    p.start(0)
+    p.observe(0, "32", stats(2, 1 + 0.05 * (used - 1), used, 1.5, pred))
+    w = 2 / (2 + policy.PRIOR_ROUNDS)
+    assert p.seqs[0].ratio == pytest.approx(1 + w * (0.05 - 1), rel=1e-5)
+    assert p.choose([0], options())[0] != "ar"
+    for _ in range(4):
+        p.observe(0, "32", stats(8, 1 + 0.05 * (used - 1), used, 1.5, pred))
+    assert p.choose([0], options())[0] == "ar"
+    alone = policy.Policy(FORMS, TREES, prior_rounds=0)  # the first 2 rounds alone would have
+    alone.start(0)
+    alone.observe(0, "32", stats(2, 1 + 0.05 * (used - 1), used, 1.5, pred))
+    assert alone.choose([0], options())[0] == "ar"
+    # a new sequence starts from the others' ratio, which weighs as much against its own first group
+    p.start(1)
+    before = p.seqs[1].ratio
+    p.observe(1, "32", stats(2, used, used, 1.5, pred))
+    assert p.seqs[1].ratio == pytest.approx(before + w * (1 - before), rel=1e-5)
 
 
 def test_the_cost_table_persists_per_signature(tmp_path):
