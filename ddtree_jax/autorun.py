@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import math
 import sys
 import threading
 import time
@@ -143,20 +144,26 @@ class Chain:
         jax.block_until_ready(snap)
         return snap, time.perf_counter() - called
 
-    def groups(self, plan: Callable[[], tuple]) -> Iterator[tuple]:
+    def groups(self, plan: Callable[[], tuple | None]) -> Iterator[tuple]:
         """Groups one after another on a worker thread, one queued behind the one running: ``plan()`` gives the next
         group's (tag, compiled ``run_group``, rounds) when it is queued, on the caller's thread, so it may use all
-        that was read so far; yields each group's (tag, Snapshot read on the host, seconds it ran) in order while the
-        next one runs, so the device runs group after group without waiting for the host. (On a GPU a dispatch
-        returns only once its group has run, XLA's runtime reading the round loop's predicate on the host: dispatched
-        from the host's own thread, every group would wait for the host's reading and choosing.) Closing the
-        generator waits for the group queued behind the last one read: only then is :attr:`state` the last."""
+        that was read so far, or None to queue nothing before the running group is read (while one runs: when it is
+        expected to finish the decode, a group queued behind it would be a device call of no round); yields each
+        group's (tag, Snapshot read on the host, seconds it ran) in order while the next one runs, so the device runs
+        group after group without waiting for the host. (On a GPU a dispatch returns only once its group has run,
+        XLA's runtime reading the round loop's predicate on the host: dispatched from the host's own thread, every
+        group would wait for the host's reading and choosing.) Closing the generator waits for the group queued
+        behind the last one read: only then is :attr:`state` the last."""
         with quick_handoffs(), concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddtree-groups") as worker:
             queued: collections.deque = collections.deque()  # (tag, Future of run) of the groups not yet read
             while True:
-                tag, fn, rounds = plan()
-                queued.append((tag, worker.submit(self.run, fn, rounds)))
-                if len(queued) > 1:
+                nxt = plan()
+                if nxt is not None:
+                    tag, fn, rounds = nxt
+                    queued.append((tag, worker.submit(self.run, fn, rounds)))
+                elif not queued:
+                    raise RuntimeError("Chain.groups: plan() gave no group while none runs")
+                if len(queued) > 1 or nxt is None:
                     tag, future = queued.popleft()
                     snap, seconds = future.result()
                     yield tag, jax.device_get(snap), seconds
@@ -199,6 +206,7 @@ class AutoRun:
                                spec.draft.block_size)
         self.spec, self.tparams, self.dparams, self.fresh = spec, tparams, dparams, fresh
         self.n, self.rounds, self.max_group = n_prompts, rounds, max(rounds, max_group)
+        self.max_new_tokens = options.max_new_tokens
         self.costs = cost_table
         self.policy = chooser or policy.Policy(forms, spec.predict)
         starts = jax.ShapeDtypeStruct((self.batch,), jnp.int32)
@@ -247,6 +255,18 @@ class AutoRun:
         del dummy
         self.measure_s += time.perf_counter() - t0
 
+    def _rounds_left(self, seqs: list[int], tokens_left: np.ndarray, form: str) -> float:
+        """Rounds of ``form`` the sequences ``seqs`` are expected to need for ``tokens_left`` [B] (what their
+        max_new_tokens still allows; a stop token may end them sooner): the most over them of tokens left over the
+        tokens a round is expected to commit (policy.Policy.expected); infinite where that is unknown."""
+        need = 0.0
+        for i in seqs:
+            e = self.policy.expected(i, form)
+            if e is None or e <= 0:
+                return math.inf
+            need = max(need, float(tokens_left[i]) / e)
+        return need
+
     def form_costs_ms(self) -> dict[str, tuple[float, float]]:
         """Per form timed before the decode: (ms a round as timed, as the cost table holds it now)."""
         return {f: (1e3 * s, 1e3 * (self.costs.get(self.keys[f]) or s)) for f, s in self.timed.items()}
@@ -261,18 +281,30 @@ class AutoRun:
         emitted = np.asarray(lens)
         chain = Chain(self.tparams, self.dparams, state, jnp.asarray(lens, jnp.int32))
         first = [r for r in FIRST_GROUPS if r < self.rounds]
-        rounds, previous, queued = 0, None, 0  # the last group queued: its rounds and form; rounds queued in all
+        limits = np.asarray(lens) + self.max_new_tokens
+        rounds, previous, queued, read = 0, None, 0, 0  # the last group queued: its rounds and form; rounds queued
+        # in all, and of the groups read
 
         def plan():
             nonlocal rounds, previous, queued
+            ahead = queued - read  # rounds queued, not yet read
+            if ahead and self._rounds_left(live, limits - emitted, previous) <= ahead:
+                return None  # the groups running are expected to finish the decode: read them first
             options = {(f, self.batch): c for f, k in self.keys.items() if (c := self.costs.get(k)) is not None}
             form, _ = self.policy.choose(live, options)
-            rounds = first.pop(0) if first else group_rounds(form, previous, rounds, self.rounds, self.max_group)
+            if first:
+                rounds = first.pop(0)
+            else:
+                rounds = group_rounds(form, previous, rounds, self.rounds, self.max_group)
+                left = self._rounds_left(live, limits - emitted, form) - ahead
+                if left <= 2 * rounds:  # the rest of the decode fits in a group or two: one group, with room to spare
+                    rounds = int(min(max(rounds, np.ceil(2 * left)), self.max_group))
             previous, queued = form, queued + rounds
-            return form, self.fns[form], rounds
+            return (form, rounds), self.fns[form], rounds
 
         with contextlib.closing(chain.groups(plan)) as groups:
-            for form, host, seconds in groups:
+            for (form, planned), host, seconds in groups:
+                read += planned
                 ran = int(np.max(host.new_rounds))
                 if ran:  # the worker's own wait for the group: from its dispatch, after the group before it ran
                     self.costs.observe(self.keys[form], seconds / ran, int(np.mean(emitted)))

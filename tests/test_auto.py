@@ -237,6 +237,8 @@ def test_groups_double_while_speculative_forms_follow_one_another(target, drafte
         return [(f, len(list(g))) for f, g in itertools.groupby(max(res.round_forms, key=len))]
 
     (a, b), c = autorun.FIRST_GROUPS, autorun.GROUP_ROUNDS
+    n = 4 * n  # long enough that no group before the fifth is expected to need to take the rest of the decode
+    opts = dataclasses.replace(opts, max_new_tokens=n)
     assert 2 * c <= autorun.MAX_GROUP_ROUNDS and a + b + 3 * c < n  # AR steps: a round, a token
     speculative = decode.generate(target, prompts, opts, draft=drafter,
                                   chooser=Scripted(["4"] * 4 + ["ar"], FORMS, (4,)))
@@ -247,6 +249,32 @@ def test_groups_double_while_speculative_forms_follow_one_another(target, drafte
                                chooser=Scripted(["4"] * 4 + ["ar"], FORMS, (4,)))
     assert runs(streamed)[0] == ("4", a + 3 * 4) and runs(streamed)[1][0] == "ar"
     assert speculative.output_ids == ar.output_ids == streamed.output_ids
+
+
+def test_the_last_group_takes_the_rest_and_no_call_runs_no_round(target, drafter, batch, monkeypatch):
+    """Each device call costs the host about a round of a small model on a GPU, so near its end a decode's next group
+    takes every round the policy expects it to need, twice over (a group stops when its sequences are done), and no
+    group is queued behind one expected to finish the decode (it would be a call of no round)."""
+    calls = []
+    run = autorun.Chain.run
+
+    def counted(self, fn, rounds):
+        snap, seconds = run(self, fn, rounds)
+        calls.append((rounds, int(np.max(np.asarray(snap.new_rounds)))))
+        return snap, seconds
+
+    monkeypatch.setattr(autorun.Chain, "run", counted)
+    prompts, n = batch
+    opts = decode.GenerateOptions(method="ddtree", max_new_tokens=n, forms=FORMS)
+    res = decode.generate(target, prompts, opts, draft=drafter, chooser=Scripted(["4"], FORMS, (4,)))
+    total = max(len(f) for f in res.round_forms)
+    assert sum(ran for _, ran in calls) == total and all(ran for _, ran in calls), calls
+    doubling, covered = [*autorun.FIRST_GROUPS, autorun.GROUP_ROUNDS], sum(autorun.FIRST_GROUPS) + autorun.GROUP_ROUNDS
+    while covered < total:
+        doubling.append(min(2 * doubling[-1], autorun.MAX_GROUP_ROUNDS))
+        covered += doubling[-1]
+    assert len(calls) < len(doubling) and calls[-1][0] > calls[-1][1], (calls, doubling)
+    assert res.output_ids == decode.generate(target, prompts, dataclasses.replace(opts, method="ar")).output_ids
 
 
 def test_sampled_output_is_ars_for_the_same_seed_whatever_the_forms(target, drafter, batch):
@@ -361,10 +389,10 @@ def test_a_groups_cost_is_its_own_when_a_dispatch_waits_for_the_group(target, dr
     monkeypatch.setattr(autorun, "AutoRun", Blocking)
     monkeypatch.setattr(autorun, "cost_table_for", lambda spec, dtype, persist=True: Spying("test", None))
     decode.generate(target, prompts, opts, draft=drafter, chooser=Timed(["4"], ("4",), (4,)))
-    decode_calls = calls[-len(chosen_at):]  # after the timing calls; the last group ran no round
-    assert [c[0] for c in decode_calls[:3]] == [2, 4, 8] and decode_calls[-1][1] == 0
+    decode_calls = calls[-len(chosen_at):]  # after the timing calls; each ran rounds (none queued behind the last)
+    assert [c[0] for c in decode_calls[:3]] == [2, 4, 8] and all(c[1] for c in decode_calls), decode_calls
     assert all(at < before[3] for at, before in zip(chosen_at[1:], decode_calls)), (chosen_at, decode_calls)
-    assert len(seen) == len(decode_calls) - 1
+    assert len(seen) == len(decode_calls)
     for seconds, (_, ran, took, _) in zip(seen, decode_calls):
         assert took / ran * 0.8 < seconds < took / ran * 1.25, (seen, decode_calls)
 
