@@ -12,15 +12,18 @@ ROOT = Path(__file__).parents[1]
 PERFORMANCE = ROOT / "docs" / "PERFORMANCE.md"
 RESULTS = ROOT / "benchmarks" / "results"
 # the default pair's records shown, in table order: (file, key or None for the whole file, the rows' label, the
-# drafter: "first" shipped until 2026-12-05 14:00, "second" until 17:40, "third" since)
+# drafter: "first" shipped until 2026-12-05 14:00, "second" until 17:40, "third" until 2026-12-06 07:55, "fourth"
+# since)
 PAIR_RECORDS = [("default_pair_h200.json", "batch1_budgets_32_64", "H200, batch 1", "first"),
                 ("default_pair_h200.json", "batch1_budgets_16_128_256", "H200, batch 1", "first"),
-                ("auto_pair_h200.json", None, "H200, batch 1", "first"),
+                ("auto_pair_h200.json", "at_2026-12-05", "H200, batch 1", "first"),
                 ("default_pair_h200.json", "batch8_budget_64", "H200, batch 8", "first"),
                 ("default_pair_cpu.json", None, "2 CPU cores, batch 1", "first"),
                 ("auto_pair_h100.json", "at_e5c796b", "H100, batch 1", "third"),
                 ("auto_pair_h100.json", "at_2a585b9", "H100, batch 1", "third"),
-                ("auto_pair_cpu.json", None, "2 CPU cores, batch 1", "third")]
+                ("auto_pair_cpu.json", None, "2 CPU cores, batch 1", "third"),
+                ("auto_pair_h100.json", "at_bd6b719", "H100, batch 1", "third"),
+                ("auto_pair_h200.json", "at_d4b10bc", "H200, batch 1", "fourth")]
 PAIR_ROW_STARTS = ("| H200, batch", "| H100, batch", "| 2 CPU")
 
 
@@ -118,7 +121,7 @@ def test_the_default_pairs_tables_are_its_records():
     """docs/PERFORMANCE.md's default-pair table is the `bench pair` records row for row, and every row README shows
     is one of them."""
     rows = pair_rows()
-    assert len(rows) == 4 + 5 + 8 + 3 + 7 + 5 + 5 + 5
+    assert len(rows) == 4 + 5 + 8 + 3 + 7 + 5 + 5 + 5 + 5 + 5
     page_rows = [line for line in PERFORMANCE.read_text().splitlines() if line.startswith(PAIR_ROW_STARTS)]
     assert page_rows == rows
     readme_rows = [line for line in (ROOT / "README.md").read_text().splitlines()
