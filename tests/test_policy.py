@@ -301,6 +301,11 @@ def test_new_sequences_start_from_what_the_others_showed_and_unknown_forms_are_e
     assert p.choose(["a"], options()) == ("chain", 1)  # nothing known: the cheapest speculative form, to learn
     # the next group is chosen before the chain's statistics arrive: the next cheapest unknown form, not the chain again
     assert p.choose(["a"], options()) == ("16", 1)
+    # ... unless it costs much more than the cheapest unknown one: then that again
+    q = policy.Policy(FORMS, TREES)
+    dear = {**COSTS, "16": policy.EXPLORE_SPREAD * 1.01 * COSTS["chain"]}
+    dear.update({f: 2 * dear["16"] for f in ("32", "64", "128", "256")})
+    assert q.choose([0], options(table=dear)) == ("chain", 1) and q.choose([0], options(table=dear)) == ("chain", 1)
     pred = curve(4.0)
     p.observe("a", "chain", stats(8, 1.0, 1.4, 1.4, pred))  # ratio 0
     p.start("b")
