@@ -49,17 +49,18 @@ def test_fixtures_mode_on_a_mesh(tmp_path):
 
 def test_pair_mode_on_the_fixture_pair(tmp_path, capsys, monkeypatch):
     """``bench pair`` with an explicit pair: held-out prompts, every method (ddtree at a fixed budget and under auto,
-    whose costs go to the cache directory's table), acceptance and speed vs AR."""
+    whose costs go to the cache directory's table), acceptance and speed vs AR; --tuning applies to every method."""
     from tests.conftest import fixture_path
 
     monkeypatch.setenv("DDTREE_JAX_CACHE", str(tmp_path))
     out = tmp_path / "pair.json"
     code = bench.main(["pair", "--target", fixture_path("target"), "--draft", fixture_path("draft"),
                        "--budgets", "4,auto", "--forms", "ar,4", "--prompts", "2", "--max-new-tokens", "8",
-                       "--dtype", "float32", "--check", "--json", str(out)])
+                       "--dtype", "float32", "--check", "--tuning", "layer_unroll=2", "--json", str(out)])
     assert code == 0
     res = json.loads(out.read_text())
     assert list(res["methods"]) == ["ar", "dflash", "ddtree-4", "ddtree-auto"] and res["prompts"] == 2
+    assert res["tuning"]["layer_unroll"] == 2
     forms = res["methods"]["ddtree-auto"]["forms"]
     assert res["batch"] == 1 and set(forms) <= {"ar", "4"} and sum(forms.values()) >= 2
     costs = res["methods"]["ddtree-auto"]["costs_ms"]  # the costs auto weighed, per prompt: every form timed

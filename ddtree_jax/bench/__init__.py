@@ -218,6 +218,7 @@ def build_parser() -> cli.ArgumentParser:
                    help="all prompts as one batch (default: one prompt at a time, batch 1)")
     q.add_argument("--dtype", choices=cli.DTYPES, default="bfloat16", help="(default: bfloat16)")
     q.add_argument("--attention", choices=cli.ATTENTIONS, default="auto", help=cli.ATTENTION_HELP)
+    cli.add_tuning(q)
     q.add_argument("--check", action="store_true",
                    help="also compare every method's tokens with ar's and replay each round's tree walk on the host "
                         "from a traced run (columns same-as-ar, first divergence, walk mismatches)")

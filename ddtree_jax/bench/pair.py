@@ -30,8 +30,8 @@ def run(args) -> int:
     # laid out once for the backend here, for the rounds (device_layout is idempotent: each dflash / ddtree call below
     # then has nothing to do; on GPU each ar call turns the target output-major again, before its timed decode), not
     # once per prompt
-    target, draft = ((cfg, device_layout(p)) for cfg, p in (weights.load_target(target_path, dtype),
-                                                           weights.load_draft(draft_path, dtype)))
+    target, draft = ((cfg, device_layout(p, layout=args.tuning.layout))
+                     for cfg, p in (weights.load_target(target_path, dtype), weights.load_draft(draft_path, dtype)))
     tok = load_tokenizer(target_path)
     if tok is None:
         raise cli.UsageError(f"{target_path} has no tokenizer: the held-out prompts are text")
@@ -44,7 +44,8 @@ def run(args) -> int:
     for g in groups:  # every method on a prompt before the next prompt: a machine's drift over minutes (2 CPU cores'
         # speed halves at times) falls on every method alike, not on the ones timed last
         run = evaluate.benchmark(target, draft, g, budgets=fixed, max_new_tokens=args.max_new_tokens,
-                                 stop_ids=stop, attention=args.attention, check=args.check, log=lambda m: None)
+                                 stop_ids=stop, attention=args.attention, check=args.check, log=lambda m: None,
+                                 tuning=args.tuning)
         if AUTO in args.budgets:
             run["ddtree-auto"] = _auto_run(target, draft, g, args, stop, run["ar"]["tokens_per_s"])
         runs.append(run)
@@ -76,7 +77,8 @@ def run(args) -> int:
     out = {"date": now(), "command": command(), "device": jax.devices()[0].device_kind,
            "backend": jax.default_backend(), "target": target_path, "draft": draft_path, "dtype": args.dtype,
            "prompts": len(prompts), "batch": len(prompts) if args.batched else 1,
-           "max_new_tokens": args.max_new_tokens, "attention": args.attention, "methods": table}
+           "max_new_tokens": args.max_new_tokens, "attention": args.attention,
+           "tuning": dataclasses.asdict(args.tuning), "methods": table}
     extra = f" {'min':>4} {'same-as-ar':>10} {'diverges at':>11} {'walk mismatches':>15}" if args.check else ""
     print(f"{'method':<12} {'acceptance':>10} {'tok/s':>8} {'vs ar':>6}{extra}")
     for name, row in table.items():
@@ -105,7 +107,7 @@ def _auto_run(target, draft, prompts, args, stop, ar_tokens_per_s) -> dict:
 
     opts = GenerateOptions(method="ddtree", tree_budget=AUTO, max_new_tokens=args.max_new_tokens,
                            stop_token_ids=stop, attention=args.attention, forms=args.forms or ())
-    res = decode.generate(target, prompts, opts, draft=draft, persist_costs=True)
+    res = decode.generate(target, prompts, opts, draft=draft, persist_costs=True, tuning=args.tuning)
     acc = [a for seq in res.acceptance_lengths for a in seq]
     tps = sum(res.num_generated) / res.decode_s if res.decode_s > 0 else None
     row = {"mean_acceptance_length": statistics.fmean(acc) if acc else None,
@@ -116,12 +118,12 @@ def _auto_run(target, draft, prompts, args, stop, ar_tokens_per_s) -> dict:
     if tps and ar_tokens_per_s:
         row["speedup"] = tps / ar_tokens_per_s
     if args.check:  # as training.evaluate.benchmark's check: AR's tokens, and every traced round's walk replayed
-        ar_ids = decode.generate(target, prompts, dataclasses.replace(opts, method="ar")).output_ids
+        ar_ids = decode.generate(target, prompts, dataclasses.replace(opts, method="ar"), tuning=args.tuning).output_ids
         firsts = [next((i - len(p) for i, (x, y) in enumerate(zip(mine, theirs)) if i >= len(p) and x != y),
                        None if len(mine) == len(theirs) else min(len(mine), len(theirs)) - len(p))
                   for p, mine, theirs in zip(prompts, res.output_ids, ar_ids)]
         traced = decode.generate(target, prompts, dataclasses.replace(opts, trace=True), draft=draft,
-                                 persist_costs=True)
+                                 persist_costs=True, tuning=args.tuning)
         rounds = [r for seq in traced.rounds for r in seq]
         row.update(same_as_ar=sum(f is None for f in firsts), traced_rounds=len(rounds),
                    first_divergence=min((f for f in firsts if f is not None), default=None),

@@ -55,10 +55,12 @@ def held_out_acceptance(target, draft, tokenizer, *, budget: int = BUDGET, max_n
 
 
 def benchmark(target, draft, prompts: list[list[int]], *, budgets: Sequence[int], max_new_tokens: int,
-              stop_ids: Sequence[int] = (), attention: str = "auto", check: bool = False, log=print) -> dict[str, Any]:
+              stop_ids: Sequence[int] = (), attention: str = "auto", check: bool = False, log=print,
+              tuning=None) -> dict[str, Any]:
     """Greedy ar / dflash / ddtree(budget) on the prompts as one batch (one compilation per method): mean
     acceptance length and decode tokens/s (generated tokens / the on-device decode loop's time: no prefill,
-    no compilation, no streaming round trips), speedup over ar.
+    no compilation, no streaming round trips), speedup over ar. ``tuning`` (``ddtree_jax.tuning.Tuning``, default
+    the backend's defaults) applies to every method.
 
     check: also compare each method's tokens with ar's (``same_as_ar``: prompts whose outputs are equal;
     ``first_divergence``: the earliest generated position where one differs) and run it again traced, replaying
@@ -67,17 +69,19 @@ def benchmark(target, draft, prompts: list[list[int]], *, budgets: Sequence[int]
     ar where two logits nearly tie (the verify's matrix shapes differ from ar's); a walk mismatch is a fault."""
     from ddtree_jax import decode
     from ddtree_jax.spec import GenerateOptions
+    from ddtree_jax.tuning import Tuning
     from ddtree_jax.weight_layout import device_layout
 
+    tuning = tuning or Tuning()
     # laid out for the backend once here, for the rounds, not in each decode.generate call below
-    target, draft = ((cfg, device_layout(p)) for cfg, p in (target, draft))
+    target, draft = ((cfg, device_layout(p, layout=tuning.layout)) for cfg, p in (target, draft))
     runs = [("ar", 0), ("dflash", 0)] + [("ddtree", b) for b in budgets]
     out: dict[str, Any] = {}
     ar_ids = None
     for method, budget in runs:
         opts = GenerateOptions(method=method, tree_budget=budget or 1, max_new_tokens=max_new_tokens,
                                stop_token_ids=tuple(stop_ids), attention=attention)
-        res = decode.generate(target, prompts, opts, draft=None if method == "ar" else draft)
+        res = decode.generate(target, prompts, opts, draft=None if method == "ar" else draft, tuning=tuning)
         acc = [a for seq in res.acceptance_lengths for a in seq]
         tokens = sum(res.num_generated)
         name = method if method != "ddtree" else f"ddtree-{budget}"
@@ -92,12 +96,13 @@ def benchmark(target, draft, prompts: list[list[int]], *, budgets: Sequence[int]
         if method == "ar":
             ar_ids = res.output_ids
         elif check:
-            out[name].update(_check(res, ar_ids, prompts, target, draft, dataclasses.replace(opts, trace=True)))
+            out[name].update(_check(res, ar_ids, prompts, target, draft, dataclasses.replace(opts, trace=True),
+                                    tuning))
         log(f"{name}: {json.dumps(out[name])}")
     return out
 
 
-def _check(res, ar_ids, prompts, target, draft, traced_opts) -> dict[str, Any]:
+def _check(res, ar_ids, prompts, target, draft, traced_opts, tuning) -> dict[str, Any]:
     """``benchmark``'s check of one method: its outputs against ar's, and a traced run's walks replayed."""
     from ddtree_jax import accept, decode
 
@@ -105,7 +110,7 @@ def _check(res, ar_ids, prompts, target, draft, traced_opts) -> dict[str, Any]:
     firsts = [next((i - s for i, (x, y) in enumerate(zip(mine, theirs)) if i >= s and x != y),
                    None if len(mine) == len(theirs) else min(len(mine), len(theirs)) - s)
               for mine, theirs, s in zip(res.output_ids, ar_ids, starts)]
-    traced = decode.generate(target, prompts, traced_opts, draft=draft)
+    traced = decode.generate(target, prompts, traced_opts, draft=draft, tuning=tuning)
     rounds = [r for seq in traced.rounds for r in seq]
     bad = sum(accept.walk_host(r["tree"]["node_token_ids"], r["tree"]["parents"], r["target_choices"])
               != r["accepted_indices"] for r in rounds)
