@@ -217,6 +217,7 @@ class AutoRun:
             self.fns[f] = compiled(run_group, sp, tparams, dparams, template, starts, count, self.max_group)
             self.keys[f] = costs.program_key(f, self.batch, variant(sp))
         self.measure_s = 0.0
+        self.groups: list[int] = []  # the rounds each group of the last decode ran (a device call each)
         self.timed: dict[str, float] = {}  # form -> seconds a round as _warm timed it
 
     def _warm(self, lens: list[int]) -> None:
@@ -275,6 +276,7 @@ class AutoRun:
         """Groups until every sequence is done, run in order on a worker thread (:meth:`Chain.groups`): while it runs
         group g, the host reads group g - 1 and chooses group g + 1 from the statistics read so far."""
         self._warm(lens)
+        self.groups = []
         live = list(range(self.n))
         for i in live:
             self.policy.start(i)
@@ -306,6 +308,7 @@ class AutoRun:
             for (form, planned), host, seconds in groups:
                 read += planned
                 ran = int(np.max(host.new_rounds))
+                self.groups.append(ran)
                 if ran:  # the worker's own wait for the group: from its dispatch, after the group before it ran
                     self.costs.observe(self.keys[form], seconds / ran, int(np.mean(emitted)))
                 for i in live:

@@ -410,4 +410,5 @@ def generate(
         attention=spec.attention,
         round_forms=[round_forms(spec, state, i) for i in range(len(prompts))] if auto else None,
         form_costs_ms=run.form_costs_ms() if auto else None,
+        groups=run.groups if auto else None,
     )

@@ -29,6 +29,7 @@ class GenerateResult:
     round_forms: list[list[str]] | None = None  # with tree_budget "auto": per prompt, per round, the form it ran
     form_costs_ms: dict[str, tuple[float, float]] | None = None  # with tree_budget "auto": per form, ms a round as
     # timed before the decode and as the decode's own timings left it (the costs its choices weighed)
+    groups: list[int] | None = None  # with tree_budget "auto": the rounds each device call of the decode ran, in order
 
 
 def round_statistics_problem(spec: Spec, n_rounds: np.ndarray, hist: np.ndarray) -> str | None:

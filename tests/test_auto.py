@@ -269,6 +269,7 @@ def test_the_last_group_takes_the_rest_and_no_call_runs_no_round(target, drafter
     res = decode.generate(target, prompts, opts, draft=drafter, chooser=Scripted(["4"], FORMS, (4,)))
     total = max(len(f) for f in res.round_forms)
     assert sum(ran for _, ran in calls) == total and all(ran for _, ran in calls), calls
+    assert res.groups == [ran for _, ran in calls]  # what the result reports: the rounds of each call
     doubling, covered = [*autorun.FIRST_GROUPS, autorun.GROUP_ROUNDS], sum(autorun.FIRST_GROUPS) + autorun.GROUP_ROUNDS
     while covered < total:
         doubling.append(min(2 * doubling[-1], autorun.MAX_GROUP_ROUNDS))

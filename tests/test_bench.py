@@ -65,6 +65,8 @@ def test_pair_mode_on_the_fixture_pair(tmp_path, capsys, monkeypatch):
     assert res["batch"] == 1 and set(forms) <= {"ar", "4"} and sum(forms.values()) >= 2
     costs = res["methods"]["ddtree-auto"]["costs_ms"]  # the costs auto weighed, per prompt: every form timed
     assert set(costs) == {"ar", "4"} and all(len(c["timed"]) == len(c["decode"]) == 2 for c in costs.values())
+    calls = res["methods"]["ddtree-auto"]["calls"]  # each prompt's decode: its groups, a device call each
+    assert len(calls) == 2 and min(calls) >= 1 and sum(calls) <= sum(forms.values())  # a call runs a round at least
     assert all(x > 0 for c in costs.values() for x in c["timed"] + c["decode"])
     assert (tmp_path / "costs.json").exists()
     assert res["methods"]["ar"]["speedup"] == 1.0

@@ -206,8 +206,9 @@ def build_parser() -> cli.ArgumentParser:
     q.add_argument("--draft", default=None, metavar="PATH", help="drafter directory (default: the shipped one)")
     q.add_argument("--budgets", type=_budgets, default=[16, 32, 64, 128, 256, "auto"],
                    help="ddtree tree budgets, auto among them for --tree-budget auto (each prompt's rounds take the "
-                        "form with the most expected tokens per second; the record lists the forms that ran and "
-                        "each form's cost, as timed before each decode and as the decode left it) "
+                        "form with the most expected tokens per second; the record lists the forms that ran, "
+                        "each form's cost, as timed before each decode and as the decode left it, and each "
+                        "decode's device calls) "
                         "(default: 16,32,64,128,256,auto)")
     q.add_argument("--forms", type=cli.form_list, default=None, metavar="LIST", help=cli.FORMS_HELP)
     q.add_argument("--prompts", type=cli.positive_int, default=4,

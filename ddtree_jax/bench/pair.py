@@ -62,6 +62,7 @@ def run(args) -> int:
             # before each decode and as the decode left it, per prompt (the costs its choices weighed)
             table[name]["forms"] = dict(sum((collections.Counter(r[name]["forms"]) for r in runs),
                                             collections.Counter()).most_common())
+            table[name]["calls"] = [r[name]["calls"] for r in runs]  # device calls of each decode (its groups)
             table[name]["costs_ms"] = {f: {"timed": [r[name]["costs_ms"][f][0] for r in runs],
                                            "decode": [r[name]["costs_ms"][f][1] for r in runs]}
                                        for f in runs[0][name]["costs_ms"]}
@@ -90,7 +91,8 @@ def run(args) -> int:
                      f"{row['walk_mismatches']:>6}/{row['traced_rounds']:<8}")
         print(line)
     if "ddtree-auto" in table:
-        print("ddtree-auto's rounds: " + ", ".join(f"{f} x{n}" for f, n in table["ddtree-auto"]["forms"].items()))
+        print("ddtree-auto's rounds: " + ", ".join(f"{f} x{n}" for f, n in table["ddtree-auto"]["forms"].items())
+              + f"; device calls a decode: {statistics.fmean(table['ddtree-auto']['calls']):.1f}")
         print("ddtree-auto's costs, ms a round (median over prompts, as timed before its decodes / as they left them): "
               + ", ".join(f"{f} {statistics.median(c['timed']):.3f} / {statistics.median(c['decode']):.3f}"
                           for f, c in table["ddtree-auto"]["costs_ms"].items()))
@@ -114,7 +116,7 @@ def _auto_run(target, draft, prompts, args, stop, ar_tokens_per_s) -> dict:
            "min_acceptance_length": min(acc) if acc else None, "rounds": len(acc), "tokens_per_s": tps,
            "attention": res.attention,
            "forms": dict(collections.Counter(f for seq in res.round_forms for f in seq).most_common()),
-           "costs_ms": res.form_costs_ms}
+           "costs_ms": res.form_costs_ms, "calls": len(res.groups)}
     if tps and ar_tokens_per_s:
         row["speedup"] = tps / ar_tokens_per_s
     if args.check:  # as training.evaluate.benchmark's check: AR's tokens, and every traced round's walk replayed
