@@ -149,24 +149,24 @@ class Chain:
         group's (tag, compiled ``run_group``, rounds) when it is queued, on the caller's thread, so it may use all
         that was read so far, or None to queue nothing before the running group is read (while one runs: when it is
         expected to finish the decode, a group queued behind it would be a device call of no round); yields each
-        group's (tag, Snapshot read on the host, seconds it ran) in order while the next one runs, so the device runs
-        group after group without waiting for the host. (On a GPU a dispatch returns only once its group has run,
-        XLA's runtime reading the round loop's predicate on the host: dispatched from the host's own thread, every
-        group would wait for the host's reading and choosing.) Closing the generator waits for the group queued
+        group's (tag, rounds asked, Snapshot read on the host, seconds it ran) in order while the next one runs, so the
+        device runs group after group without waiting for the host. (On a GPU a dispatch returns only once its group
+        has run, XLA's runtime reading the round loop's predicate on the host: dispatched from the host's own thread,
+        every group would wait for the host's reading and choosing.) Closing the generator waits for the group queued
         behind the last one read: only then is :attr:`state` the last."""
         with quick_handoffs(), concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddtree-groups") as worker:
-            queued: collections.deque = collections.deque()  # (tag, Future of run) of the groups not yet read
+            queued: collections.deque = collections.deque()  # (tag, rounds, Future of run) of the groups not yet read
             while True:
                 nxt = plan()
                 if nxt is not None:
                     tag, fn, rounds = nxt
-                    queued.append((tag, worker.submit(self.run, fn, rounds)))
+                    queued.append((tag, rounds, worker.submit(self.run, fn, rounds)))
                 elif not queued:
                     raise RuntimeError("Chain.groups: plan() gave no group while none runs")
                 if len(queued) > 1 or nxt is None:
-                    tag, future = queued.popleft()
+                    tag, rounds, future = queued.popleft()
                     snap, seconds = future.result()
-                    yield tag, jax.device_get(snap), seconds
+                    yield tag, rounds, jax.device_get(snap), seconds
 
 
 def deliver(host, emitted: np.ndarray, n: int, on_tokens) -> np.ndarray:
@@ -183,7 +183,7 @@ def stream(spec: Spec, fn: Callable, chain: Chain, rounds: int, n: int, on_token
     one runs, until every sequence is done; the final state."""
     emitted = np.asarray(chain.starts)
     with contextlib.closing(chain.groups(lambda: (None, fn, rounds))) as groups:
-        for _, host, _ in itertools.islice(groups, -(-spec.max_rounds // rounds)):  # every round commits a token
+        for _, _, host, _ in itertools.islice(groups, -(-spec.max_rounds // rounds)):  # every round commits a token
             emitted = deliver(host, emitted, n, on_tokens)
             if host.done.all():
                 break
@@ -262,8 +262,8 @@ class AutoRun:
         tokens a round is expected to commit (policy.Policy.expected); infinite where that is unknown."""
         need = 0.0
         for i in seqs:
-            e = self.policy.expected(i, form)
-            if e is None or e <= 0:
+            e = self.policy.expected(i, form)  # at least 1: every round commits a token
+            if e is None:
                 return math.inf
             need = max(need, float(tokens_left[i]) / e)
         return need
@@ -302,10 +302,10 @@ class AutoRun:
                 if left <= 2 * rounds:  # the rest of the decode fits in a group or two: one group, with room to spare
                     rounds = int(min(max(rounds, np.ceil(2 * left)), self.max_group))
             previous, queued = form, queued + rounds
-            return (form, rounds), self.fns[form], rounds
+            return form, self.fns[form], rounds
 
         with contextlib.closing(chain.groups(plan)) as groups:
-            for (form, planned), host, seconds in groups:
+            for form, planned, host, seconds in groups:
                 read += planned
                 ran = int(np.max(host.new_rounds))
                 self.groups.append(ran)
