@@ -77,7 +77,7 @@ SMOOTHING = 0.1  # weight of one round in the moving averages: a group of 8 roun
 PRIOR_ROUNDS = 4.0  # what a ratio not yet observed (1 for a new Policy, the others' for a new sequence) weighs, in
 # rounds, against a sequence's first group: a response's first rounds accept little, and 2 rounds taken alone sent
 # decodes to AR steps (one of 8 held-out questions on 2 CPU cores; about 3 prompts in 8 on an H100)
-EXPLORE_SPREAD = 1.25  # a blind group explores another unknown form than the one before only within this cost ratio
+EXPLORE_SPREAD = 1.25  # a group that explores takes an unknown form costing at most this times the cheapest one
 RATIO_MAX = 2.0
 FACTOR_MAX = 4.0  # a tree's factor on the ratio (k_i(c)), at most
 FIRST_PROBE_EVERY = 2  # AR groups before the first probe of a speculative form
@@ -266,19 +266,21 @@ class Policy:
     # ---------------------------------------------------------------- choice
     def choose(self, seqs: Sequence, options: Mapping[tuple[str, int], float]) -> tuple[str, int]:
         """The (form, slot batch) among ``options`` ((form, batch) -> seconds a round, the ready programs that can
-        hold ``seqs``) with the most expected tokens per second. Forms whose expectation is unknown (nothing observed
-        yet) are explored first, cheapest first, each once until its statistics arrive (a group late) unless the next
-        costs over EXPLORE_SPREAD times the cheapest; after AR has won N groups in a row at its slot batch (times the
-        probe's cost over AR's, at least 1: :class:`Probing`), one group probes the cheapest speculative form."""
+        hold ``seqs``) with the most expected tokens per second. While some form's expectation is unknown (nothing
+        observed yet) a group explores: of the unknown forms costing at most EXPLORE_SPREAD times the cheapest, the
+        largest tree (its rounds predict every smaller tree and the next one up, and show what each smaller one would
+        have accepted; the chain, which accepts least, last), each once until its statistics arrive (a group late);
+        after AR has won N groups in a row at its slot batch (times the probe's cost over AR's, at least 1:
+        :class:`Probing`), one group probes the cheapest speculative form."""
         if not options:
             raise ValueError("no program to choose from")
         totals = {form: self.total(seqs, form) for form in {f for f, _ in options}}  # once per form, not per batch
         speculative = sorted(((c, k) for k, c in options.items() if k[0] != AR), key=lambda x: x[0])
         unknown = [k for c, k in speculative if totals[k[0]] is None]
-        if unknown:  # the cheapest one not being explored already (the group before ran it, its statistics not
-            # read), unless that costs more than EXPLORE_SPREAD times the cheapest: then the cheapest again
-            pick = next((k for k in unknown if k[0] not in self._exploring
-                         and options[k] <= EXPLORE_SPREAD * options[unknown[0]]), unknown[0])
+        if unknown:  # of those within EXPLORE_SPREAD times the cheapest, the one whose rounds teach the most
+            near = sorted((k for k in unknown if options[k] <= EXPLORE_SPREAD * options[unknown[0]]),
+                          key=lambda k: -(tree_budget(k[0]) or 0))
+            pick = next((k for k in near if k[0] not in self._exploring), near[0])
             self._exploring.add(pick[0])
             return pick
         best = max(options, key=lambda k: (totals[k[0]] / options[k], -options[k]))

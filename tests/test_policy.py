@@ -298,14 +298,20 @@ def test_returns_to_speculation_when_a_probe_shows_acceptance():
 def test_new_sequences_start_from_what_the_others_showed_and_unknown_forms_are_explored():
     p = policy.Policy(FORMS, TREES, prior_rounds=0)  # (a first group's ratio replaces the prior: exact values)
     p.start("a")
-    assert p.choose(["a"], options()) == ("chain", 1)  # nothing known: the cheapest speculative form, to learn
-    # the next group is chosen before the chain's statistics arrive: the next cheapest unknown form, not the chain again
-    assert p.choose(["a"], options()) == ("16", 1)
-    # ... unless it costs much more than the cheapest unknown one: then that again
+    # nothing known: to learn, the largest tree within EXPLORE_SPREAD times the cheapest form's cost (its rounds
+    # predict every smaller tree and show what each would have accepted): 64 (1.2x the chain's), not 128 (1.5x)
+    assert p.choose(["a"], options()) == ("64", 1)
+    # the next group is chosen before its statistics arrive: the next largest within the spread, not 64 again
+    assert p.choose(["a"], options()) == ("32", 1)
+    # ... and when no other is that cheap, the same again; the chain when every tree costs more
     q = policy.Policy(FORMS, TREES)
     dear = {**COSTS, "16": policy.EXPLORE_SPREAD * 1.01 * COSTS["chain"]}
     dear.update({f: 2 * dear["16"] for f in ("32", "64", "128", "256")})
     assert q.choose([0], options(table=dear)) == ("chain", 1) and q.choose([0], options(table=dear)) == ("chain", 1)
+    r = policy.Policy(FORMS, TREES)
+    cheap16 = {**dear, "16": COSTS["chain"]}
+    assert r.choose([0], options(table=cheap16)) == ("16", 1) and r.choose([0], options(table=cheap16)) == ("chain", 1)
+    assert r.choose([0], options(table=cheap16)) == ("16", 1)
     pred = curve(4.0)
     p.observe("a", "chain", stats(8, 1.0, 1.4, 1.4, pred))  # ratio 0
     p.start("b")
