@@ -7,7 +7,7 @@ every round against auto's groups (the host's reading and choosing between them,
 state) and auto's rounds (the tree built at the largest tree form for the predictions, their bookkeeping). A variant
 is NAME:forms=F+F+...[,group=N][,max=M][,si=S] (auto among those forms, groups of N rounds, ``autorun.GROUP_ROUNDS``,
 default 8, doubling while speculative forms follow one another up to M, ``autorun.MAX_GROUP_ROUNDS``, default 64; the
-first groups stay ``autorun.FIRST_GROUPS``; CPython's switch interval S seconds while the groups run,
+first group stays ``autorun.FIRST_GROUP``; CPython's switch interval S seconds while the groups run,
 ``autorun.HANDOFF_S``, default 1e-4). Reports each variant's median ms a round and its ratio to the fixed budget's;
 the record keeps, per auto variant and timed pass, each form's cost as timed before the decode and as the decode's own
 timings moved it (``costs_ms``): whether auto chose by the costs its decode then paid.

@@ -35,7 +35,7 @@ from ddtree_jax.spec import NEVER, GenerateOptions, Spec, run_forms
 Array = jax.Array
 
 GROUP_ROUNDS = 8  # rounds per device call of an auto run (generate's; the engine's are --rounds-per-step)
-FIRST_GROUPS = (2, 4)  # ... except its first groups: the first informed choice comes after 2 rounds, not 8
+FIRST_GROUP = 4  # ... except its first, whose statistics choose the second (nothing is queued behind it)
 MAX_GROUP_ROUNDS = 64  # ... and a group of the speculative form the group before ran doubles, up to this (not
 # when streaming): group_rounds
 MEASURE_CALLS = 3  # timed calls of a new program (the median counts)
@@ -196,7 +196,7 @@ class AutoRun:
     """generate's loop of groups under ``tree_budget="auto"``: one compiled group per form allowed at the batch
     (policy.allowed), each run and timed before the decode on a fresh state of the batch's shape (``fresh()``, its
     caches at the prompt lengths); ``cost_table`` keeps the timings. A group runs ``rounds`` rounds, or up to
-    ``max_group`` while the policy keeps to speculative forms (:func:`group_rounds`; the first groups FIRST_GROUPS)."""
+    ``max_group`` while the policy keeps to speculative forms (:func:`group_rounds`; the first FIRST_GROUP)."""
 
     def __init__(self, spec: Spec, options: GenerateOptions, tparams, dparams, fresh: Callable[[], State],
                  n_prompts: int, rounds: int, cost_table, chooser, max_group: int):
@@ -274,7 +274,11 @@ class AutoRun:
 
     def decode(self, state: State, lens: list[int], on_tokens) -> State:
         """Groups until every sequence is done, run in order on a worker thread (:meth:`Chain.groups`): while it runs
-        group g, the host reads group g - 1 and chooses group g + 1 from the statistics read so far."""
+        group g, the host reads group g - 1 and chooses group g + 1 from the statistics read so far. Each group is a
+        device call, dearer on a GPU than a round of a small model (docs/ADAPTIVE.md#the-default-pair-on-a-gpu-batch-1),
+        so a decode makes few: the first group (FIRST_GROUP rounds) is read before the second is chosen, and a group
+        takes every round the policy expects the decode to need, twice over, once they fit in ``max_group`` (128
+        tokens of the default pair: two calls)."""
         self._warm(lens)
         self.groups = []
         live = list(range(self.n))
@@ -282,7 +286,7 @@ class AutoRun:
             self.policy.start(i)
         emitted = np.asarray(lens)
         chain = Chain(self.tparams, self.dparams, state, jnp.asarray(lens, jnp.int32))
-        first = [r for r in FIRST_GROUPS if r < self.rounds]
+        first = min(FIRST_GROUP, self.rounds)
         limits = np.asarray(lens) + self.max_new_tokens
         rounds, previous, queued, read = 0, None, 0, 0  # the last group queued: its rounds and form; rounds queued
         # in all, and of the groups read
@@ -290,16 +294,17 @@ class AutoRun:
         def plan():
             nonlocal rounds, previous, queued
             ahead = queued - read  # rounds queued, not yet read
-            if ahead and self._rounds_left(live, limits - emitted, previous) <= ahead:
-                return None  # the groups running are expected to finish the decode: read them first
+            if ahead and (not read or self._rounds_left(live, limits - emitted, previous) <= ahead):
+                return None  # the first group's statistics choose the second; and nothing is queued behind groups
+                # expected to finish the decode (a device call of no round)
             options = {(f, self.batch): c for f, k in self.keys.items() if (c := self.costs.get(k)) is not None}
             form, _ = self.policy.choose(live, options)
-            if first:
-                rounds = first.pop(0)
+            if not queued:
+                rounds = first
             else:
                 rounds = group_rounds(form, previous, rounds, self.rounds, self.max_group)
                 left = self._rounds_left(live, limits - emitted, form) - ahead
-                if left <= 2 * rounds:  # the rest of the decode fits in a group or two: one group, with room to spare
+                if left <= self.max_group:  # the rest of the decode fits in a group: one, with room to spare
                     rounds = int(min(max(rounds, np.ceil(2 * left)), self.max_group))
             previous, queued = form, queued + rounds
             return form, self.fns[form], rounds

@@ -23,17 +23,22 @@ FORMS = ("ar", "chain", "4")
 
 
 class Scripted(policy.Policy):
-    """A policy that runs the given forms in turn, whatever the statistics say."""
+    """A policy that runs the given forms in turn, whatever the statistics say; with ``expects=False`` it expects
+    nothing of any form, so generate's groups keep their sizes (no group takes the rest of a decode)."""
 
-    def __init__(self, order, *args):
+    def __init__(self, order, *args, expects=True):
         super().__init__(*args)
         self.order = itertools.cycle(order)
         self.chosen = []
+        self.expects = expects
 
     def choose(self, seqs, options):
         form = next(self.order)
         self.chosen.append(form)
         return next(k for k in options if k[0] == form)
+
+    def expected(self, seq, form):
+        return super().expected(seq, form) if self.expects else None
 
 
 def test_a_large_trees_prefix_is_the_smaller_tree_and_its_scores_are_the_drafters():
@@ -203,7 +208,7 @@ def test_any_sequence_of_forms_gives_ars_tokens_and_traces_each_rounds_own_tree(
     prompts, n = batch
     opts = decode.GenerateOptions(method="ddtree", max_new_tokens=n, forms=FORMS, trace=True)
     dcfg = drafter[0]
-    chooser = Scripted(["ar", "ar", "4", "chain", "4"], FORMS, (4,))
+    chooser = Scripted(["ar", "ar", "4", "chain", "4"], FORMS, (4,), expects=False)
     forced = decode.generate(target, prompts, opts, draft=drafter, chooser=chooser)
     default = decode.generate(target, prompts, opts, draft=drafter)
     for res in (forced, default):
@@ -217,9 +222,9 @@ def test_any_sequence_of_forms_gives_ars_tokens_and_traces_each_rounds_own_tree(
                 assert accept.walk_host(r["tree"]["node_token_ids"], r["tree"]["parents"],
                                         r["target_choices"]) == r["accepted_indices"]
     assert {f for seq in forced.round_forms for f in seq} == set(FORMS)
-    # groups of rounds of one form: the first of FIRST_GROUPS rounds, then of GROUP_ROUNDS
-    (a, b), c = autorun.FIRST_GROUPS, autorun.GROUP_ROUNDS
-    assert forced.round_forms[0][: a + b + c] == ["ar"] * (a + b) + ["4"] * c
+    # groups of rounds of one form: the first of FIRST_GROUP rounds, then of GROUP_ROUNDS
+    a, c = autorun.FIRST_GROUP, autorun.GROUP_ROUNDS
+    assert forced.round_forms[0][: a + 2 * c] == ["ar"] * (a + c) + ["4"] * c
 
 
 def test_groups_double_while_speculative_forms_follow_one_another(target, drafter, batch):
@@ -236,25 +241,27 @@ def test_groups_double_while_speculative_forms_follow_one_another(target, drafte
     def runs(res):  # (form, rounds in a row) of the sequence that ran longest
         return [(f, len(list(g))) for f, g in itertools.groupby(max(res.round_forms, key=len))]
 
-    (a, b), c = autorun.FIRST_GROUPS, autorun.GROUP_ROUNDS
-    n = 4 * n  # long enough that no group before the fifth is expected to need to take the rest of the decode
+    a, c = autorun.FIRST_GROUP, autorun.GROUP_ROUNDS
+    n = 2 * n  # (the policies below expect nothing, so no group takes the rest of the decode)
     opts = dataclasses.replace(opts, max_new_tokens=n)
-    assert 2 * c <= autorun.MAX_GROUP_ROUNDS and a + b + 3 * c < n  # AR steps: a round, a token
+    assert a == c // 2 and 4 * c <= autorun.MAX_GROUP_ROUNDS and a + 3 * c < n  # AR steps: a round, a token
     speculative = decode.generate(target, prompts, opts, draft=drafter,
-                                  chooser=Scripted(["4"] * 4 + ["ar"], FORMS, (4,)))
-    assert runs(speculative)[0] == ("4", a + b + c + 2 * c) and runs(speculative)[1][0] == "ar"
-    ar = decode.generate(target, prompts, opts, draft=drafter, chooser=Scripted(["ar"] * 4 + ["4"], FORMS, (4,)))
-    assert runs(ar)[0] == ("ar", a + b + 2 * c) and runs(ar)[1][0] == "4"
+                                  chooser=Scripted(["4"] * 4 + ["ar"], FORMS, (4,), expects=False))
+    assert runs(speculative)[0] == ("4", a + c + 2 * c + 4 * c) and runs(speculative)[1][0] == "ar"
+    ar = decode.generate(target, prompts, opts, draft=drafter,
+                         chooser=Scripted(["ar"] * 4 + ["4"], FORMS, (4,), expects=False))
+    assert runs(ar)[0] == ("ar", a + 3 * c) and runs(ar)[1][0] == "4"
     streamed = decode.generate(target, prompts, opts, draft=drafter, on_tokens=lambda _: None, stream_every=4,
-                               chooser=Scripted(["4"] * 4 + ["ar"], FORMS, (4,)))
-    assert runs(streamed)[0] == ("4", a + 3 * 4) and runs(streamed)[1][0] == "ar"
+                               chooser=Scripted(["4"] * 4 + ["ar"], FORMS, (4,), expects=False))
+    assert runs(streamed)[0] == ("4", 4 * 4) and runs(streamed)[1][0] == "ar"
     assert speculative.output_ids == ar.output_ids == streamed.output_ids
 
 
 def test_the_last_group_takes_the_rest_and_no_call_runs_no_round(target, drafter, batch, monkeypatch):
-    """Each device call costs the host about a round of a small model on a GPU, so near its end a decode's next group
-    takes every round the policy expects it to need, twice over (a group stops when its sequences are done), and no
-    group is queued behind one expected to finish the decode (it would be a call of no round)."""
+    """Each device call costs the host about a round of a small model on a GPU, so a decode makes few: its first group
+    is read before the second is chosen, and once the rest of the decode fits in a group, the next group takes every
+    round the policy expects it to need, twice over (a group stops when its sequences are done); no group is queued
+    behind one expected to finish the decode (it would be a call of no round). A 40-token decode: two calls."""
     calls = []
     run = autorun.Chain.run
 
@@ -270,11 +277,8 @@ def test_the_last_group_takes_the_rest_and_no_call_runs_no_round(target, drafter
     total = max(len(f) for f in res.round_forms)
     assert sum(ran for _, ran in calls) == total and all(ran for _, ran in calls), calls
     assert res.groups == [ran for _, ran in calls]  # what the result reports: the rounds of each call
-    doubling, covered = [*autorun.FIRST_GROUPS, autorun.GROUP_ROUNDS], sum(autorun.FIRST_GROUPS) + autorun.GROUP_ROUNDS
-    while covered < total:
-        doubling.append(min(2 * doubling[-1], autorun.MAX_GROUP_ROUNDS))
-        covered += doubling[-1]
-    assert len(calls) < len(doubling) and calls[-1][0] > calls[-1][1], (calls, doubling)
+    assert total > autorun.FIRST_GROUP + autorun.GROUP_ROUNDS  # doubling groups would have made three calls or more
+    assert len(calls) == 2 and calls[0][0] == autorun.FIRST_GROUP and calls[-1][0] > calls[-1][1], calls
     assert res.output_ids == decode.generate(target, prompts, dataclasses.replace(opts, method="ar")).output_ids
 
 
@@ -353,11 +357,12 @@ def test_every_form_is_timed_afresh_before_the_decode(target, drafter, batch, mo
 def test_a_groups_cost_is_its_own_when_a_dispatch_waits_for_the_group(target, drafter, batch, monkeypatch):
     """On a GPU, XLA's runtime reads a round loop's predicate on the host, so a group's dispatch returns only once
     its rounds have run (here every dispatch waits for its group and sleeps 30 ms a round on top). AutoRun's worker
-    thread dispatches the groups, so the host chooses each group while the one before it still runs (the device
-    never waits for the choice). Each group's cost per round, as the cost table observes it, must be that group's own,
-    not the next group's: groups double, so that would be twice it."""
+    thread dispatches the groups, so the host chooses each group after the second while the one before it still runs
+    (the device never waits for the choice; the second is chosen from the first's statistics). Each group's cost per
+    round, as the cost table observes it, must be that group's own, not the next group's: groups double, so that
+    would be twice it."""
     prompts, n = batch
-    opts = decode.GenerateOptions(method="ddtree", max_new_tokens=n, forms=("4",))
+    opts = decode.GenerateOptions(method="ddtree", max_new_tokens=2 * n, forms=("4",))
     calls, seen = [], []  # (rounds asked, run, seconds, when it ended) of each dispatch; seconds a round observed
 
     class Blocking(autorun.AutoRun):
@@ -389,12 +394,14 @@ def test_a_groups_cost_is_its_own_when_a_dispatch_waits_for_the_group(target, dr
     chosen_at = []
     monkeypatch.setattr(autorun, "AutoRun", Blocking)
     monkeypatch.setattr(autorun, "cost_table_for", lambda spec, dtype, persist=True: Spying("test", None))
-    decode.generate(target, prompts, opts, draft=drafter, chooser=Timed(["4"], ("4",), (4,)))
-    decode_calls = calls[-len(chosen_at):]  # after the timing calls; each ran rounds (none queued behind the last)
-    assert [c[0] for c in decode_calls[:3]] == [2, 4, 8] and all(c[1] for c in decode_calls), decode_calls
-    assert all(at < before[3] for at, before in zip(chosen_at[1:], decode_calls)), (chosen_at, decode_calls)
-    assert len(seen) == len(decode_calls)
-    for seconds, (_, ran, took, _) in zip(seen, decode_calls):
+    decode.generate(target, prompts, opts, draft=drafter, chooser=Timed(["4"], ("4",), (4,), expects=False))
+    decode_calls = calls[-len(chosen_at):]  # after the timing calls
+    assert [c[0] for c in decode_calls[:3]] == [4, 8, 16], decode_calls
+    assert chosen_at[1] > decode_calls[0][3], (chosen_at, decode_calls)
+    assert all(at < before[3] for at, before in zip(chosen_at[2:], decode_calls[1:])), (chosen_at, decode_calls)
+    ran = [c for c in decode_calls if c[1]]  # (expecting nothing, the policy may queue a group behind the last)
+    assert len(seen) == len(ran) >= 3
+    for seconds, (_, ran, took, _) in zip(seen, ran):
         assert took / ran * 0.8 < seconds < took / ran * 1.25, (seen, decode_calls)
 
 
