@@ -106,6 +106,18 @@ def draft_step(spec: Spec, target: TargetParams, drafter: DraftParams | None, st
     return tree, dcache, pred
 
 
+def layer_unroll(spec: Spec, target: TargetParams, rows: int) -> int:
+    """Layers per iteration of the verify's layer loop: ``Tuning.layer_unroll``, else the backend's default for
+    ``rows`` rows and the stacked layers' weights (spec.default_layer_unroll; unstacked layers run unrolled anyway)."""
+    if spec.tuning.layer_unroll:
+        return spec.tuning.layer_unroll
+    if isinstance(target.layers, (tuple, list)):
+        return 1
+    layers = spec.target.num_layers
+    nbytes = sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(target.layers))
+    return default_layer_unroll(rows, nbytes // layers, layers)
+
+
 def verify(spec: Spec, target: TargetParams, state: State, tree: trees.Tree):
     """Target forward over [root + nodes] at positions length + depth: (logits [B, 1+N, V], cache, taps
     [B, T, taps*D], tokens [B, 1+N]). The block has T = ``spec.verify_len`` rows: after the 1+N real ones,
@@ -119,7 +131,7 @@ def verify(spec: Spec, target: TargetParams, state: State, tree: trees.Tree):
     hidden, cache, taps = model.forward(
         target, spec.target, jnp.pad(tokens, [(0, 0), (0, pad)]), positions, state.cache,
         pad_rows(tree.bits, spec.verify_len), taps=spec.taps, attention=spec.attention,
-        unroll=spec.tuning.layer_unroll or default_layer_unroll(tokens.shape[0] * spec.verify_len), tuning=spec.tuning,
+        unroll=layer_unroll(spec, target, tokens.shape[0] * spec.verify_len), tuning=spec.tuning,
     )
     return model.logits(target, hidden[:, :n]), cache, taps, tokens, depths
 

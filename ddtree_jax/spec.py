@@ -228,15 +228,23 @@ def default_verify_align(tree: str) -> int:
 
 
 GPU_AR_LAYER_UNROLL = 4
+SMALL_LAYER_BYTES = 16 << 20  # a stacked layer's weights up to which the GPU's layer loop is unrolled whole
 
 
-def default_layer_unroll(rows: int) -> int:
-    """Target layers per iteration of the layer loop of a verify forward over ``rows`` = batch x block rows:
-    ``GPU_AR_LAYER_UNROLL`` for one row on GPU (an AR step at batch 1), where each iteration of the stacked
-    layers' loop costs a few microseconds of bookkeeping and the step's row reductions read their layer's weights
-    in place either way. 1 otherwise: unrolled, the GEMMs (cuBLAS) of a longer block no longer read the stacked
-    weights in place but copy them (docs/PERFORMANCE.md)."""
-    return GPU_AR_LAYER_UNROLL if jax.default_backend() == "gpu" and rows == 1 else 1
+def default_layer_unroll(rows: int, layer_bytes: int, layers: int) -> int:
+    """Target layers per iteration of the layer loop of a verify forward over ``rows`` = batch x block rows, for a
+    stack of ``layers`` layers of ``layer_bytes`` bytes of weights each. On GPU: every layer (one iteration) when the
+    layers are small (at most ``SMALL_LAYER_BYTES``: the default pair's target has 7 MB a layer), since each iteration
+    costs the host tens of microseconds (its command buffer updated and launched), more than such a layer's kernels
+    take, while the weight slices the unrolled GEMMs copy cost a few; ``GPU_AR_LAYER_UNROLL`` for one row (an AR step
+    at batch 1), whose row reductions read their layer's weights in place either way; 1 otherwise: unrolled, the
+    GEMMs (cuBLAS) of a longer block no longer read the stacked weights in place but copy them (0.4 GB a layer on
+    Qwen3-8B). 1 elsewhere. Measurements: docs/PERFORMANCE.md#why-the-defaults-are-what-they-are."""
+    if jax.default_backend() != "gpu":
+        return 1
+    if layer_bytes <= SMALL_LAYER_BYTES:
+        return layers
+    return GPU_AR_LAYER_UNROLL if rows == 1 else 1
 
 
 def round_up(x: int, m: int) -> int:

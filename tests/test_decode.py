@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ddtree_jax import accept, autorun, decode, projection, slots, tuning, weight_layout
-from ddtree_jax import spec as spec_lib
+from ddtree_jax import round as round_lib, spec as spec_lib
 from ddtree_jax.params import LayerWeights
 from ddtree_jax.round import draft_logits
 from ddtree_jax.tuning import Tuning
@@ -351,11 +351,21 @@ def test_an_unrolled_layer_loop_changes_nothing(target, drafter, reference_runs,
     assert decode.generate(target, [run["prompt"]], options("ar", run), tuning=tuned).output_ids[0] == run["ar"]
 
 
-def test_the_default_unroll_is_for_one_row_on_gpu_only(monkeypatch):
-    assert spec_lib.default_layer_unroll(1) == 1  # CPU
+def test_the_default_unroll_is_for_one_row_or_small_layers_on_gpu_only(target, monkeypatch):
+    """On GPU a stack of small layers runs as one iteration (the default pair's target: 30 layers of 7 MB), an AR
+    step of large ones GPU_AR_LAYER_UNROLL layers an iteration, a block of several rows one layer; on CPU one layer."""
+    big, small = 400 << 20, 7 << 20  # a Qwen3-8B layer, a SmolLM2-135M one
+    assert spec_lib.default_layer_unroll(1, small, 30) == spec_lib.default_layer_unroll(1, big, 36) == 1  # CPU
+    cfg, params = target
+    spec = decode.make_spec(cfg, None, decode.GenerateOptions(method="ar"))
+    assert round_lib.layer_unroll(spec, params, 1) == 1
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert spec_lib.default_layer_unroll(1) == spec_lib.GPU_AR_LAYER_UNROLL > 1
-    assert spec_lib.default_layer_unroll(8) == spec_lib.default_layer_unroll(72) == 1
+    assert spec_lib.default_layer_unroll(1, big, 36) == spec_lib.GPU_AR_LAYER_UNROLL > 1
+    assert spec_lib.default_layer_unroll(8, big, 36) == spec_lib.default_layer_unroll(72, big, 36) == 1
+    assert spec_lib.default_layer_unroll(1, small, 30) == spec_lib.default_layer_unroll(72, small, 30) == 30
+    assert round_lib.layer_unroll(spec, params, 1) == cfg.num_layers  # the tiny target's layers are small
+    tuned = dataclasses.replace(spec, tuning=Tuning(layer_unroll=2))
+    assert round_lib.layer_unroll(tuned, params, 1) == 2
 
 
 def test_round_positions_are_the_blocks_a_round_writes_before_padding(target, drafter):
