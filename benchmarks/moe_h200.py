@@ -3,22 +3,21 @@
     PYTHONPATH=. python3 benchmarks/moe_h200.py --out "$OUT"            (about 7 minutes from a bare machine)
 
 1. check   ``pallas_kernels.grouped_matmul`` against its reference at the real shapes (one layer's gate|up
-           [128, 1536, 2048] and down [128, 2048, 768], 520 (token, slot) rows routed at random), and
-           ``pallas_kernels.expert_gemv`` against XLA's gather form at 8 pairs; the whole MoE layer with the kernels
-           against XLA's forms at 65 tokens (grouped) and 1 (gather); the probes the decoder runs
+           [128, 1536, 2048] and down [128, 2048, 768], 520 (token, slot) rows routed at random); the whole MoE layer
+           with the kernels against XLA's forms at 65 tokens (grouped), and its gather form (XLA's, the decoder's at
+           1 token) against the grouped kernel's form of the same token; the probe the decoder runs
            (``moe.kernel_works``).
 2. forms   one layer's gate|up (0.81 GB for its 128 experts) at 1, 8, 72, 520 and 2056 (token, slot) rows (the rows of
            1, 1, 9, 65 and 257 tokens of 8 experts each: a token's single expert, an AR step, a chain of 8, ddtree 64,
-           ddtree 256): the grouped kernel, the GEMV kernel (``expert_gemv``, up to 72 rows: one pass over each
-           pair's expert), XLA's gather form (row reductions over the routed experts' matrices: the GEMV's fallback)
-           and XLA's ragged dot (the grouped kernel's), each against the time to read the distinct experts the rows
-           route to once, at the measured copy bandwidth; at up to 16 rows the GEMV also with one change each from
-           its defaults (``GEMV_VARIANTS``: 16, 32 or 64 output rows a program, chunks of 512 or 1024 inputs, 2 or 8
-           warps, 2 or 4 pipeline stages). Device time per call: the calls in one jitted loop over 8 different
-           routings (the experts are not left in the L2 cache by the previous call), median of 5.
+           ddtree 256): the grouped kernel, XLA's gather form (row reductions over the routed experts' matrices, one
+           pass over each pair's expert: the decoder's up to 16 pairs) and XLA's ragged dot (the grouped kernel's
+           fallback), each against the time to read the distinct experts the rows route to once, at the measured
+           copy bandwidth. Device time per call: the calls in one jitted loop over 8 different routings (the experts
+           are not left in the L2 cache by the previous call), median of 5.
    layer   the whole MoE layer (route, sort, gate|up, down, combine) at 1, 9, 65 and 257 tokens, as the decoder runs
-           it (kernel: the GEMV up to 16 pairs, the grouped kernel above), with XLA's gather form where the decoder
-           gathers, and with XLA's ragged dot, against reading its distinct experts' gate|up and down once.
+           it (kernel: XLA's gather form up to 16 pairs, the grouped kernel above) and with the 'xla' attention
+           (ragged_dot: XLA's ragged dot above 16 pairs, the same gather form up to them), against reading its
+           distinct experts' gate|up and down once.
 3. grid    ``bench models --models qwen3-coder-30b-a3b --prompts 512 --batches 1`` with AR, DFlash and DDTree at
            budgets 8, 16, 32, 64, 128 and 256 (stage breakdowns for AR, DFlash and DDTree 64), random bf16 weights built
            on the device: ms per round, AR against its routed-bytes roofline, each round against its floor, and the
@@ -50,7 +49,6 @@ from ddtree_jax import bench, moe, policy, projection, shapes
 from ddtree_jax.bench.records import now
 from ddtree_jax.bench.roofline import measure_ceilings
 from ddtree_jax.tuning import Tuning
-from pallas_kernels import expert_gemv as eg
 from pallas_kernels import grouped_matmul as gmm
 
 PAPER_MODEL = "qwen3-coder-30b-a3b"  # the paper's pair this script measures (benchmarks/paper_tau.json)
@@ -58,13 +56,6 @@ SHAPE = shapes.SHAPES[PAPER_MODEL]
 ROWS = (1, 8, 72, 520, 2056)
 TOKENS = (1, 9, 65, 257)
 ROUTINGS = 8  # different routings per timed loop
-# the GEMV's variants timed at up to moe.GATHER_MAX_PAIRS rows, each one change from its defaults (the whole AR step
-# with and without the kernel: benchmarks/ab_interleaved.py --model qwen3-coder-30b-a3b --method ar --variant gemv:
-# --variant xla_gather:expert_gemv=0 --profile DIR)
-GEMV_VARIANTS = {**{f"bn{bn}": {"block_n": bn} for bn in eg.BLOCK_N}, "bd512": {"block_d": 512},
-                 "bd1024": {"block_d": 1024}, "w2": {"warps": 2}, "w8": {"warps": 8}, "s2": {"stages": 2},
-                 "s4": {"stages": 4}}
-GEMV_MAX_ROWS = 72  # rows up to which the GEMV kernel is timed (past them it reads each expert several times)
 KERNEL = "pallas"  # the attention implementation that selects the kernel ("pallas-interpret" on CPU: --quick)
 
 
@@ -127,29 +118,24 @@ def check(weights, key) -> dict:
     interpret = KERNEL.endswith("interpret")
     ids, x = routings(key, 65, 65 * K)
     rows, sizes = sorted_rows(ids[0], x[0])
-    out = {"probe_passed": interpret or moe.kernel_works("grouped_matmul"),
-           "gemv_probe_passed": interpret or moe.kernel_works("expert_gemv")}
+    out = {"probe_passed": interpret or moe.kernel_works("grouped_matmul")}
     h = jax.random.normal(key, (65 * K, F), jnp.float32).astype(jnp.bfloat16)
     for name, w, inp in (("gate_up", gate_up, rows), ("down", down, h)):
         got = jax.jit(lambda a, w, s: gmm.grouped_matmul(a, w, s, out_dtype=jnp.float32, interpret=interpret))(
             inp, w, sizes)
         want = jax.jit(lambda a, w, s: gmm.reference(a, w, s, 0, jnp.float32))(inp, w, sizes)
         out[name] = {"max_err": float(jnp.max(jnp.abs(got - want))), "scale": float(jnp.max(jnp.abs(want)))}
-    pairs = jnp.take(x[0], jnp.arange(8) // K, axis=0)  # one token's (two in --quick) 8 pairs
-    for name, w, inp in (("gemv_gate_up", gate_up, pairs), ("gemv_down", down, h[:8])):
-        got = jax.jit(lambda a, w, i: eg.expert_gemv(a, w, i, out_dtype=jnp.float32, interpret=interpret))(
-            inp, w, ids[0, :8])
-        want = jax.jit(lambda a, w, i: eg.reference(a, w, i, 0, jnp.float32))(inp, w, ids[0, :8])
-        out[name] = {"max_err": float(jnp.max(jnp.abs(got - want))), "scale": float(jnp.max(jnp.abs(want)))}
     cfg, _ = shapes.model_configs(SHAPE)
     layer = _layer(weights, key)
-    for name, xs in (("layer", x[0][None]), ("layer_gather", x[0][None, :1])):
-        ys = {impl: np.asarray(jax.jit(lambda x, w, impl=impl: moe.block(x, w, cfg, impl))(xs, layer))
-              for impl in (KERNEL, "xla")}
-        out[name] = {"max_err": float(np.abs(ys[KERNEL] - ys["xla"]).max()), "scale": float(np.abs(ys["xla"]).max())}
-    out["ok"] = out["probe_passed"] and out["gemv_probe_passed"] and all(
-        out[k]["max_err"] <= 0.02 * out[k]["scale"]
-        for k in ("gate_up", "down", "gemv_gate_up", "gemv_down", "layer", "layer_gather"))
+    # the layer with the kernels against XLA's forms (grouped, 65 tokens); its gather form (1 token) against the
+    # grouped kernel's form of that token
+    for name, xs, base in (("layer", x[0][None], ("xla", Tuning())),
+                           ("layer_gather", x[0][None, :1], (KERNEL, Tuning(moe_gather_pairs=1)))):
+        ys = [np.asarray(jax.jit(lambda x, w, impl=impl, tuning=tuning: moe.block(x, w, cfg, impl, tuning=tuning))(
+            xs, layer)) for impl, tuning in ((KERNEL, Tuning()), base)]
+        out[name] = {"max_err": float(np.abs(ys[0] - ys[1]).max()), "scale": float(np.abs(ys[1]).max())}
+    out["ok"] = out["probe_passed"] and all(out[k]["max_err"] <= 0.02 * out[k]["scale"]
+                                            for k in ("gate_up", "down", "layer", "layer_gather"))
     return out
 
 
@@ -178,14 +164,8 @@ def forms(weights, key, bw_gbps: float) -> list[dict]:
         cases = {
             "kernel": (lambda a, w: gmm.grouped_matmul(a[0], w, a[1], interpret=interpret), sorted_),
             "ragged_dot": (lambda a, w: moe._ragged(a[0], w, a[1], 0, jnp.bfloat16), sorted_),
-            "gather": (lambda a, w: eg.reference(a[0], w, a[1]), (pairs_x, ids)),
+            "gather": (lambda a, w: moe._gather_product(a[0], w, a[1]), (pairs_x, ids)),
         }
-        if r <= GEMV_MAX_ROWS:
-            cases["gemv"] = (lambda a, w: eg.expert_gemv(a[0], w, a[1], interpret=interpret), (pairs_x, ids))
-        if r <= moe.GATHER_MAX_PAIRS:  # the GEMV's tiling and Triton options one at a time, where the decoder runs it
-            cases.update({f"gemv_{name}": (lambda a, w, kw=kw: eg.expert_gemv(a[0], w, a[1], interpret=interpret, **kw),
-                                           (pairs_x, ids)) for name, kw in GEMV_VARIANTS.items()
-                          if (2 * F) % kw.get("block_n", 16) == 0 and D % kw.get("block_d", 32) == 0})
         for name, (fn, inputs) in cases.items():
             try:
                 row[f"{name}_ms"] = device_ms(fn, inputs, gate_up)
@@ -199,7 +179,8 @@ def forms(weights, key, bw_gbps: float) -> list[dict]:
 
 
 def layer_times(weights, key, bw_gbps: float) -> list[dict]:
-    """The whole MoE layer, kernel and ragged-dot forms, at each token count."""
+    """The whole MoE layer as the decoder runs it with the kernels and with the 'xla' attention, at each token
+    count."""
     cfg, _ = shapes.model_configs(SHAPE)
     layer = _layer(weights, key)
     per_expert = 3 * F * D * 2
@@ -212,8 +193,6 @@ def layer_times(weights, key, bw_gbps: float) -> list[dict]:
                "floor_ms": distinct * per_expert / bw_gbps / 1e6,
                "form": "gather" if t * K <= moe.GATHER_MAX_PAIRS else "grouped"}
         forms = [("kernel", KERNEL, Tuning()), ("ragged_dot", "xla", Tuning())]
-        if row["form"] == "gather":  # the decoder's form without the GEMV kernel
-            forms.insert(1, ("xla_gather", KERNEL, Tuning(expert_gemv=False)))
         for name, impl, tuning in forms:
             try:
                 row[f"{name}_ms"] = device_ms(lambda x, w, impl=impl, tuning=tuning: moe.block(x, w, cfg, impl,
@@ -288,8 +267,8 @@ def main(argv=None) -> int:
     p.add_argument("--budgets", default="8,16,32,64,128,256", help="ddtree budgets of the grid (default: %(default)s)")
     p.add_argument("--skip-grid", action="store_true", help="parts 1 and 2 only")
     p.add_argument("--tuning", default="", metavar="KEY=VALUE,...",
-                   help="the grid's tuning (bench models --tuning), e.g. grouped_matmul=0 (XLA's ragged dot), "
-                        "expert_gemv=0 (XLA's gather form) or moe_gather_pairs=1 (no gather form)")
+                   help="the grid's tuning (bench models --tuning), e.g. grouped_matmul=0 (XLA's ragged dot) or "
+                        "moe_gather_pairs=1 (no gather form)")
     p.add_argument("--quick", action="store_true",
                    help="a CPU rehearsal: the tiny-moe shape, the kernel interpreted, small rows, bench models --quick")
     args = p.parse_args(argv)
@@ -333,14 +312,11 @@ def main(argv=None) -> int:
     print(f"\n== check: {json.dumps(chk)}")
     if isinstance(fm, list):
         print("\n== one layer's gate|up (ms; floor = distinct experts' bytes / copy bandwidth "
-              f"{bw / 1e3:.2f} TB/s)\n" + table(fm, ["rows", "distinct_experts", "floor_ms", "kernel_ms", "gemv_ms",
-                                                      "gather_ms", "ragged_dot_ms", "kernel_over_floor",
-                                                      "gemv_over_floor"]
-                                              + [f"gemv_{v}_ms" for v in GEMV_VARIANTS]))
+              f"{bw / 1e3:.2f} TB/s)\n" + table(fm, ["rows", "distinct_experts", "floor_ms", "kernel_ms", "gather_ms",
+                                                      "ragged_dot_ms", "kernel_over_floor", "gather_over_floor"]))
     if isinstance(lt, list):
         print("\n== the whole MoE layer (ms)\n" + table(lt, ["tokens", "distinct_experts", "floor_ms", "form",
-                                                               "kernel_ms", "xla_gather_ms", "ragged_dot_ms",
-                                                               "kernel_over_floor"]))
+                                                               "kernel_ms", "ragged_dot_ms", "kernel_over_floor"]))
     if not args.skip_grid:
         left = args.time_budget_s - (time.time() - t_start)
         budgets, key = ("4,16", "16") if args.quick else (args.budgets, "64")

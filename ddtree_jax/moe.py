@@ -11,10 +11,11 @@ an expert it is not routed to. Two forms, chosen by the (token, slot) pairs at t
 
 - gather (up to ``GATHER_MAX_PAIRS`` pairs, or ``Tuning.moe_gather_pairs``: AR steps at small batches): each pair's
   token times its expert's gate|up, and its swiglu output times its expert's down, as a batched GEMV that reads only
-  the routed experts: ``pallas_kernels.expert_gemv`` with the layer kernels (a 'pallas*' attention and
-  ``Tuning.expert_gemv``: on GPU once :func:`kernel_works` passed, else interpreted), otherwise XLA's form (the
-  matrices taken inside a row reduction, f32 products summed over the contiguous input axis, which XLA fuses into one
-  pass: ``model.linear``'s one-row form, per pair).
+  the routed experts, in XLA's form (:func:`_gather_product`: the matrices taken inside a row reduction, f32 products
+  summed over the contiguous input axis, which XLA fuses into one pass: ``model.linear``'s one-row form, per pair).
+  A Pallas GEMV for it gained nothing and was removed: on an H200 (2026-12-06, benchmarks/results/moe_ar_ab_h200.json)
+  a whole AR step of Qwen3-Coder-30B-A3B took 3.328 ms with XLA's form against 3.422 ms with the kernel (faster in 8
+  of 8 interleaved pairs), and inside the step both read the routed experts at 3.0-3.2 TB/s.
 - grouped (more pairs: trees, chains, prefill, batches): the pairs sorted by expert (a stable argsort of the flattened
   ids), group sizes by counting, the sorted rows through a grouped matmul for gate|up and one for down, each pair's
   result scaled by its weight and gathered back to its token (a gather, not a scatter-add: deterministic). The grouped
@@ -22,7 +23,7 @@ an expert it is not routed to. Two forms, chosen by the (token, slot) pairs at t
   (a 'pallas*' attention and ``Tuning.grouped_matmul``: on GPU once :func:`kernel_works` passed, else interpreted),
   otherwise XLA's ``jax.lax.ragged_dot_general`` (exact, but it reads every expert: the fallback).
 
-Stacked weights are read in place: the kernel and the gather index the [L x E, ...] view of the whole stack at
+Stacked weights are read in place: the grouped kernel and the gather index the [L x E, ...] view of the whole stack at
 layer x E + expert, so no layer's experts are sliced out (XLA copies a slice that a custom call reads).
 
 Expert parallelism. Under a mesh whose model axis splits the experts (the sharding rule ``experts``), each device holds
@@ -46,7 +47,6 @@ from ddtree_jax import sharding
 from ddtree_jax.config import ModelConfig
 from ddtree_jax.params import LayerWeights
 from ddtree_jax.tuning import Tuning
-from pallas_kernels import expert_gemv as eg
 from pallas_kernels import grouped_matmul as gmm
 
 Array = jax.Array
@@ -71,9 +71,18 @@ def _swiglu(gate_up: Array, dtype) -> Array:
     return (jax.nn.silu(gate) * up).astype(dtype)
 
 
+def _gather_product(x: Array, w: Array, ids: Array, offset=0, out_dtype=None) -> Array:
+    """The gather form's batched GEMV: x [P, D], w [W, N, D] (output-major), ids [P] int32 (offset + ids in
+    0 .. W - 1), offset (may be traced) -> y [P, N] in ``out_dtype`` (default x's), y[p] = w[offset + ids[p]] x[p].
+    Each pair's matrix is taken inside a row reduction over D (f32 products summed), which XLA fuses into one pass
+    over the picked matrices; two pairs of one expert read it twice."""
+    mats = jnp.take(w, offset + ids, axis=0).astype(jnp.float32)  # [P, N, D], fused into the reduction
+    return jnp.sum(mats * x[:, None, :].astype(jnp.float32), axis=-1).astype(out_dtype or x.dtype)
+
+
 def _gather_form(x: Array, ids: Array, gate_up: Array, down: Array, gemv) -> Array:
     """x [N, D], ids [N, k] -> each pair's expert output f32 [N, k, D]. ``gemv(rows, w, ids, out_dtype)``: row p times
-    the matrix ids[p] of w (the layer's experts of the [G, 2F, D] / [G, D, F] views; :func:`gemv_fn`)."""
+    the matrix ids[p] of w (the layer's experts of the [G, 2F, D] / [G, D, F] views; :func:`_gather_product`)."""
     n, k = ids.shape
     flat = ids.reshape(-1)  # [N k]
     rows = jnp.broadcast_to(x[:, None, :], (n, k, x.shape[-1])).reshape(n * k, -1)  # each pair's token [N k, D]
@@ -126,21 +135,9 @@ def grouped_matmul_fn(impl: str, x: Array, w: Array, tuning: Tuning = Tuning()):
     return _ragged
 
 
-def gemv_fn(impl: str, tuning: Tuning = Tuning()):
-    """The gather form's batched GEMV ``(rows [P, K], w [W, N, K], ids [P], offset, out_dtype) -> [P, N]`` for the
-    attention implementation ``impl``: ``pallas_kernels.expert_gemv`` where :func:`_kernel_runs`
-    (``tuning.expert_gemv``, 16-bit weights the kernel takes; chosen per matrix), else XLA's form (its reference)."""
-    def gemv(rows, w, ids, offset, out_dtype):
-        if _kernel_runs(impl, tuning.expert_gemv, "expert_gemv", eg.supports(rows, w)):
-            return eg.expert_gemv(rows, w, ids, offset, out_dtype=out_dtype, interpret=impl.endswith("-interpret"))
-        return eg.reference(rows, w, ids, offset, out_dtype)
-
-    return gemv
-
-
 @functools.lru_cache(maxsize=None)
 def kernel_works(name: str) -> bool:
-    """Whether the Pallas kernel ``name`` ('grouped_matmul' or 'expert_gemv') compiles here and matches its reference
+    """Whether the Pallas kernel ``name`` ('grouped_matmul') compiles here and matches its reference
     (:func:`kernel_mismatch`). Checked once per process and kernel, when a layer first asks; False: XLA's form, with a
     warning. A layer asks while it is traced, so the check runs on a thread of its own: jax's tracing state is per
     thread, and there the check's arrays are computed, not staged into the layer's program."""
@@ -158,24 +155,19 @@ def kernel_works(name: str) -> bool:
 
 
 def kernel_mismatch(name: str, interpret: bool = False) -> str | None:
-    """Run the Pallas kernel ``name`` once on a bf16 problem and compare it with its reference: a description of the
-    mismatch, or None. grouped_matmul: ragged groups (empty ones, one over several tiles, rows past the groups);
-    expert_gemv: pairs sharing an expert, one pair over several output blocks and chunks. Both at an offset into the
-    matrices. Not while tracing (see :func:`kernel_works`)."""
+    """Run the Pallas kernel ``name`` ('grouped_matmul') once on a bf16 problem and compare it with its reference: a
+    description of the mismatch, or None. Ragged groups (empty ones, one over several tiles, rows past the groups) at
+    an offset into the matrices. Not while tracing (see :func:`kernel_works`)."""
     import numpy as np
 
+    if name != "grouped_matmul":
+        raise ValueError(f"no Pallas MoE kernel {name!r}: expected 'grouped_matmul'")
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(60, 256)), jnp.bfloat16)
     w = jnp.asarray(rng.normal(size=(12, 128, 256)) / 16, jnp.bfloat16)
-    if name == "grouped_matmul":
-        sizes = jnp.asarray([3, 0, 0, 40, 1, 0, 7, 0], jnp.int32)
-        run = jax.jit(functools.partial(gmm.grouped_matmul, out_dtype=jnp.float32, block_rows=16, interpret=interpret))
-        got, want = run(x, w, sizes, jnp.int32(3)), gmm.reference(x, w, sizes, 3, jnp.float32)
-    else:
-        ids = jnp.asarray([4, 0, 8, 4, 2], jnp.int32)
-        run = jax.jit(functools.partial(eg.expert_gemv, out_dtype=jnp.float32, block_n=32, block_d=64,
-                                        interpret=interpret))
-        got, want = run(x[:5], w, ids, jnp.int32(3)), eg.reference(x[:5], w, ids, 3, jnp.float32)
+    sizes = jnp.asarray([3, 0, 0, 40, 1, 0, 7, 0], jnp.int32)
+    run = jax.jit(functools.partial(gmm.grouped_matmul, out_dtype=jnp.float32, block_rows=16, interpret=interpret))
+    got, want = run(x, w, sizes, jnp.int32(3)), gmm.reference(x, w, sizes, 3, jnp.float32)
     err, scale = float(jnp.max(jnp.abs(got - want))), float(jnp.max(jnp.abs(want)))
     return None if err < 2e-2 * scale else f"off by {err:.3g} from its reference (largest value {scale:.3g})"
 
@@ -206,9 +198,8 @@ def _experts(x: Array, router: Array, gate_up: Array, down: Array, offset, first
     local = ids - first
     mine = (local >= 0) & (local < experts)
     if ids.size <= (tuning.moe_gather_pairs or GATHER_MAX_PAIRS):
-        gemv = gemv_fn(impl, tuning)
         y = _gather_form(x, jnp.clip(local, 0, experts - 1), gate_up, down,
-                         lambda rows, w, ids, dtype: gemv(rows, w, ids, offset, dtype))
+                         lambda rows, w, ids, dtype: _gather_product(rows, w, ids, offset, dtype))
     else:
         matmul = grouped_matmul_fn(impl, x, gate_up, tuning)
         y = _grouped_form(x, jnp.where(mine, local, experts), experts, gate_up, down,
@@ -226,8 +217,9 @@ def block(x: Array, w: LayerWeights, cfg: ModelConfig, impl: str = "xla", stacke
     """The sparse MoE MLP of one layer: x [B, T, D] (the normed residual, in the weights' dtype) -> f32 [B, T, D].
     w: the layer's weights (``router`` [D, E], ``experts_gate_up`` [E, 2F, D], ``experts_down`` [E, D, F]);
     ``stacked`` / ``layer``: every layer's weights ([L, E, ...]) and this layer's index (may be traced), whose experts
-    are then read in place. ``impl`` (the attention implementation) and ``tuning`` pick the form and its kernels
-    (:func:`gemv_fn`, :func:`grouped_matmul_fn`). Expert parallel under a mesh whose model axis splits the experts (module doc)."""
+    are then read in place. ``impl`` (the attention implementation) and ``tuning`` pick the form and the grouped
+    form's kernel (:func:`grouped_matmul_fn`). Expert parallel under a mesh whose model axis splits the experts
+    (module doc)."""
     b, t, d = x.shape
     e = w.router.shape[-1]
     src = w if stacked is None else stacked

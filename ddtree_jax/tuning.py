@@ -30,8 +30,6 @@ class Tuning:
     prefill_chunk: int = 512  # prompt tokens per prefill forward
     grouped_matmul: bool = True  # an MoE layer's grouped products by pallas_kernels.grouped_matmul where it applies
     # (ddtree_jax.moe.grouped_matmul_fn); False: XLA's ragged dot
-    expert_gemv: bool = True  # an MoE layer's gather form by pallas_kernels.expert_gemv where it applies
-    # (ddtree_jax.moe.gemv_fn); False: XLA's row reductions
     moe_gather_pairs: int | None = None  # (token, slot) pairs up to which an MoE layer takes its gather form
     # (None: ddtree_jax.moe.GATHER_MAX_PAIRS)
     live_spans: bool = True  # on one CPU device, XLA's attention over the shortest key span holding the live slots
@@ -49,11 +47,11 @@ class Tuning:
                 raise ValueError(f"tuning {name}={value!r}: expected a positive integer")
 
 
-SWITCHES = ("qkv_write", "add_norm", "decode_attention", "grouped_matmul", "expert_gemv", "live_spans")
+SWITCHES = ("qkv_write", "add_norm", "decode_attention", "grouped_matmul", "live_spans")
 COUNTS = ("verify_align", "layer_unroll", "prefill_chunk", "moe_gather_pairs")
 FIELDS = ("layout", *SWITCHES, *COUNTS)
 HELP = ("how the decode runs on the device, never what it computes: comma-separated KEY=VALUE among layout (one of "
-        f"{', '.join(LAYOUTS)}; the weights' form), qkv_write, add_norm, decode_attention, grouped_matmul, expert_gemv "
+        f"{', '.join(LAYOUTS)}; the weights' form), qkv_write, add_norm, decode_attention, grouped_matmul "
         "(0 or 1: the layer kernels; 0 gives XLA's ops, or the tree kernel for one-row steps), live_spans (0 or 1: CPU "
         "attention over the live key span or the whole cache), verify_align, "
         "layer_unroll, prefill_chunk, moe_gather_pairs (positive integers); unset: the backend's defaults "

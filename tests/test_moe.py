@@ -2,7 +2,7 @@
 
 The tiny target: 4 layers, 8 experts of width 32, 2 per token, every layer sparse. Layer parity (logits, every hidden
 state, every layer's router choices), the block's forms against a per-token loop (the gather form, the grouped form by
-XLA's ragged dot and by the Pallas kernels in the interpreter, experts read in place from the stack), the loader on both
+XLA's ragged dot and by the Pallas kernel in the interpreter, experts read in place from the stack), the loader on both
 layouts of the experts and a stack mixing dense and sparse MLPs, and decoding: AR, DFlash and DDTree (budgets 1, 4, 16,
 64) round by round against the reference. Meshes: tests/test_moe_sharding.py.
 """
@@ -23,7 +23,6 @@ from safetensors.numpy import save_file
 
 from ddtree_jax import checkpoint, config, decode, moe, params as P, weights
 from ddtree_jax.tuning import Tuning
-from pallas_kernels import expert_gemv as eg
 from pallas_kernels import grouped_matmul as gmm
 from tests.test_decode import accepted_tokens, rows_with_their_own_limits, tree_paths
 from tests.test_model import run_chunked
@@ -132,10 +131,10 @@ def loop_reference(x, router, gate_up, down, k, norm):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_every_form_of_the_block_is_the_per_token_loop(target, dtype):
-    """The gather form by XLA's row reductions and by the Pallas GEMV, the grouped form by XLA's ragged dot and by the
-    Pallas grouped matmul (the kernels interpreted; they take 16-bit weights only, so in f32 XLA's forms run), on the
-    stack's layer 2 read in place and on that layer alone: all the per-token loop (f32: to 1e-5 of its largest value;
-    bf16: 5 %). The form and its kernels are the tuning's (ddtree_jax.tuning.Tuning)."""
+    """The gather form (XLA's row reductions, with or without the layer kernels), the grouped form by XLA's ragged dot
+    and by the Pallas grouped matmul (interpreted; it takes 16-bit weights only, so in f32 XLA's ragged dot runs), on
+    the stack's layer 2 read in place and on that layer alone: all the per-token loop (f32: to 1e-5 of its largest
+    value; bf16: 5 %). The form and its kernel are the tuning's (ddtree_jax.tuning.Tuning)."""
     cfg, params = target
     stack = P.cast(params.layers, dtype)
     one = P.layer(stack, 2)
@@ -144,9 +143,9 @@ def test_every_form_of_the_block_is_the_per_token_loop(target, dtype):
                           one.experts_gate_up.astype(jnp.float32), one.experts_down.astype(jnp.float32),
                           cfg.experts_per_token, cfg.norm_topk_prob).reshape(x.shape)
     tol = (1e-5 if dtype == jnp.float32 else 0.05) * np.abs(want).max()
-    forms = {  # (attention, tuning): every pair gathered by XLA, by the GEMV kernel; grouped by XLA, by the kernel
+    forms = {  # (attention, tuning): every pair gathered (with the layer kernels or not); grouped by XLA, by the kernel
         "gather": ("xla", Tuning(moe_gather_pairs=10**6)),
-        "gemv": ("pallas-interpret", Tuning(moe_gather_pairs=10**6)),
+        "gather, layer kernels": ("pallas-interpret", Tuning(moe_gather_pairs=10**6)),
         "ragged dot": ("pallas-interpret", Tuning(moe_gather_pairs=1, grouped_matmul=False)),
         "kernel": ("pallas-interpret", Tuning(moe_gather_pairs=1)),
     }
@@ -156,34 +155,49 @@ def test_every_form_of_the_block_is_the_per_token_loop(target, dtype):
             kw = dict(stacked=stack, layer=jnp.int32(2)) if where == "in place" else {}
             fn = jax.jit(lambda x, w, kw=kw, impl=impl, tuning=tuning: moe.block(x, w, cfg, impl, tuning=tuning, **kw))
             got[form, where] = y = np.asarray(fn(x, one))
-            if form in ("gemv", "kernel"):  # the kernel's program, where it takes the dtype
-                name = "expert_gemv" if form == "gemv" else "grouped_matmul"
-                assert (name in str(jax.make_jaxpr(fn)(x, one))) == (dtype == jnp.bfloat16), (form, where)
+            # the grouped kernel's program where it takes the dtype; no Pallas call in any other form
+            program = str(jax.make_jaxpr(fn)(x, one))
+            assert ("grouped_matmul" in program) == (form == "kernel" and dtype == jnp.bfloat16), (form, where)
+            assert ("pallas_call" in program) == ("grouped_matmul" in program), (form, where)
             assert y.dtype == np.float32 and np.abs(y - want).max() < tol, (form, where)
-    if dtype == jnp.bfloat16:  # the kernels took the bf16 products (and their probes would pass on a GPU)
+    for where in ("in place", "alone"):  # the gather form is XLA's whatever the attention
+        np.testing.assert_array_equal(got["gather, layer kernels", where], got["gather", where])
+    if dtype == jnp.bfloat16:  # the kernel took the bf16 products (and its probe would pass on a GPU)
         assert gmm.supports(x.reshape(40, -1), one.experts_gate_up)
-        assert eg.supports(x.reshape(40, -1), one.experts_gate_up)
-        assert eg.supports(x.reshape(40, -1)[:, :cfg.moe_intermediate_size], one.experts_down)
         first = got["ragged dot", "alone"]
         assert all(np.abs(y - first).max() < 0.02 * np.abs(first).max() for y in got.values())
-        for where in ("in place", "alone"):  # the GEMV is XLA's gather up to f32 rounding (and bf16 flips it causes)
-            gather = got["gather", where]
-            assert np.abs(got["gemv", where] - gather).max() < 1e-3 * np.abs(gather).max()
 
 
-@pytest.mark.parametrize("name", ["grouped_matmul", "expert_gemv"])
-def test_the_kernel_probe_runs_while_a_layer_is_traced(monkeypatch, name):
+def test_the_kernel_probe_runs_while_a_layer_is_traced(monkeypatch):
     """moe.kernel_works runs kernel_mismatch the first time a layer is traced: on a thread of its own, so that its
     problem is computed then and there (here interpreted, as on a CPU), not staged into the layer's program."""
     monkeypatch.setattr(moe, "kernel_mismatch", functools.partial(REAL_MISMATCH, interpret=True))
     moe.kernel_works.cache_clear()
     try:
-        assert jax.jit(lambda x: x + moe.kernel_works(name))(jnp.int32(1)) == 2
+        assert jax.jit(lambda x: x + moe.kernel_works("grouped_matmul"))(jnp.int32(1)) == 2
     finally:
         moe.kernel_works.cache_clear()
+    with pytest.raises(ValueError, match="no Pallas MoE kernel 'expert_gemv'"):  # the only one is grouped_matmul
+        REAL_MISMATCH("expert_gemv", interpret=True)
 
 
 REAL_MISMATCH = moe.kernel_mismatch
+
+
+@pytest.mark.parametrize("pairs", [1, 8, 16])  # one pair, an AR step of 8 experts, two
+def test_the_gather_product_is_the_float64_product(pairs):
+    """moe._gather_product (the gather form's batched GEMV) is the float64 product to f32 rounding on random bf16
+    inputs, pairs sharing experts, at a traced offset into the stacked matrices; in x's dtype by default."""
+    rng = np.random.default_rng(pairs)
+    d, n, offset = 96, 64, 5
+    x = jnp.asarray(rng.normal(size=(pairs, d)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(offset + 6, n, d)), jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(0, 6, pairs), jnp.int32)
+    got = np.asarray(jax.jit(moe._gather_product, static_argnames="out_dtype")(x, w, ids, jnp.int32(offset),
+                                                                                out_dtype=jnp.float32))
+    exact = np.einsum("pd,pnd->pn", np.asarray(x, np.float64), np.asarray(w, np.float64)[offset + np.asarray(ids)])
+    assert got.dtype == np.float32 and np.abs(got - exact).max() < 1e-6 * np.abs(exact).max()
+    assert moe._gather_product(x, w, ids, offset).dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize("sizes,block_rows,offset", [
@@ -336,31 +350,3 @@ def test_gpu_layouts_give_the_same_rounds(target, drafter, runs, layout):
     ref = run["ddtree"]["16"]
     assert as_reference(run, res.output_ids[0]) == ref["output"]
     assert res.acceptance_lengths[0] == ref["acceptance_lengths"]
-
-
-@pytest.mark.parametrize("pairs,block_n,block_d", [
-    (1, None, None),  # one pair: the defaults (16 rows a program, one chunk of D)
-    (8, 16, 32),  # an AR step of 8 experts: several output blocks and chunks a pair
-    (16, 32, 32),
-])
-def test_expert_gemv_kernel_interpreted(pairs, block_n, block_d):
-    """pallas_kernels.expert_gemv (interpreted) is XLA's gather form, its reference, to f32 rounding on random bf16
-    inputs, pairs sharing experts, at a traced offset into the stacked matrices; and the float64 product."""
-    rng = np.random.default_rng(pairs)
-    d, n, offset = 96, 64, 5
-    x = jnp.asarray(rng.normal(size=(pairs, d)), jnp.bfloat16)
-    w = jnp.asarray(rng.normal(size=(offset + 6, n, d)), jnp.bfloat16)
-    ids = jnp.asarray(rng.integers(0, 6, pairs), jnp.int32)
-    got = np.asarray(eg.expert_gemv(x, w, ids, jnp.int32(offset), out_dtype=jnp.float32, block_n=block_n,
-                                    block_d=block_d, interpret=True))
-    want = np.asarray(eg.reference(x, w, ids, offset, jnp.float32))
-    scale = np.abs(want).max()
-    assert np.abs(got - want).max() < 1e-6 * scale
-    exact = np.einsum("pd,pnd->pn", np.asarray(x, np.float64), np.asarray(w, np.float64)[offset + np.asarray(ids)])
-    assert np.abs(got - exact).max() < 1e-6 * scale
-    assert eg.expert_gemv(x, w, ids, offset, interpret=True).dtype == jnp.bfloat16  # x's dtype by default
-    tuned = eg.expert_gemv(x, w, ids, jnp.int32(offset), out_dtype=jnp.float32, block_n=block_n, block_d=block_d,
-                           warps=2, stages=4, interpret=True)  # Triton's options change nothing computed
-    np.testing.assert_array_equal(np.asarray(tuned), got)
-    with pytest.raises(ValueError, match="D=96 of block_d=64"):
-        eg.expert_gemv(x, w, ids, offset, block_d=64, interpret=True)
