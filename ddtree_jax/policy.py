@@ -74,9 +74,10 @@ def seen_column(trees: Sequence[int], i: int) -> int:
 
 
 SMOOTHING = 0.1  # weight of one round in the moving averages: a group of 8 rounds weighs 1 - 0.9^8 = 0.57
-PRIOR_ROUNDS = 4.0  # what a ratio not yet observed (1 for a new Policy, the others' for a new sequence) weighs, in
+PRIOR_ROUNDS = 8.0  # what a ratio not yet observed (1 for a new Policy, the others' for a new sequence) weighs, in
 # rounds, against a sequence's first group: a response's first rounds accept little, and 2 rounds taken alone sent
-# decodes to AR steps (one of 8 held-out questions on 2 CPU cores; about 3 prompts in 8 on an H100)
+# decodes to AR steps (one of 8 held-out questions on 2 CPU cores; about 3 prompts in 8 on an H100); against 4
+# (generate's first group, autorun.FIRST_GROUP) 3 of 9 default decodes on 2 CPU cores ran 8-76 AR steps
 EXPLORE_SPREAD = 1.25  # a group that explores takes an unknown form costing at most this times the cheapest one
 RATIO_MAX = 2.0
 FACTOR_MAX = 4.0  # a tree's factor on the ratio (k_i(c)), at most

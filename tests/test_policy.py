@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from ddtree_jax import costs, policy
+from ddtree_jax import autorun, costs, policy
 
 TREES = (16, 32, 64, 128, 256)
 FORMS = ("ar", "chain") + tuple(map(str, TREES))
@@ -325,28 +325,28 @@ def test_new_sequences_start_from_what_the_others_showed_and_unknown_forms_are_e
 
 
 def test_a_first_group_weighs_against_the_prior_so_a_slow_start_keeps_the_trees():
-    """A response's first rounds accept little: 2 rounds of a tree of 32 accepting a twentieth of what the drafter
-    predicted beyond the root do not send the decode to AR steps; the same shortfall kept up for four groups of 8
-    does."""
+    """A response's first rounds accept little: generate's first group (4 rounds) of a tree of 32 accepting a twentieth
+    of what the drafter predicted beyond the root does not send the decode to AR steps; the same shortfall kept up for
+    four groups of 8 does."""
     pred = curve(4.0)
     used = pred[TREES.index(32)]
     p = policy.Policy(FORMS, TREES)
     p.start(0)
-    p.observe(0, "32", stats(2, 1 + 0.05 * (used - 1), used, 1.5, pred))
-    w = 2 / (2 + policy.PRIOR_ROUNDS)
+    p.observe(0, "32", stats(autorun.FIRST_GROUP, 1 + 0.05 * (used - 1), used, 1.5, pred))
+    w = autorun.FIRST_GROUP / (autorun.FIRST_GROUP + policy.PRIOR_ROUNDS)
     assert p.seqs[0].ratio == pytest.approx(1 + w * (0.05 - 1), rel=1e-5)
     assert p.choose([0], options())[0] != "ar"
     for _ in range(4):
         p.observe(0, "32", stats(8, 1 + 0.05 * (used - 1), used, 1.5, pred))
     assert p.choose([0], options())[0] == "ar"
-    alone = policy.Policy(FORMS, TREES, prior_rounds=0)  # the first 2 rounds alone would have
+    alone = policy.Policy(FORMS, TREES, prior_rounds=0)  # the first group alone would have
     alone.start(0)
-    alone.observe(0, "32", stats(2, 1 + 0.05 * (used - 1), used, 1.5, pred))
+    alone.observe(0, "32", stats(autorun.FIRST_GROUP, 1 + 0.05 * (used - 1), used, 1.5, pred))
     assert alone.choose([0], options())[0] == "ar"
     # a new sequence starts from the others' ratio, which weighs as much against its own first group
     p.start(1)
     before = p.seqs[1].ratio
-    p.observe(1, "32", stats(2, used, used, 1.5, pred))
+    p.observe(1, "32", stats(autorun.FIRST_GROUP, used, used, 1.5, pred))
     assert p.seqs[1].ratio == pytest.approx(before + w * (1 - before), rel=1e-5)
 
 
