@@ -16,6 +16,8 @@
 #              default pair's shape, a tree of 32, 256 tokens): auto in groups of 8 rounds and in growing groups, each
 #              at the switch interval auto sets (autorun.HANDOFF_S) and at CPython's 5 ms, against the fixed budget's
 #              one call -> OUTDIR/calls.json (about 3 minutes)
+# The parts that start servers (8b, 8b-dflash, pair-load) need the server's packages (starlette, uvicorn,
+# sse-starlette: pip install -e .); a machine without them stops at once with one line naming them.
 set -u
 OUT=${1:?output directory}; PART=${2:?part: 8b, 8b-dflash, pair, pair-load or calls}
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
