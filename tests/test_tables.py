@@ -21,11 +21,12 @@ PAIR_RECORDS = [("default_pair_h200.json", "batch1_budgets_32_64", "H200, batch 
                 ("default_pair_cpu.json", None, "2 CPU cores, batch 1", "first"),
                 ("auto_pair_h100.json", "at_e5c796b", "H100, batch 1", "third"),
                 ("auto_pair_h100.json", "at_2a585b9", "H100, batch 1", "third"),
-                ("auto_pair_cpu.json", None, "2 CPU cores, batch 1", "third"),
+                ("auto_pair_cpu.json", "at_2026-12-05", "2 CPU cores, batch 1", "third"),
                 ("auto_pair_h100.json", "at_bd6b719", "H100, batch 1", "third"),
                 ("auto_pair_h200.json", "at_d4b10bc", "H200, batch 1", "fourth"),
                 ("auto_pair_h200.json", "at_3a82b79", "H200, batch 1", "fourth"),
-                ("auto_pair_h200.json", "at_3a82b79_layer_unroll_30", "H200, batch 1", "fourth")]
+                ("auto_pair_h200.json", "at_3a82b79_layer_unroll_30", "H200, batch 1", "fourth"),
+                ("auto_pair_cpu.json", "at_1b07b35", "2 CPU cores, batch 1", "fifth")]
 PAIR_ROW_STARTS = ("| H200, batch", "| H100, batch", "| 2 CPU")
 
 
@@ -123,7 +124,7 @@ def test_the_default_pairs_tables_are_its_records():
     """docs/PERFORMANCE.md's default-pair table is the `bench pair` records row for row, and every row README shows
     is one of them."""
     rows = pair_rows()
-    assert len(rows) == 4 + 5 + 8 + 3 + 7 + 5 + 5 + 5 + 5 + 5 + 5 + 5
+    assert len(rows) == 4 + 5 + 8 + 3 + 7 + 5 + 5 + 5 + 5 + 5 + 5 + 5 + 5
     page_rows = [line for line in PERFORMANCE.read_text().splitlines() if line.startswith(PAIR_ROW_STARTS)]
     assert page_rows == rows
     readme_rows = [line for line in (ROOT / "README.md").read_text().splitlines()
