@@ -104,8 +104,9 @@ def run(args) -> int:
 def _auto_run(target, draft, prompts, args, stop, ar_tokens_per_s) -> dict:
     """``bench pair``'s ddtree under --tree-budget auto (the cost table of the cache directory, kept there): what
     training.evaluate.benchmark records of a fixed budget, and the forms the rounds took ({form: rounds})."""
-    from ddtree_jax import accept, decode
+    from ddtree_jax import decode
     from ddtree_jax.spec import AUTO, GenerateOptions
+    from ddtree_jax.training import evaluate
 
     opts = GenerateOptions(method="ddtree", tree_budget=AUTO, max_new_tokens=args.max_new_tokens,
                            stop_token_ids=stop, attention=args.attention, forms=args.forms or ())
@@ -120,16 +121,8 @@ def _auto_run(target, draft, prompts, args, stop, ar_tokens_per_s) -> dict:
     if tps and ar_tokens_per_s:
         row["speedup"] = tps / ar_tokens_per_s
     if args.check:  # as training.evaluate.benchmark's check: AR's tokens, and every traced round's walk replayed
-        ar_ids = decode.generate(target, prompts, dataclasses.replace(opts, method="ar"), tuning=args.tuning).output_ids
-        firsts = [next((i - len(p) for i, (x, y) in enumerate(zip(mine, theirs)) if i >= len(p) and x != y),
-                       None if len(mine) == len(theirs) else min(len(mine), len(theirs)) - len(p))
-                  for p, mine, theirs in zip(prompts, res.output_ids, ar_ids)]
-        traced = decode.generate(target, prompts, dataclasses.replace(opts, trace=True), draft=draft,
-                                 persist_costs=True, tuning=args.tuning)
-        rounds = [r for seq in traced.rounds for r in seq]
-        row.update(same_as_ar=sum(f is None for f in firsts), traced_rounds=len(rounds),
-                   first_divergence=min((f for f in firsts if f is not None), default=None),
-                   walk_mismatches=sum(accept.walk_host(r["tree"]["node_token_ids"], r["tree"]["parents"],
-                                                        r["target_choices"]) != r["accepted_indices"] for r in rounds),
-                   traced_same_as_untraced=traced.output_ids == res.output_ids)
+        ar_ids = decode.generate(target, prompts, dataclasses.replace(opts, method="ar"),
+                                 tuning=args.tuning).output_ids
+        row.update(evaluate.check_against_ar(res, ar_ids, prompts, target, draft, dataclasses.replace(opts, trace=True),
+                                             args.tuning, persist_costs=True))
     return row

@@ -96,21 +96,23 @@ def benchmark(target, draft, prompts: list[list[int]], *, budgets: Sequence[int]
         if method == "ar":
             ar_ids = res.output_ids
         elif check:
-            out[name].update(_check(res, ar_ids, prompts, target, draft, dataclasses.replace(opts, trace=True),
-                                    tuning))
+            out[name].update(check_against_ar(res, ar_ids, prompts, target, draft,
+                                              dataclasses.replace(opts, trace=True), tuning))
         log(f"{name}: {json.dumps(out[name])}")
     return out
 
 
-def _check(res, ar_ids, prompts, target, draft, traced_opts, tuning) -> dict[str, Any]:
-    """``benchmark``'s check of one method: its outputs against ar's, and a traced run's walks replayed."""
+def check_against_ar(res, ar_ids, prompts, target, draft, traced_opts, tuning, **generate_kw) -> dict[str, Any]:
+    """``benchmark``'s check of one method (and ``bench pair``'s of auto): its outputs ``res`` against ar's
+    ``ar_ids``, and a run with ``traced_opts`` (``generate_kw`` passed on to decode.generate) whose walks are
+    replayed on the host."""
     from ddtree_jax import accept, decode
 
     starts = [len(p) for p in prompts]
     firsts = [next((i - s for i, (x, y) in enumerate(zip(mine, theirs)) if i >= s and x != y),
                    None if len(mine) == len(theirs) else min(len(mine), len(theirs)) - s)
               for mine, theirs, s in zip(res.output_ids, ar_ids, starts)]
-    traced = decode.generate(target, prompts, traced_opts, draft=draft, tuning=tuning)
+    traced = decode.generate(target, prompts, traced_opts, draft=draft, tuning=tuning, **generate_kw)
     rounds = [r for seq in traced.rounds for r in seq]
     bad = sum(accept.walk_host(r["tree"]["node_token_ids"], r["tree"]["parents"], r["target_choices"])
               != r["accepted_indices"] for r in rounds)
