@@ -325,8 +325,9 @@ def generate(
     the first ``autorun.FIRST_GROUP``, read before the second is chosen), each of the form a :class:`policy.Policy`
     (``chooser``, default a new one) picks from the statistics of the groups read so far, weighed against each
     program's seconds per round (timed here unless known; with ``persist_costs`` read from and kept in the cache
-    directory's cost table, ``autorun.cost_table_for``). One worker thread runs the groups in order while the host reads group g - 1 and
-    chooses group g + 1, so the device never waits for the host's choice (:class:`autorun.AutoRun`).
+    directory's cost table, ``autorun.cost_table_for``). One worker thread runs the groups in order while the host
+    reads group g - 1 and chooses group g + 1, so that after the second group the device does not wait for the
+    host's choice (:class:`autorun.AutoRun`).
 
     A decode fault (round statistics no correct program gives: ``round_statistics_problem``) raises RuntimeError.
     """
