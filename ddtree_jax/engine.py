@@ -550,12 +550,11 @@ class Engine:
         self.step_programs[program.form, program.size, program.variant] += 1
         rounds = int(snap.new_rounds.max()) if snap.new_rounds.size else 0
         if rounds:
-            self.metrics.round_latency.observe(step.elapsed / rounds)
             self.programs.stepped(program, step.elapsed, rounds, self._context(), step.quiet)
         if snap.new_stats is not None:
             for s in live:
                 self.policy.observe(s, program.form, snap.new_stats[s])
-        self.metrics.stepped(self, program, live, snap, step.reason)
+        self.metrics.stepped(self, program, live, snap, step.reason, step.elapsed)
         self._deliver(step.starts, snap)
 
     def _deliver(self, starts: np.ndarray, snap: decode.Snapshot) -> None:

@@ -16,6 +16,10 @@ chat template) or token ids (``/v1/completions``). Reported per level:
     form_rounds          (--tree-budget auto) sequence rounds by the form they took, from /metrics
     slot_batch_steps     steps by the slot batch of the program that ran them, from /metrics
     reason_rounds        (--tree-budget auto) sequence rounds by why their program ran (policy, probe, timing)
+    engine tpot          the engine's own time per token of one sequence, from /metrics: its rounds' mean wall time
+                         (device step seconds / the batch's rounds) over the acceptance; TPOT over it is what the
+                         server (HTTP, scheduling, admissions, detokenising) adds
+    device busy          device step seconds / the level's wall time
 
 Example (start the server first, e.g. with random Qwen3-8B-shaped weights):
     python -m ddtree_jax.loadtest --url http://127.0.0.1:8000 --concurrency 1,2,4,8,16,32 --json > load.json
@@ -161,8 +165,11 @@ async def run_level(url: str, model: str | None, concurrency: int, requests: int
     lat = [s.latency for s in ok]
     ttft = [s.ttft for s in ok if s.ttft is not None]
     tpot = [(s.latency - s.ttft) / (s.tokens - 1) for s in ok if s.ttft is not None and s.tokens > 1]
-    rounds = after.get("ddtree_sequence_rounds_total", 0) - before.get("ddtree_sequence_rounds_total", 0)
-    committed = after.get("ddtree_committed_tokens_total", 0) - before.get("ddtree_committed_tokens_total", 0)
+    def grew(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    rounds, committed = grew("ddtree_sequence_rounds_total"), grew("ddtree_committed_tokens_total")
+    step_s, batch_rounds = grew("ddtree_step_seconds_total"), grew("ddtree_batch_rounds_total")
     prefix = "ddtree_form_sequence_rounds_total{form=\""  # --tree-budget auto: sequence-rounds by form
     forms = {k[len(prefix):-2]: v - before.get(k, 0) for k, v in after.items() if k.startswith(prefix)}
     prefix = "ddtree_reason_sequence_rounds_total{reason=\""  # ... by why: the policy's choice, a probe, a timing
@@ -182,6 +189,8 @@ async def run_level(url: str, model: str | None, concurrency: int, requests: int
         "ttft_s": {f"p{q}": percentile(ttft, q) for q in (50, 90, 99)},
         "tpot_s": {"p50": percentile(tpot, 50)},
         "mean_acceptance_length": committed / rounds if rounds else None,
+        "engine_tpot_s": step_s / batch_rounds / (committed / rounds) if batch_rounds and committed else None,
+        "device_busy": step_s / wall if wall > 0 else None,
         "form_rounds": {f: n for f, n in forms.items() if n} or None,
         "reason_rounds": {f: n for f, n in reasons.items() if n} or None,
         "slot_batch_steps": {b: n for b, n in sorted(batches.items()) if n} or None,
@@ -215,16 +224,17 @@ def format_table(results: list[dict[str, Any]]) -> str:
         return "-" if x is None else format(x, spec)
 
     lines = ["| concurrency | requests | errors | output tok/s | req/s | latency p50 / p90 / p99 (s) | "
-             "TTFT p50 / p90 / p99 (s) | TPOT p50 (ms) | acceptance |",
-             "|---:|---:|---:|---:|---:|---|---|---:|---:|"]
+             "TTFT p50 / p90 / p99 (s) | TPOT p50 (ms) | engine TPOT (ms) | acceptance |",
+             "|---:|---:|---:|---:|---:|---|---|---:|---:|---:|"]
     for r in results:
         lat, ttft = r["latency_s"], r["ttft_s"]
-        tpot = r["tpot_s"]["p50"]
+        tpot, engine = r["tpot_s"]["p50"], r.get("engine_tpot_s")
         lines.append(
             f"| {r['concurrency']} | {r['requests']} | {r['errors']} | {f(r['output_tokens_per_s'], '.1f')} | "
             f"{f(r['requests_per_s'], '.2f')} | {f(lat['p50'])} / {f(lat['p90'])} / {f(lat['p99'])} | "
             f"{f(ttft['p50'])} / {f(ttft['p90'])} / {f(ttft['p99'])} | "
-            f"{f(tpot * 1000 if tpot is not None else None, '.2f')} | {f(r['mean_acceptance_length'], '.2f')} |")
+            f"{f(tpot * 1000 if tpot is not None else None, '.2f')} | "
+            f"{f(engine * 1000 if engine is not None else None, '.2f')} | {f(r['mean_acceptance_length'], '.2f')} |")
     return "\n".join(lines)
 
 

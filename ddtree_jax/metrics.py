@@ -56,6 +56,10 @@ class Metrics:
               registry=r).set_function(lambda: engine.programs_ready)
         Gauge("ddtree_programs", "Programs the background compiler works towards", registry=r).set_function(
             lambda: engine.programs_wanted)
+        self.step_seconds = Counter("ddtree_step_seconds", "Wall time of the device steps (dispatch to the read of "
+                                    "their snapshot), summed", registry=r)
+        self.batch_rounds = Counter("ddtree_batch_rounds", "Rounds the batch ran (each step's rounds, not summed over "
+                                    "sequences): step seconds / batch rounds is the engine's round time", registry=r)
         lat = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
         self.round_latency = Histogram("ddtree_round_latency_seconds", "Wall time of one round of the batch "
                                        "(device step / rounds it ran)", buckets=lat, registry=r)
@@ -75,8 +79,13 @@ class Metrics:
         return num._value.get() / d if d else 0.0
 
     def stepped(self, engine: "Engine", program: "Program", live: list[int], snap: decode.Snapshot,
-                reason: str) -> None:
-        """Count a step of ``program`` (engine thread), chosen for ``reason`` (policy, probe or timing)."""
+                reason: str, elapsed: float) -> None:
+        """Count a step of ``program`` (engine thread) that took ``elapsed`` seconds, chosen for ``reason`` (policy,
+        probe or timing)."""
+        if (batch_rounds := int(snap.new_rounds.max()) if snap.new_rounds.size else 0):
+            self.round_latency.observe(elapsed / batch_rounds)
+            self.batch_rounds.inc(batch_rounds)
+            self.step_seconds.inc(elapsed)
         rounds = int(snap.new_rounds.sum())
         self.rounds.inc(rounds)
         self.rounds_by_form.labels(program.form).inc(rounds)

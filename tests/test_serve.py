@@ -197,7 +197,8 @@ def test_models_health_and_metrics(server):
     for name in ("ddtree_requests_total", "ddtree_generated_tokens_total", "ddtree_mean_acceptance_length",
                  "ddtree_tokens_per_second", "ddtree_queue_length", "ddtree_round_latency_seconds_bucket",
                  "ddtree_active_slots", "ddtree_expected_acceptance_length", "ddtree_acceptance_ratio",
-                 "ddtree_programs_compiled", "ddtree_programs"):
+                 "ddtree_programs_compiled", "ddtree_programs", "ddtree_step_seconds_total",
+                 "ddtree_batch_rounds_total"):
         assert name in text
     by_form = {k: v for k, v in server.metrics().items() if k.startswith("ddtree_form_sequence_rounds_total")}
     assert by_form and set(by_form) <= {f'ddtree_form_sequence_rounds_total{{form="{f}"}}' for f in ("ar", "chain", "8")}
@@ -327,6 +328,10 @@ def test_load_benchmark_runs(server):
     for r in results:
         assert r["errors"] == 0 and r["output_tokens"] == 24
         assert r["latency_s"]["p50"] > 0 and r["ttft_s"]["p99"] is not None and r["mean_acceptance_length"] >= 1
+        # the engine's own time per token (its rounds' wall time over the acceptance; not comparable with the
+        # client's TPOT over 6 tokens, whose first step's tokens arrive with the first); the device steps fill part
+        # of the level's time
+        assert 0 < r["engine_tpot_s"] < r["latency_s"]["p50"] and 0 < r["device_busy"] <= 1.05
     assert loadtest.format_table(results).count("\n") == 3
 
 
