@@ -11,7 +11,8 @@
 #              fresh machine mostly compilation: about 4 minutes); the cost of a lax.switch over the forms in the
 #              round loop (benchmarks/switch_cost.py, Qwen3-8B). -> OUTDIR/pair.json, OUTDIR/switch/switch_cost.json
 #   PART pair-load  serve the default pair under load on held-out prompts: ar, ddtree 16, 32, 64 and auto at
-#              concurrency 1,4,16,32 -> OUTDIR/load_pair/summary.md
+#              concurrency 1,4,16,32, each after every program compiled (auto's 30-odd programs: about 2 minutes on
+#              an H100) -> OUTDIR/load_pair/summary.md
 #   PART calls what a device call of generate's auto loop costs (benchmarks/auto_overhead.py, random weights of the
 #              default pair's shape, a tree of 32, 256 tokens): auto in groups of 8 rounds and in growing groups, each
 #              at the switch interval auto sets (autorun.HANDOFF_S) and at CPython's 5 ms, against the fixed budget's
@@ -39,7 +40,7 @@ case "$PART" in
   pair-load)
     python3 benchmarks/load_bench.py "$OUT/load_pair" --target default \
       --methods ar,ddtree:16,ddtree:32,ddtree:64,ddtree --max-batch 32 --concurrency 1,4,16,32 \
-      --requests-per-client 2 --min-requests 8 --max-tokens 128 --wait-compiled 60 --time-limit 470
+      --requests-per-client 2 --min-requests 8 --max-tokens 128 --wait-compiled 300 --time-limit 520
     ;;
   calls)
     timeout 230 python3 benchmarks/auto_overhead.py --model smollm2-135m --budget 32 --tokens 256 --reps 2 \
