@@ -191,16 +191,24 @@ def prefill(spec: Spec, target: TargetParams, drafter: DraftParams | None, state
     return dataclasses.replace(state, cache=cache, dcache=dcache, bonus=first, out=out, n_out=lengths + 1)
 
 
-def init_state(spec: Spec, prompt_lens, options_per_seq, capacity: int, out_len: int, dtype) -> State:
-    """Empty caches and per-sequence settings for a batch. options_per_seq: list of GenerateOptions."""
-    b = len(prompt_lens)
-    tc = spec.target
-    cache = kvcache.init(tc.num_layers, b, capacity, tc.num_kv_heads, tc.head_dim, dtype)
-    dcache = None
-    if spec.draft is not None:
-        dc = spec.draft.layers
-        dcache = kvcache.init(dc.num_layers, b, capacity, dc.num_kv_heads, dc.head_dim, dtype)
-    stop = np.full((b, MAX_STOP_IDS), -1, np.int32)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Rows:
+    """Each sequence's settings, host arrays [B]: what :func:`state_from` needs besides the shapes."""
+
+    prompt_len: np.ndarray  # int32
+    limit: np.ndarray  # int32: prompt_len + max_new_tokens
+    stop_ids: np.ndarray  # [B, MAX_STOP_IDS] int32, -1 padded
+    seeds: np.ndarray  # uint32
+    temperature: np.ndarray  # float32 (0 = greedy)
+    top_p: np.ndarray  # float32
+    top_k: np.ndarray  # int32 (0 = off)
+
+
+def row_settings(spec: Spec, prompt_lens, options_per_seq) -> Rows:
+    """The settings of a batch's sequences (options_per_seq: a GenerateOptions each), checked against what the
+    Spec's programs can do; ValueError otherwise."""
+    stop = np.full((len(prompt_lens), MAX_STOP_IDS), -1, np.int32)
     for i, o in enumerate(options_per_seq):
         if o.temperature > 0 and not spec.sampling:
             raise ValueError(f"temperature {o.temperature} needs a sampling program (Spec.sampling; make_spec sets "
@@ -211,7 +219,25 @@ def init_state(spec: Spec, prompt_lens, options_per_seq, capacity: int, out_len:
         if len(o.stop_token_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop token ids are supported, got {len(o.stop_token_ids)}")
         stop[i, : len(o.stop_token_ids)] = o.stop_token_ids
-    prompt_len = jnp.asarray(prompt_lens, jnp.int32)
+    lens = np.asarray(prompt_lens, np.int32)
+    return Rows(prompt_len=lens, limit=lens + np.asarray([o.max_new_tokens for o in options_per_seq], np.int32),
+                stop_ids=stop, seeds=np.asarray([o.seed for o in options_per_seq], np.uint32),
+                temperature=np.asarray([o.temperature for o in options_per_seq], np.float32),
+                top_p=np.asarray([o.top_p for o in options_per_seq], np.float32),
+                top_k=np.asarray([o.top_k for o in options_per_seq], np.int32))
+
+
+def state_from(spec: Spec, rows: Rows, capacity: int, out_len: int, dtype) -> State:
+    """Empty caches of ``capacity`` tokens and an output buffer of ``out_len`` for the sequences of ``rows``;
+    traceable (the engine jits it: one device call an admission, not one per leaf)."""
+    b = rows.prompt_len.shape[0]
+    tc = spec.target
+    cache = kvcache.init(tc.num_layers, b, capacity, tc.num_kv_heads, tc.head_dim, dtype)
+    dcache = None
+    if spec.draft is not None:
+        dc = spec.draft.layers
+        dcache = kvcache.init(dc.num_layers, b, capacity, dc.num_kv_heads, dc.head_dim, dtype)
+    prompt_len = jnp.asarray(rows.prompt_len, jnp.int32)
     trace = None
     if spec.trace:
         r, n = spec.max_rounds, spec.nodes_room
@@ -228,22 +254,29 @@ def init_state(spec: Spec, prompt_lens, options_per_seq, capacity: int, out_len:
         dcache=dcache,
         bonus=jnp.zeros((b,), jnp.int32),
         out=jnp.zeros((b, out_len), jnp.int32),
-        n_out=jnp.asarray(prompt_lens, jnp.int32),  # its own buffer: State leaves are donated
+        n_out=jnp.array(rows.prompt_len, jnp.int32, copy=True),  # its own buffer (also under jit, which would
+        # return an input as both outputs): State leaves are donated
         prompt_len=prompt_len,
-        limit=prompt_len + jnp.asarray([o.max_new_tokens for o in options_per_seq], jnp.int32),
-        stop_ids=jnp.asarray(stop),
+        limit=jnp.asarray(rows.limit, jnp.int32),
+        stop_ids=jnp.asarray(rows.stop_ids, jnp.int32),
         stop_at=jnp.full((b,), NEVER, jnp.int32),
         done=jnp.zeros((b,), bool),
-        keys=jax.vmap(jax.random.key)(jnp.asarray([o.seed for o in options_per_seq], jnp.uint32)),
-        temperature=jnp.asarray([o.temperature for o in options_per_seq], jnp.float32),
-        top_p=jnp.asarray([o.top_p for o in options_per_seq], jnp.float32),
-        top_k=jnp.asarray([o.top_k for o in options_per_seq], jnp.int32),
+        keys=jax.vmap(jax.random.key)(jnp.asarray(rows.seeds, jnp.uint32)),
+        temperature=jnp.asarray(rows.temperature, jnp.float32),
+        top_p=jnp.asarray(rows.top_p, jnp.float32),
+        top_k=jnp.asarray(rows.top_k, jnp.int32),
         n_rounds=jnp.zeros((b,), jnp.int32),
         accept_hist=jnp.zeros((b, spec.max_rounds), jnp.int32),
         trace=trace,
         forms=jnp.zeros((b, spec.max_rounds), jnp.int32) if spec.auto else None,
         stats=jnp.zeros((b, policy.width(spec.predict)), jnp.float32) if spec.auto else None,
     )
+
+
+def init_state(spec: Spec, prompt_lens, options_per_seq, capacity: int, out_len: int, dtype) -> State:
+    """Empty caches and per-sequence settings for a batch (:func:`row_settings`, :func:`state_from`).
+    options_per_seq: list of GenerateOptions."""
+    return state_from(spec, row_settings(spec, prompt_lens, options_per_seq), capacity, out_len, dtype)
 
 
 # ----------------------------------------------------------------------------------------- host API
