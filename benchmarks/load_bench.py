@@ -15,6 +15,10 @@ configurations run minutes apart (on a shared 2-core CPU the same server's speed
 Prompts: --prompt-len random token ids (random weights), or --prompts-file (text prompts as chat messages, or token
 ids); with --target default (the default pair) the held-out prompts of ddtree_jax/data/prompts/python.json.
 
+A level may repeat (--concurrency 1,1,1,...): with --wait-compiled 0 the levels then show what requests pay while the
+server compiles its programs in the background (each level records when it ran after /health and the programs
+compiled at its start and end).
+
 Writes to OUT_DIR: CONFIG.json (the loadtest's JSON list, the levels that finished), CONFIG.server.log,
 CONFIG.loadtest.log, run.json (parameters, startup times, failures) and summary.md (a Markdown table, throughput
 relative to ar's, the forms auto ran).
@@ -203,6 +207,7 @@ class Served:
         self.results: list[dict] = []
         self.proc: subprocess.Popen | None = None
         self.url = ""
+        self.up = 0.0  # time.monotonic() when /health turned 200
         self.slog = open(os.path.join(args.out, f"{self.name}.server.log"), "w")
         self.llog = open(os.path.join(args.out, f"{self.name}.loadtest.log"), "w")
 
@@ -211,6 +216,7 @@ class Served:
         config, info = self.config, self.info
         try:
             self.proc, self.url, info["startup_s"] = _start(self.args, config, self.slog, deadline, env)
+            self.up = time.monotonic()
             print(f"[{config}] /health 200 in {info['startup_s']}s", file=sys.stderr, flush=True)
             if self.args.wait_compiled > 0:
                 info["compiled_s"], health = _wait_compiled(self.url, min(self.args.wait_compiled,
@@ -243,6 +249,7 @@ class Served:
             lcmd += ["--prompts-file", args.prompts_file]
         self.llog.write(f"$ {' '.join(lcmd[1:])}\n")
         self.llog.flush()
+        since, compiled = round(time.monotonic() - self.up, 1), (_health(self.url) or {}).get("programs_compiled")
         try:
             r = subprocess.run(lcmd, cwd=REPO, env=_env(args), stdout=subprocess.PIPE, stderr=self.llog, text=True,
                                timeout=left)
@@ -253,6 +260,10 @@ class Served:
             info["failures"].append(f"concurrency {c}: loadtest exited with {r.returncode} (see the log)")
             return
         level = json.loads(r.stdout)[0]
+        # when it ran: seconds after /health turned 200, and the programs compiled then and at its end (levels run
+        # with --wait-compiled 0 show what requests pay while the server compiles)
+        level.update(since_health_s=since, programs_compiled=[compiled, (_health(self.url) or {}).get(
+            "programs_compiled")])
         self.results.append(level)
         info["levels"].append(c)
         if level["errors"]:
