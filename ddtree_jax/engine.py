@@ -83,6 +83,7 @@ class EngineConfig:
     batch_buckets: tuple[int, ...] | None = None
     forms: tuple[str, ...] = ()  # under auto, the forms to choose among (default: policy.candidates)
     tuning: Tuning = Tuning()  # how the rounds run on the device (ddtree_jax.tuning)
+    compile_threads: int | None = None  # background compilation threads (None: programs.COMPILE_THREADS)
 
 
 # ----------------------------------------------------------------------------------------- device
@@ -338,7 +339,7 @@ class Engine:
         self._handoffs.enter_context(autorun.quick_handoffs())
         self._thread = threading.Thread(target=self._run, name="ddtree-engine", daemon=True)
         self._thread.start()
-        self.programs.start()
+        self.programs.start(self.config.compile_threads)
         self.ready = True
         return self
 

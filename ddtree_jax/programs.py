@@ -152,10 +152,10 @@ class Programs(collections.abc.Mapping):
         return sum(p.variant in self._wanted or p is self.first for p in self._programs.values())
 
     # ------------------------------------------------------------------ compilation
-    def start(self) -> None:
-        """Start the background compiler's threads."""
+    def start(self, threads: int | None = None) -> None:
+        """Start the background compiler's threads (default COMPILE_THREADS)."""
         self._compilers = [threading.Thread(target=self._compile_loop, name=f"ddtree-compile-{i}", daemon=True)
-                           for i in range(COMPILE_THREADS)]
+                           for i in range(threads or COMPILE_THREADS)]
         for t in self._compilers:
             t.start()
 

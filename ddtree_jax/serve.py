@@ -138,6 +138,10 @@ def build_parser() -> cli.ArgumentParser:
                         "for a full batch (a verify runs slots x (nodes + 1) rows); under --tree-budget auto the "
                         "cheapest for the chosen form. Each size's programs compile in the background after "
                         "start-up; not with a data axis in --mesh (default: the powers of two below --max-batch)")
+    b.add_argument("--compile-threads", type=cli.positive_int, default=None, metavar="N",
+                   help="threads compiling the programs in the background after start-up; requests served meanwhile "
+                        "share the host (and the GPU, which XLA's autotuning uses) with them (default: a quarter of "
+                        "the CPU cores, 1 to 4)")
     b.add_argument("--no-disk-cache", action="store_true",
                    help="keep nothing on disk: no persistent compilation cache (by default compiled programs are kept "
                         "in $DDTREE_JAX_CACHE/jit, unless JAX_COMPILATION_CACHE_DIR names another, so a second start "
@@ -235,7 +239,7 @@ def plan(args: argparse.Namespace) -> Plan:
     ecfg = engines.EngineConfig(method=method, tree_budget=budget, max_batch=args.max_batch, max_len=max_len,
                                 rounds_per_step=args.rounds_per_step, max_queue=args.max_queue,
                                 attention=args.attention, batch_buckets=buckets, forms=args.forms or (),
-                                tuning=args.tuning)
+                                tuning=args.tuning, compile_threads=args.compile_threads)
     return Plan(target_path, draft_path, args.dtype, name, ecfg, args.mesh, tok, eos, args.host, args.port,
                 args.log_level, args.warmup_all, shape, not args.no_disk_cache)
 
