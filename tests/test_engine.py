@@ -278,10 +278,12 @@ def test_stop_answers_every_pending_request(target, drafter, engine, reference_r
 
 
 def test_stop_ends_every_idle_compile_thread(target, drafter, engine, monkeypatch):
-    """With several background compile threads, all idle once every wanted program is compiled, stop() wakes and
-    ends each of them (waking one left the others waiting until their join timed out)."""
-    monkeypatch.setattr(programs, "COMPILE_THREADS", 3)
-    eng = engines.Engine(target, drafter, engine.config, tokenizer=engine.tokenizer).start(warmup=False)
+    """With several background compile threads (EngineConfig.compile_threads, serve's --compile-threads), all idle
+    once every wanted program is compiled, stop() wakes and ends each of them (waking one left the others waiting
+    until their join timed out)."""
+    monkeypatch.setattr(programs, "COMPILE_THREADS", 1)  # the default the config overrides
+    cfg = dataclasses.replace(engine.config, compile_threads=3)
+    eng = engines.Engine(target, drafter, cfg, tokenizer=engine.tokenizer).start(warmup=False)
     threads = eng.programs._compilers
     assert len(threads) == 3
     wait_until(lambda: not eng.programs._pending() and eng.programs._in_flight == 0, timeout=120)

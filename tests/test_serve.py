@@ -526,8 +526,9 @@ def test_random_target_plan_needs_no_files():
     assert (p.random_shape, p.target_path, p.draft_path, p.tokenizer) == ("tiny", None, None, None)
     assert p.model_name == "random:tiny" and p.engine_config.method == "dflash"
     p = serve.plan(serve.build_parser().parse_args(["--target", "random:tiny", "--batch-buckets", "4,1,4",
-                                                    "--tuning", "layout=stacked,decode_attention=0"]))
-    assert p.engine_config.batch_buckets == (1, 4)
+                                                    "--tuning", "layout=stacked,decode_attention=0",
+                                                    "--compile-threads", "2"]))
+    assert p.engine_config.batch_buckets == (1, 4) and p.engine_config.compile_threads == 2
     assert p.engine_config.tuning == Tuning(layout="stacked", decode_attention=False)
     assert serve.plan(serve.build_parser().parse_args(["--target", "random:tiny"])).engine_config.method == "ddtree"
 
