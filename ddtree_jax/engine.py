@@ -83,7 +83,8 @@ class EngineConfig:
     batch_buckets: tuple[int, ...] | None = None
     forms: tuple[str, ...] = ()  # under auto, the forms to choose among (default: policy.candidates)
     tuning: Tuning = Tuning()  # how the rounds run on the device (ddtree_jax.tuning)
-    compile_threads: int | None = None  # background compilation threads (None: programs.COMPILE_THREADS)
+    compile_threads: int | None = None  # background compilation threads while idle, one while serving (None:
+    # programs.COMPILE_THREADS)
 
 
 # ----------------------------------------------------------------------------------------- device
@@ -396,6 +397,7 @@ class Engine:
                 with self._lock:
                     while (inflight is None and not self._stopping and not self._cancels and not self.active_slots
                            and not self.waiting):
+                        self.programs.serving(False)  # idle: every compile thread works
                         due = self._timing_due()
                         if due == 0.0:
                             break
@@ -404,6 +406,7 @@ class Engine:
                         break
                     cancels, self._cancels = self._cancels, set()
                     admit = bool(self.waiting) and self.active_slots < len(self.slots)
+                    self.programs.serving(bool(self.active_slots or self.waiting))
                 if inflight is not None and (cancels or self._ended or admit or not self.active_slots):
                     self._finish(inflight.result())  # the state changes below need it back
                     inflight = None

@@ -94,8 +94,12 @@ def table(spec: Spec, forms: Sequence[str], sizes: Sequence[int], dcfg, max_batc
     return programs, programs[first, max_batch, "filtering"]
 
 
-# Background compilation threads: XLA compiles mostly outside Python's lock, so a few in parallel shorten the time
-# until every program is ready; one on small machines, whose cores the engine thread needs.
+# Background compilation threads while the engine is idle: XLA compiles mostly outside Python's lock, so a few in
+# parallel shorten the time until every program is ready; one on small machines, whose cores the engine thread needs.
+# While it serves requests one thread compiles: on an H100 (16 cores) the default pair's shape ran its AR steps 2-6x
+# slower beside 4 compiling threads (2.9 ms median where no compilation ended, against 1.6-1.7 steady), at the steady
+# speed beside one, but for the second in which a compilation ends (XLA's autotuning and the load of the executable),
+# which compiled 0.6x as many programs meanwhile (benchmarks/results/compile_stall_h100.json).
 COMPILE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
@@ -126,6 +130,7 @@ class Programs(collections.abc.Mapping):
         self._compiling: set[Program] = set()  # taken by a compile thread
         self._in_flight = 0  # compilations running now
         self._stopping = False
+        self._serving = False  # requests are live or waiting: one compile thread works (COMPILE_THREADS)
         self.busy = 0.0  # seconds of steps run so far: the clock that ages costs (COST_TTL_S)
 
     def __getitem__(self, key: tuple[str, int, str]) -> Program:
@@ -153,9 +158,10 @@ class Programs(collections.abc.Mapping):
 
     # ------------------------------------------------------------------ compilation
     def start(self, threads: int | None = None) -> None:
-        """Start the background compiler's threads (default COMPILE_THREADS)."""
-        self._compilers = [threading.Thread(target=self._compile_loop, name=f"ddtree-compile-{i}", daemon=True)
-                           for i in range(threads or COMPILE_THREADS)]
+        """Start the background compiler's threads (default COMPILE_THREADS): all of them work while the engine is
+        idle, the first alone while it serves (:meth:`serving`)."""
+        self._compilers = [threading.Thread(target=self._compile_loop, args=(i,), name=f"ddtree-compile-{i}",
+                                            daemon=True) for i in range(threads or COMPILE_THREADS)]
         for t in self._compilers:
             t.start()
 
@@ -183,12 +189,21 @@ class Programs(collections.abc.Mapping):
         program.fn = lowered.compile(decode.XLA_OPTIONS)
         log.info("compiled %s in %.1fs", program.cost_key, time.perf_counter() - t0)
 
-    def _compile_loop(self) -> None:
-        """A background compiler: the pending program first in :func:`_rank` of the wanted variants, until none. A
-        program that fails to compile is left out (logged); the engine goes on with the others."""
+    def serving(self, serving: bool) -> None:
+        """The engine thread, holding the lock: whether requests are live or waiting (then compile threads past the
+        first wait before their next program, to spare the steps the host's and the GPU's time)."""
+        if serving != self._serving:
+            self._serving = serving
+            if not serving:
+                self._compile_wake.notify_all()
+
+    def _compile_loop(self, index: int) -> None:
+        """Background compiler ``index``: the pending program first in :func:`_rank` of the wanted variants, until none
+        (past the first, only while the engine is idle). A program that fails to compile is left out (logged); the
+        engine goes on with the others."""
         while True:
             with self._lock:
-                while not self._stopping and not (todo := self._pending()):
+                while not self._stopping and (not (todo := self._pending()) or (index and self._serving)):
                     self._compile_wake.wait()
                 if self._stopping:
                     return

@@ -139,9 +139,9 @@ def build_parser() -> cli.ArgumentParser:
                         "cheapest for the chosen form. Each size's programs compile in the background after "
                         "start-up; not with a data axis in --mesh (default: the powers of two below --max-batch)")
     b.add_argument("--compile-threads", type=cli.positive_int, default=None, metavar="N",
-                   help="threads compiling the programs in the background after start-up; requests served meanwhile "
-                        "share the host (and the GPU, which XLA's autotuning uses) with them (default: a quarter of "
-                        "the CPU cores, 1 to 4)")
+                   help="threads compiling the programs in the background after start-up while no request is "
+                        "live; one while requests are served, which share the host (and the GPU, which XLA's "
+                        "autotuning uses) with it (default: a quarter of the CPU cores, 1 to 4)")
     b.add_argument("--no-disk-cache", action="store_true",
                    help="keep nothing on disk: no persistent compilation cache (by default compiled programs are kept "
                         "in $DDTREE_JAX_CACHE/jit, unless JAX_COMPILATION_CACHE_DIR names another, so a second start "

@@ -499,3 +499,41 @@ def test_a_round_that_commits_nothing_ends_the_request_with_an_error(target, dra
         assert res.finish_reason == "error" and "decode fault" in res.error
     finally:
         eng.stop()
+
+
+def test_one_compile_thread_works_while_the_engine_serves():
+    """Programs.serving(True) (requests live or waiting) leaves one background compile thread working, so that the
+    steps keep the host (and the GPU) nearly to themselves (2-6x slower beside four on an H100); once idle, every
+    thread compiles. Compilation faked: each takes 0.2 s and records how many ran at once."""
+    lock = threading.Lock()
+    table = {(str(b), 1, "greedy"): programs.Program(str(b), 1, "greedy", None) for b in range(1, 9)}
+    progs = programs.Programs(table, table["1", 1, "greedy"], weights=(None, None), shapes=None, batch=1,
+                              rounds_per_step=1, max_len=8, path_len=1, cost_table=None, lock=lock,
+                              wake=threading.Condition(lock))
+    counting = threading.Lock()
+    running, peak = [0], {True: 0, False: 0}
+
+    def fake_compile(program):
+        with counting:
+            running[0] += 1
+            peak[progs._serving] = max(peak[progs._serving], running[0])
+        time.sleep(0.2)
+        with counting:
+            running[0] -= 1
+        program.fn = object()
+
+    progs.compile = fake_compile
+    with lock:
+        progs.serving(True)
+    progs.start(3)
+    try:
+        wait_until(lambda: progs.ready >= 3, timeout=30)
+        with lock:
+            progs.serving(False)
+        wait_until(lambda: progs.ready == 8 and progs._in_flight == 0, timeout=30)
+    finally:
+        with lock:
+            progs._stopping = True
+            progs._compile_wake.notify_all()
+        progs.join(5)
+    assert peak == {True: 1, False: 3}
