@@ -469,7 +469,7 @@ class Engine:
                 t0 = time.perf_counter()
                 self._prefill_into(job, s)
                 self.policy.start(s)
-                self.metrics.prefill_latency.observe(time.perf_counter() - t0)
+                self.metrics.admission.observe(time.perf_counter() - t0)
                 self.metrics.prompt_tokens.inc(len(job.prompt_ids))
             except Exception as e:  # noqa: BLE001 - one request's failure is not the server's
                 log.exception("admission of %s failed", job.id)
@@ -502,8 +502,9 @@ class Engine:
         tokens[0, :n] = job.prompt_ids
         one = self._fresh(decode.row_settings(self.spec, [n] + [1] * (rows - 1), [opts] + [pad] * (rows - 1)))
         toks = jnp.asarray(tokens) if self.mesh is None else jax.device_put(tokens, sharding.batch_sharding(self.mesh, 2))
+        # queued, not waited for: the host builds the next admission (or dispatches the next step, whose thread waits
+        # for the inserts) while the device prefills
         one = prefill(self.spec, self.tparams, self.dparams, one, toks)
-        jax.block_until_ready(one.bonus)  # so that the prefill latency metric is the real one
         if rows == 1:
             self.state = slots.insert(self.state, jnp.int32(slot), one)
         else:
