@@ -455,7 +455,7 @@ class Engine:
         mask = np.zeros(len(self.slots), bool)
         mask[self._ended] = True
         self._ended = []
-        self.state = slots.mark_done(self.state, jnp.asarray(mask))
+        self.state = slots.mark_done(self.state, mask)
 
     def _admit(self) -> None:
         for s in range(len(self.slots)):
@@ -506,9 +506,9 @@ class Engine:
         # for the inserts) while the device prefills
         one = prefill(self.spec, self.tparams, self.dparams, one, toks)
         if rows == 1:
-            self.state = slots.insert(self.state, jnp.int32(slot), one)
+            self.state = slots.insert(self.state, np.int32(slot), one)
         else:
-            self.state = slots.insert_first(self.state, jnp.int32(slot), one)
+            self.state = slots.insert_first(self.state, np.int32(slot), one)
         job.slot, job.emitted = slot, n
         self._starts[slot] = n
         if self.tokenizer is not None:

@@ -301,10 +301,10 @@ class Programs(collections.abc.Mapping):
     # ------------------------------------------------------------------ choosing and running
     def call(self, program: Program, state, rows: np.ndarray, starts: np.ndarray):
         """Run ``program`` on ``rows`` of the slot batch (all of them at max_batch): (state, its Snapshot)."""
-        rounds = jnp.int32(self.rounds_per_step)
+        rounds = np.int32(self.rounds_per_step)  # host values, not jnp's: no eager device op a step
         if program.size == self.batch:
-            return program.fn(self.tparams, self.dparams, state, jnp.asarray(starts), rounds)
-        return program.fn(self.tparams, self.dparams, state, jnp.asarray(rows), jnp.asarray(starts), rounds)
+            return program.fn(self.tparams, self.dparams, state, starts.astype(np.int32), rounds)
+        return program.fn(self.tparams, self.dparams, state, rows.astype(np.int32), starts.astype(np.int32), rounds)
 
     def choose(self, live: list[int], params: Sequence[SamplingParams], chooser: policy.Policy) -> Program:
         """The program of the next step for the ``live`` slots, whose requests' sampling ``params`` they are: among
