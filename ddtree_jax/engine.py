@@ -477,7 +477,7 @@ class Engine:
 
     def _fresh_rows(self, mesh) -> Callable[[decode.Rows], State]:
         """The jitted :func:`decode.state_from` of an admission's rows (born sharded on a mesh): one device call for
-        the whole fresh state, where building it leaf by leaf took 12 ms of host time on 2 CPU cores (the fixture pair)."""
+        the whole fresh state, where building it leaf by leaf took 12 ms of host time (the fixture pair, 2 cores)."""
         spec, capacity, out_len, dtype = self.spec, self.layout.capacity, self.layout.out_len, self.dtype
 
         def fresh(rows: decode.Rows) -> State:

@@ -165,6 +165,7 @@ async def run_level(url: str, model: str | None, concurrency: int, requests: int
     lat = [s.latency for s in ok]
     ttft = [s.ttft for s in ok if s.ttft is not None]
     tpot = [(s.latency - s.ttft) / (s.tokens - 1) for s in ok if s.ttft is not None and s.tokens > 1]
+
     def grew(name: str) -> float:
         return after.get(name, 0) - before.get(name, 0)
 
