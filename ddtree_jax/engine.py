@@ -185,7 +185,7 @@ class Engine:
         self._fresh = self._fresh_rows(mesh)
         empty = functools.partial(slots.empty_slots, self.spec, b, self.layout.capacity, self.layout.out_len,
                                   self.dtype)
-        # copies: init_state shares one buffer between n_out and prompt_len, and step donates both
+        # copies: the steps donate every leaf, so none may share a buffer with another (a guard, once at start)
         self.state = jax.tree.map(jnp.copy, sharding.create(empty, mesh))
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
         self.slots: list[Job | None] = [None] * b
