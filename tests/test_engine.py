@@ -504,7 +504,8 @@ def test_a_round_that_commits_nothing_ends_the_request_with_an_error(target, dra
 def test_one_compile_thread_works_while_the_engine_serves():
     """Programs.serving(True) (requests live or waiting) leaves one background compile thread working, so that the
     steps keep the host (and the GPU) nearly to themselves (2-6x slower beside four on an H100); once idle, every
-    thread compiles. Compilation faked: each takes 0.2 s and records how many ran at once."""
+    thread compiles. Compilation faked: each takes 0.5 s (so that the three overlap even on a busy machine) and records
+    how many ran at once."""
     lock = threading.Lock()
     table = {(str(b), 1, "greedy"): programs.Program(str(b), 1, "greedy", None) for b in range(1, 9)}
     progs = programs.Programs(table, table["1", 1, "greedy"], weights=(None, None), shapes=None, batch=1,
@@ -517,7 +518,7 @@ def test_one_compile_thread_works_while_the_engine_serves():
         with counting:
             running[0] += 1
             peak[progs._serving] = max(peak[progs._serving], running[0])
-        time.sleep(0.2)
+        time.sleep(0.5)
         with counting:
             running[0] -= 1
         program.fn = object()
