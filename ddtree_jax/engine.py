@@ -407,8 +407,9 @@ class Engine:
                     cancels, self._cancels = self._cancels, set()
                     admit = bool(self.waiting) and self.active_slots < len(self.slots)
                     self.programs.serving(bool(self.active_slots or self.waiting))
+                later = None
                 if inflight is not None and (cancels or self._ended or admit or not self.active_slots):
-                    self._finish(inflight.result())  # the state changes below need it back
+                    later = self._finish(inflight.result(), defer=True)  # the state changes below need it back
                     inflight = None
                 if inflight is None:
                     self._cancel(cancels)
@@ -422,6 +423,8 @@ class Engine:
                         self._finish(inflight.result())
                     inflight = queued
                     self._busy = time.monotonic()
+                if later is not None:  # the live slots' tokens of the step finished above, the next one queued
+                    later()
         except BaseException as e:  # noqa: BLE001 - every request must hear about it
             self.failure = f"engine failed: {type(e).__name__}: {e}"
             log.exception("engine loop failed")
@@ -559,9 +562,11 @@ class Engine:
         self._starts[rows] = np.maximum(starts[rows], part.end)
         return Stepped(program, jobs, reason, quiet and self.programs.quiet(), starts, snap, elapsed)
 
-    def _finish(self, step: Stepped) -> None:
+    def _finish(self, step: Stepped, defer: bool = False) -> Callable[[], None] | None:
         """Count a step that ran (metrics, its program's cost, the policy's statistics of the slots whose jobs it
-        ran for and that still hold them), then deliver its tokens (:meth:`_deliver`)."""
+        ran for and that still hold them), then deliver its tokens (:meth:`_deliver`). With ``defer``, only those of
+        the sequences that ended on the device (their slots free for admissions), the others' returned as a callable
+        to run once the next step is queued: a request that ends or joins then costs the device no delivery's wait."""
         program, snap = step.program, step.snap
         live = [s for s, job in step.jobs if self.slots[s] is job]
         self.step_sizes[program.size] += 1
@@ -573,11 +578,16 @@ class Engine:
             for s in live:
                 self.policy.observe(s, program.form, snap.new_stats[s])
         self.metrics.stepped(self, program, live, snap, step.reason, step.elapsed)
-        self._deliver(step.starts, snap)
+        if not defer:
+            self._deliver(step.starts, snap, step.jobs)
+            return None
+        self._deliver(step.starts, snap, [(s, job) for s, job in step.jobs if snap.done[s]])
+        return functools.partial(self._deliver, step.starts, snap, [(s, j) for s, j in step.jobs if not snap.done[s]])
 
-    def _deliver(self, starts: np.ndarray, snap: decode.Snapshot) -> None:
-        for s, job in enumerate(self.slots):
-            if job is None:
+    def _deliver(self, starts: np.ndarray, snap: decode.Snapshot, jobs: list) -> None:
+        """Each of ``jobs`` ((slot, Job) a step ran for) still in its slot: its new tokens from ``snap``."""
+        for s, job in jobs:
+            if self.slots[s] is not job:  # ended meanwhile (cancelled; its slot may hold a new request by now)
                 continue
             if int(snap.new_tokens[s]) < int(snap.new_rounds[s]):  # every round commits a token at least
                 log.error("decode fault in slot %d: %d rounds committed %d tokens", s, int(snap.new_rounds[s]),

@@ -132,6 +132,41 @@ def test_a_step_runs_while_the_one_before_it_is_delivered(engine, reference_runs
     assert [t for _, ev in events for t in ev.token_ids] == run["ar"][n: n + 40]
 
 
+def test_requests_joining_and_ending_do_not_stop_the_steps_for_delivery(engine, reference_runs, monkeypatch):
+    """When a request ends on the device and another joins, the engine must have the step back before admitting, but
+    it delivers the other slots' tokens only once the next step is queued (behind the admissions' prefills): a long
+    request streamed beside a queue of two-token requests (two ending and two joining every step) still gets most of
+    its tokens while a step is queued or running (calls held as on a GPU, 50 ms on top), each once and AR's. (Before,
+    7 of 13: every other step's, the steps after which nothing ended or joined.)"""
+    run = reference_runs[2]
+    steps, queued, events, done = [], [], [], threading.Event()  # calls' spans; steps' (dispatch, end)
+
+    def sink(ev):
+        events.append((time.perf_counter(), ev))
+        if ev.finish_reason:
+            done.set()
+
+    def dispatch(original=engine._dispatch):  # each step's span: from its dispatch to its end on the step thread
+        span = [time.perf_counter(), float("inf")]
+        queued.append(span)
+        future = original()
+        future.add_done_callback(lambda _, span=span: span.__setitem__(1, time.perf_counter()))
+        return future
+
+    monkeypatch.setattr(engine.programs, "call", blocking_like_a_gpu(engine.programs.call, steps, 0.05))
+    monkeypatch.setattr(engine, "_dispatch", dispatch)
+    shorts = [engine.submit(reference_runs[0]["prompt"], greedy(2), lambda ev: None) for _ in range(2)]
+    engine.submit(run["prompt"], greedy(40), sink)
+    shorts += [engine.submit(reference_runs[1]["prompt"], greedy(2), lambda ev: None) for _ in range(40)]
+    assert done.wait(120) and shorts
+    streamed = [at for at, ev in events if ev.finish_reason is None]
+    assert len(streamed) >= 3
+    during = [at for at in streamed if any(a < at < b for a, b in queued)]
+    assert 4 * len(during) >= 3 * len(streamed), (len(during), len(streamed))
+    n = len(run["prompt"])
+    assert [t for _, ev in events for t in ev.token_ids] == run["ar"][n: n + 40]
+
+
 def test_stop_token_ids_and_max_tokens(engine, reference_runs):
     run = reference_runs[2]
     n = len(run["prompt"])
