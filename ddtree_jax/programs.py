@@ -130,7 +130,7 @@ class Programs(collections.abc.Mapping):
         self._compiling: set[Program] = set()  # taken by a compile thread
         self._in_flight = 0  # compilations running now
         self._stopping = False
-        self._serving = False  # requests are live or waiting: one compile thread works (COMPILE_THREADS)
+        self._serving = False  # requests are live or waiting: one compile thread works, else all (serving)
         self.busy = 0.0  # seconds of steps run so far: the clock that ages costs (COST_TTL_S)
 
     def __getitem__(self, key: tuple[str, int, str]) -> Program:
