@@ -153,12 +153,19 @@ def test_requests_joining_and_ending_do_not_stop_the_steps_for_delivery(engine, 
         future.add_done_callback(lambda _, span=span: span.__setitem__(1, time.perf_counter()))
         return future
 
+    ended = threading.Semaphore(0)  # one release per short request that finished
+
+    def short(ev):
+        if ev.finish_reason:
+            ended.release()
+
     monkeypatch.setattr(engine.programs, "call", blocking_like_a_gpu(engine.programs.call, steps, 0.05))
     monkeypatch.setattr(engine, "_dispatch", dispatch)
-    shorts = [engine.submit(reference_runs[0]["prompt"], greedy(2), lambda ev: None) for _ in range(2)]
-    engine.submit(run["prompt"], greedy(40), sink)
-    shorts += [engine.submit(reference_runs[1]["prompt"], greedy(2), lambda ev: None) for _ in range(40)]
-    assert done.wait(120) and shorts
+    for i in range(42):
+        engine.submit(reference_runs[0 if i < 2 else 1]["prompt"], greedy(2), short)
+        if i == 1:
+            engine.submit(run["prompt"], greedy(40), sink)
+    assert done.wait(120) and all(ended.acquire(timeout=120) for _ in range(42))  # the engine idle again after
     streamed = [at for at, ev in events if ev.finish_reason is None]
     assert len(streamed) >= 3
     during = [at for at in streamed if any(a < at < b for a, b in queued)]
