@@ -504,7 +504,7 @@ class Engine:
         tokens = np.zeros((rows, p_pad), np.int32)
         tokens[0, :n] = job.prompt_ids
         one = self._fresh(decode.row_settings(self.spec, [n] + [1] * (rows - 1), [opts] + [pad] * (rows - 1)))
-        toks = jnp.asarray(tokens) if self.mesh is None else jax.device_put(tokens, sharding.batch_sharding(self.mesh, 2))
+        toks = tokens if self.mesh is None else jax.device_put(tokens, sharding.batch_sharding(self.mesh, 2))
         # queued, not waited for: the host builds the next admission (or dispatches the next step, whose thread waits
         # for the inserts) while the device prefills
         one = prefill(self.spec, self.tparams, self.dparams, one, toks)
