@@ -80,14 +80,14 @@ def _gather_product(x: Array, w: Array, ids: Array, offset=0, out_dtype=None) ->
     return jnp.sum(mats * x[:, None, :].astype(jnp.float32), axis=-1).astype(out_dtype or x.dtype)
 
 
-def _gather_form(x: Array, ids: Array, gate_up: Array, down: Array, gemv) -> Array:
-    """x [N, D], ids [N, k] -> each pair's expert output f32 [N, k, D]. ``gemv(rows, w, ids, out_dtype)``: row p times
-    the matrix ids[p] of w (the layer's experts of the [G, 2F, D] / [G, D, F] views; :func:`_gather_product`)."""
+def _gather_form(x: Array, ids: Array, gate_up: Array, down: Array, offset) -> Array:
+    """x [N, D], ids [N, k] -> each pair's expert output f32 [N, k, D]: each pair's row times its expert offset + id of
+    gate_up / down (the [G, 2F, D] / [G, D, F] views; :func:`_gather_product`)."""
     n, k = ids.shape
     flat = ids.reshape(-1)  # [N k]
     rows = jnp.broadcast_to(x[:, None, :], (n, k, x.shape[-1])).reshape(n * k, -1)  # each pair's token [N k, D]
-    h = _swiglu(gemv(rows, gate_up, flat, jnp.float32), x.dtype)  # [N k, F]
-    return gemv(h, down, flat, jnp.float32).reshape(n, k, -1)
+    h = _swiglu(_gather_product(rows, gate_up, flat, offset, jnp.float32), x.dtype)  # [N k, F]
+    return _gather_product(h, down, flat, offset, jnp.float32).reshape(n, k, -1)
 
 
 def _grouped_form(x: Array, ids: Array, groups: int, gate_up: Array, down: Array, matmul) -> Array:
@@ -114,18 +114,13 @@ def _ragged(rows: Array, w: Array, sizes: Array, offset, out_dtype) -> Array:
     return jax.lax.ragged_dot_general(rows, w, sizes, dims, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-def _kernel_runs(impl: str, switch: bool, name: str, supported: bool) -> bool:
-    """Whether the Pallas kernel ``name`` runs: with the layer kernels (a 'pallas*' attention), its ``Tuning`` switch
-    on, on shapes it supports, and on GPU once :func:`kernel_works` (with '-interpret': in the Pallas interpreter)."""
-    return (impl.startswith("pallas") and switch and supported
-            and (impl.endswith("-interpret") or kernel_works(name)))
-
-
 def grouped_matmul_fn(impl: str, x: Array, w: Array, tuning: Tuning = Tuning()):
     """The grouped matmul ``(rows, w, sizes, offset, out_dtype)`` for the attention implementation ``impl``:
-    ``pallas_kernels.grouped_matmul`` where :func:`_kernel_runs` (``tuning.grouped_matmul``, 16-bit weights the kernel
-    takes), else XLA's ragged dot."""
-    if _kernel_runs(impl, tuning.grouped_matmul, "grouped_matmul", gmm.supports(x, w)):
+    ``pallas_kernels.grouped_matmul`` with the layer kernels (a 'pallas*' attention), ``tuning.grouped_matmul`` on,
+    on 16-bit weights the kernel takes, and on GPU once :func:`kernel_works` (with '-interpret': in the Pallas
+    interpreter); else XLA's ragged dot."""
+    if (impl.startswith("pallas") and tuning.grouped_matmul and gmm.supports(x, w)
+            and (impl.endswith("-interpret") or kernel_works("grouped_matmul"))):
         interpret = impl.endswith("-interpret")
 
         def kernel(rows, mat, sizes, offset, out_dtype):
@@ -198,8 +193,7 @@ def _experts(x: Array, router: Array, gate_up: Array, down: Array, offset, first
     local = ids - first
     mine = (local >= 0) & (local < experts)
     if ids.size <= (tuning.moe_gather_pairs or GATHER_MAX_PAIRS):
-        y = _gather_form(x, jnp.clip(local, 0, experts - 1), gate_up, down,
-                         lambda rows, w, ids, dtype: _gather_product(rows, w, ids, offset, dtype))
+        y = _gather_form(x, jnp.clip(local, 0, experts - 1), gate_up, down, offset)
     else:
         matmul = grouped_matmul_fn(impl, x, gate_up, tuning)
         y = _grouped_form(x, jnp.where(mine, local, experts), experts, gate_up, down,
