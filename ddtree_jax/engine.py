@@ -488,9 +488,8 @@ class Engine:
 
         if mesh is None:
             return jax.jit(fresh)
-        shapes = jax.eval_shape(fresh, decode.row_settings(spec, [1] * self._prefill_rows,
-                                                           [GenerateOptions()] * self._prefill_rows))
-        return jax.jit(fresh, out_shardings=sharding.state_shardings(shapes, mesh))
+        n = self._prefill_rows
+        return sharding.born_sharded(fresh, mesh, decode.row_settings(spec, [1] * n, [GenerateOptions()] * n))
 
     def _prefill_into(self, job: Job, slot: int) -> None:
         """Prefill ``job`` as a batch of its own and insert it into ``slot`` (whose old content is dead)."""

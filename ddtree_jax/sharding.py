@@ -313,7 +313,13 @@ def create(make: Callable[[], Any], mesh: Mesh | None, rules: Rules = Rules()):
     """Run ``make()`` (e.g. decode.init_state) so its arrays are born sharded (no full copy on one device)."""
     if mesh is None:
         return make()
-    return jax.jit(make, out_shardings=state_shardings(jax.eval_shape(make), mesh, rules))()
+    return born_sharded(make, mesh, rules=rules)()
+
+
+def born_sharded(fn: Callable[..., Any], mesh: Mesh, *example, rules: Rules = Rules()) -> Callable[..., Any]:
+    """``fn`` (returning a decode State) jitted so that its State comes out laid out on ``mesh``; ``example``: arguments
+    of the shapes it will be called with."""
+    return jax.jit(fn, out_shardings=state_shardings(jax.eval_shape(fn, *example), mesh, rules))
 
 
 def batch_sharding(mesh: Mesh, ndim: int, rules: Rules = Rules()) -> NamedSharding:
