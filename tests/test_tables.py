@@ -138,3 +138,17 @@ def test_the_readme_headline_is_the_records():
     missing = [row for row in headline_rows() if row not in readme]
     assert not missing, missing
     assert tables.peer(json.loads(projection.RESULTS.read_text())) in " ".join(readme.split())
+
+
+def test_the_readme_pair_under_load_is_its_record():
+    """README's table of the default pair under load: each fixed tree's ratios and AR's tokens/s are the load
+    record's, level by level."""
+    record = json.loads((ROOT / "benchmarks" / "results" / "load_pair_h100.json").read_text())
+    (run,) = record["runs"].values()
+    levels = sorted({r["concurrency"] for r in run["results"]})
+    at = {(r["config"], r["concurrency"]): r for r in run["results"]}
+    want = ["| AR tok/s | " + " | ".join(f"{at['ar', c]['output_tokens_per_s']:,.1f}" for c in levels) + " |"]
+    want += [f"| ddtree {b} | " + " | ".join(f"{at[f'ddtree:{b}', c]['vs_ar']:.2f}x" for c in levels) + " |"
+             for b in (16, 32, 64)]
+    readme = (ROOT / "README.md").read_text().splitlines()
+    assert all(row in readme for row in want), [row for row in want if row not in readme]
