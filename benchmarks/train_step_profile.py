@@ -7,7 +7,8 @@ the default pair's shape (or another of ``ddtree_jax.shapes``), with XLA's cost 
 Items, each its own jitted function compiled ahead, timed as the median of ``--repeats`` calls (each ended by
 ``jax.block_until_ready``) after ``--warmup`` calls:
 
-    target_features   the target's forward over the packed rows with the segment mask (objective.target_features)
+    target_features   the target's forward over the packed rows with the segment mask (objective.target_features),
+                      with XLA's attention; on a GPU also through the tree-attention kernel ("target_features pallas")
     context_kv        every drafter layer's context K/V from the features (objective.context_kv)
     step ...          the trainer's own compiled step (trainer._compiled_fns: value_and_grad + the optax update) at
                       the recipe's anchors / group / loss / rows, then one variant at a time: group x2 and /2,
@@ -187,6 +188,13 @@ def run(args) -> dict:
     # 1-2. the target's features, the drafter's context K/V
     feats, final = prof.time("target_features", jax.jit(
         lambda tp, batch: objective.target_features((tcfg, tp), dcfg.target_layer_ids, batch)), (tparams, batch))
+    if jax.default_backend() == "gpu":  # the same features through the tree-attention kernel (no [T, T] scores)
+        try:
+            pf, _ = prof.time("target_features pallas", jax.jit(lambda tp, batch: objective.target_features(
+                (tcfg, tp), dcfg.target_layer_ids, batch, attention="pallas")), (tparams, batch))
+            meta["pallas_features_max_abs_diff"] = float(jnp.max(jnp.abs(pf.astype(jnp.float32) - feats.astype(jnp.float32))))
+        except Exception as e:  # noqa: BLE001 - recorded; the rest of the profile still runs
+            meta["pallas_features_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     kv = prof.time("context_kv", jax.jit(lambda p, f, pos: objective.context_kv(p, dcfg, f, pos)),
                    (compute, feats, batch.positions))
 

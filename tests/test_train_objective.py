@@ -4,6 +4,9 @@ what the objective allows, and the memory of a step at 2,048 tokens x 512 anchor
 
 from __future__ import annotations
 
+import dataclasses
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +14,9 @@ import numpy as np
 from ddtree_jax import cache as kvcache
 from ddtree_jax import draft, model
 from ddtree_jax import params as params_lib
+from ddtree_jax.shapes import SHAPES, build_params, model_configs
 from ddtree_jax.training import objective as O
+from pallas_kernels import tree_attention
 from pallas_kernels.bitmask import pack_bits
 
 # row 0 packs a sequence of 25 tokens and one of 15 (prompts of 6 and 4); row 1 holds one sequence of 40 (prompt 10)
@@ -43,6 +48,23 @@ def test_packed_rows_give_each_sequence_its_own_features(target, drafter):
         alone = O.Batch(batch.tokens[:1, lo:hi], jnp.arange(hi - lo)[None], batch.supervised[:1, lo:hi])
         want, _ = O.target_features(target, drafter[0].target_layer_ids, alone)
         np.testing.assert_allclose(np.asarray(feats[0, lo:hi]), np.asarray(want[0]), atol=1e-4, rtol=1e-4)
+
+
+def test_the_tree_kernel_gives_the_packed_rows_features_of_xla():
+    """The trainer's target forward may run through the tree-attention kernel over the segment mask's bits (bf16,
+    head_dim 64: random weights of the tiny shape, two layers): the features of XLA's attention, packing and all."""
+    tcfg, dcfg = model_configs(dataclasses.replace(SHAPES["tiny"], layers=2, taps=(0, 1)))
+    tparams, _ = build_params(tcfg, dcfg, jnp.bfloat16)
+    batch, taps = packed_batch(1), dcfg.target_layer_ids
+
+    def features(attention):
+        return jax.jit(lambda b: O.target_features((tcfg, tparams), taps, b, attention=attention))
+
+    want = np.asarray(features("xla")(batch)[0], np.float32)
+    with mock.patch.object(tree_attention, "tree_attention", wraps=tree_attention.tree_attention) as kernel:
+        got = np.asarray(features("pallas-interpret")(batch)[0], np.float32)
+    assert kernel.called  # the kernel, not XLA's attention
+    np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
 
 
 def _inference_logits(target, drafter, feats, batch, anchors):

@@ -81,14 +81,16 @@ def segment_bits(positions: Array) -> Array:
     return low_bits(i + 1 - word) & ~low_bits(lo - word)
 
 
-def target_features(target: tuple, taps: tuple[int, ...], batch: Batch) -> tuple[Array, Array]:
+def target_features(target: tuple, taps: tuple[int, ...], batch: Batch, attention: str = "xla") -> tuple[Array, Array]:
     """The target over packed rows: (hidden taps [B, T, taps*D], final hidden [B, T, D]), each sequence of a row
-    computed as if alone (its own positions, attention within itself). No gradient flows into the target."""
+    computed as if alone (its own positions, attention within itself). No gradient flows into the target.
+    ``attention``: the decoder's implementation (``model.attention_fn``; 'xla' materialises the [B, H, T, T] scores,
+    'pallas' is the tree-attention kernel over the segment mask's bits)."""
     cfg, params = target
     b, t = batch.tokens.shape
     cache = kvcache.init(cfg.num_layers, b, t, cfg.num_kv_heads, cfg.head_dim, params.embed.dtype)
     hidden, _, feats = model.forward(params, cfg, batch.tokens, batch.positions, cache, segment_bits(batch.positions),
-                                     taps=taps)
+                                     taps=taps, attention=attention)
     return jax.lax.stop_gradient(feats), jax.lax.stop_gradient(hidden)
 
 
