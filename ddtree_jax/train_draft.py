@@ -68,8 +68,9 @@ def build_parser() -> cli.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=None, metavar="MINUTES",
                    help="the whole command's time: training stops and exports in time")
     p.add_argument("--attention", choices=cli.ATTENTIONS, default="auto",
-                   help="the decode loop's attention, for the data and the evaluations; "
-                        + cli.ATTENTION_HELP.removeprefix("attention: "))
+                   help="the decode loop's attention, for the data and the evaluations, and on one GPU the "
+                        "target's forward over the training rows (the tree-attention kernel when this resolves to "
+                        "a Pallas one, else XLA's); " + cli.ATTENTION_HELP.removeprefix("attention: "))
     m = p.add_argument_group("drafter")
     m.add_argument("--layers", type=cli.positive_int, default=2, metavar="N",
                    help="drafter layers (of the target's width)")
@@ -192,6 +193,15 @@ def _drafter_config(args, tcfg, tok) -> dict:
                             intermediate_size=args.intermediate_size)
 
 
+def _target_attention(choice: str, mesh) -> str:
+    """The target's forward over the training rows: the tree-attention kernel on one GPU when ``--attention``
+    resolves to a Pallas implementation (it does not materialise the rows' [T, T] scores: 50 against 217 ms a step's
+    forward on an H100, docs/TRAINING.md), else XLA's attention (on a mesh XLA partitions it by itself)."""
+    from ddtree_jax import kernels
+
+    return "pallas" if mesh is None and kernels.resolve_attention(choice) in ("pallas", "pallas-inplace") else "xla"
+
+
 def _mesh(text: str):
     from ddtree_jax import sharding
 
@@ -249,11 +259,13 @@ def _main(argv: Sequence[str] | None) -> int:
         target = weights.load_target(target_path, jnp.dtype(args.dtype))
         init = export.load(args.init) if args.init else None
         tc = trainer.TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup, seed=args.seed,
-                                 compute_dtype=args.dtype, objective=objective.Objective(
+                                 compute_dtype=args.dtype, target_attention=_target_attention(args.attention, mesh),
+                                 objective=objective.Objective(
                                      anchors=args.anchors, group=args.anchor_group, half_life=args.anchor_half_life,
                                      gamma=args.gamma, loss=args.loss))
         tr = trainer.Trainer(target, dcfg, raw, tc, args.out, mesh)
         run["phases_s"]["setup"] = round(time.perf_counter() - T0, 1)
+        run["target_attention"] = tc.target_attention
 
         data_file = os.path.join(args.out, "data.npz")
         ahead = None

@@ -4,6 +4,7 @@ schedule and the time box, and the command line end to end."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -112,6 +113,29 @@ def test_warm_start_from_exported_parts(target, seqs, tmp_path):
     os.remove(tmp_path / "parts" / names[1])
     with pytest.raises(ValueError, match="weights_sha256"):
         export.load(str(tmp_path / "parts"))
+
+
+def test_the_target_forward_takes_the_kernel_on_one_gpu_only(target, seqs, tmp_path, monkeypatch):
+    """The trainer's step runs the target's forward with TrainConfig.target_attention; train_draft picks the tree
+    kernel where --attention resolves to a Pallas one and no mesh splits the rows, XLA's attention otherwise."""
+    from ddtree_jax import kernels
+
+    seen = []
+    real = objective.target_features
+    monkeypatch.setattr(objective, "target_features", lambda *a: seen.append(a[3]) or real(*a))
+    raw, dcfg = tiny(target[0])
+    tr = trainer.Trainer(target, dcfg, raw, dataclasses.replace(TC, target_attention="pallas-interpret"),
+                         str(tmp_path / "run"))
+    tr.start()
+    tr.fit(rows_of(seqs), evals=0)
+    assert seen and set(seen) == {"pallas-interpret"}
+
+    assert td._target_attention("auto", None) == "xla"  # CPU: XLA's attention
+    for resolved, mesh, want in (("pallas-inplace", None, "pallas"), ("pallas", None, "pallas"),
+                                 ("pallas-inplace", "a mesh", "xla"), ("pallas-interpret", None, "xla"),
+                                 ("xla", None, "xla")):
+        monkeypatch.setattr(kernels, "resolve_attention", lambda choice, r=resolved: r)
+        assert td._target_attention("auto", mesh) == want, (resolved, mesh)
 
 
 def test_schedule_warms_up_then_decays_to_zero_at_the_planned_end():

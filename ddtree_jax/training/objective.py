@@ -216,11 +216,12 @@ class Objective:
     loss: str = "ce"  # "ce": cross-entropy on the target's tokens; "kl": KL(target || drafter) per slot
 
 
-def loss_terms(params: DraftParams, cfg: DraftConfig, target: tuple, batch: Batch, key: Array, obj: Objective):
+def loss_terms(params: DraftParams, cfg: DraftConfig, target: tuple, batch: Batch, key: Array, obj: Objective,
+               attention: str = "xla"):
     """(loss, metrics) of one step over packed rows, for ``jax.value_and_grad(..., has_aux=True)``: the target's
-    features (:func:`target_features`), then :func:`draft_loss`. params: the drafter in its compute dtype; target:
-    (ModelConfig, TargetParams), frozen."""
-    feats, final = target_features(target, cfg.target_layer_ids, batch)
+    features (:func:`target_features`, its forward with ``attention``), then :func:`draft_loss`. params: the drafter
+    in its compute dtype; target: (ModelConfig, TargetParams), frozen."""
+    feats, final = target_features(target, cfg.target_layer_ids, batch, attention)
     return draft_loss(params, cfg, target[1], feats, final if obj.loss == "kl" else None, batch, key, obj)
 
 

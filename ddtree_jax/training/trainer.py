@@ -45,6 +45,7 @@ class TrainConfig:
     clip: float = 1.0
     compute_dtype: str = "bfloat16"
     seed: int = 0
+    target_attention: str = "xla"  # the target's forward over the rows (model.attention_fn): "pallas" on one GPU
 
 
 def learning_rate(tc: TrainConfig, step: int, total: int) -> float:
@@ -275,7 +276,8 @@ def _compiled_fns(dcfg, target_cfg, tc: TrainConfig, mesh):
 
     def loss(params, tparams, batch, key):
         compute = jax.tree.map(lambda x: x.astype(tc.compute_dtype), params)
-        return objective.loss_terms(compute, dcfg, (target_cfg, tparams), batch, key, tc.objective)
+        return objective.loss_terms(compute, dcfg, (target_cfg, tparams), batch, key, tc.objective,
+                                    tc.target_attention)
 
     def step(params, opt_state, tparams, batch, key, lr):
         (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params, tparams, batch, key)
