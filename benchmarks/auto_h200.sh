@@ -10,8 +10,9 @@
 #              bench pair at batch 1 on 8 held-out prompts, 128 tokens, ar / dflash / ddtree 16..256 / auto (on a
 #              fresh machine mostly compilation: about 4 minutes); the cost of a lax.switch over the forms in the
 #              round loop (benchmarks/switch_cost.py, Qwen3-8B). -> OUTDIR/pair.json, OUTDIR/switch/switch_cost.json
-#   PART pair-load  serve the default pair under load on held-out prompts: ar, ddtree 16, 32, 64 and auto at
-#              concurrency 1,4,16,32, each after every program compiled (auto's 30-odd programs: about 2 minutes on
+#   PART pair-load  serve the default pair under load on held-out prompts: ar, ddtree 16, 32 and auto at
+#              concurrency 1,4,16,32 (32 requests a client: levels of several seconds, past the first steps'
+#              transients), each after every program compiled and timed (auto's 33 programs: about 2.5 minutes on
 #              an H100) -> OUTDIR/load_pair/summary.md
 #   PART calls what a device call of generate's auto loop costs (benchmarks/auto_overhead.py, random weights of the
 #              default pair's shape, a tree of 32, 256 tokens): auto in groups of 8 rounds and in growing groups, each
@@ -39,8 +40,8 @@ case "$PART" in
     ;;
   pair-load)
     python3 benchmarks/load_bench.py "$OUT/load_pair" --target default \
-      --methods ar,ddtree:16,ddtree:32,ddtree:64,ddtree --max-batch 32 --concurrency 1,4,16,32 \
-      --requests-per-client 2 --min-requests 8 --max-tokens 128 --wait-compiled 300 --time-limit 520
+      --methods ar,ddtree:16,ddtree:32,ddtree --max-batch 32 --concurrency 1,4,16,32 \
+      --requests-per-client 32 --min-requests 32 --max-tokens 128 --wait-compiled 300 --time-limit 540
     ;;
   calls)
     timeout 230 python3 benchmarks/auto_overhead.py --model smollm2-135m --budget 32 --tokens 256 --reps 2 \

@@ -229,7 +229,7 @@ class Engine:
 
     @property
     def programs_timed(self) -> int:
-        """Compiled programs whose cost was timed with no compilation running."""
+        """Compiled programs with nothing left to time (:attr:`programs.Programs.timed`)."""
         return self.programs.timed
 
     @property

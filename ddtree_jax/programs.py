@@ -148,8 +148,11 @@ class Programs(collections.abc.Mapping):
 
     @property
     def timed(self) -> int:
-        """Compiled programs whose cost was timed with no compilation running."""
-        return sum(p.fn is not None and p.clean for p in self._programs.values())
+        """Compiled programs with nothing left to time: their cost timed with no compilation running and not to be
+        timed again (:meth:`needing_timing`: e.g. above the same form's at a larger slot batch)."""
+        compiled = [p for p in self._programs.values() if p.fn is not None]
+        again = set(self.needing_timing(compiled))
+        return sum(p.clean and p not in again for p in compiled)
 
     @property
     def wanted(self) -> int:

@@ -443,9 +443,10 @@ def test_under_load_steps_time_the_programs_they_need(target, drafter):
             eng.costs.measured(p.cost_key, 100.0, 64)
             p.checked = False  # (the idle engine may have checked the step's timing against ar@2's already)
             assert progs.needing_timing([p]) == [p]
+            assert eng.programs_timed == eng.programs_ready - 1  # /health: not yet the steady state
             eng._wake.notify()
         wait_until(lambda: eng.costs.get(p.cost_key) < 10.0)
-        assert p.checked
+        assert p.checked and eng.programs_timed == eng.programs_ready
         with eng._lock:
             eng.costs.measured(p.cost_key, 100.0, 64)  # as if that timing confirmed it
             assert eng.costs.get(big.cost_key) < 100.0 and not progs.needing_timing([p])
