@@ -182,7 +182,9 @@ class Engine:
 
         b = config.max_batch
         self._prefill_rows = sharding.padded_batch(1, mesh)  # a data-parallel mesh prefills D rows
-        self._fresh = self._fresh_rows(mesh)
+        # an admission's fresh state in one device call
+        self._fresh = decode.fresh_state(self.spec, self._prefill_rows, self.layout.capacity, self.layout.out_len,
+                                         self.dtype, mesh)
         empty = functools.partial(slots.empty_slots, self.spec, b, self.layout.capacity, self.layout.out_len,
                                   self.dtype)
         # copies: the steps donate every leaf, so none may share a buffer with another (a guard, once at start)
@@ -477,19 +479,6 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - one request's failure is not the server's
                 log.exception("admission of %s failed", job.id)
                 self._end(job, "error", error=f"prefill failed: {type(e).__name__}: {e}")
-
-    def _fresh_rows(self, mesh) -> Callable[[decode.Rows], State]:
-        """The jitted :func:`decode.state_from` of an admission's rows (born sharded on a mesh): one device call for
-        the whole fresh state, where building it leaf by leaf took 12 ms of host time (the fixture pair, 2 cores)."""
-        spec, capacity, out_len, dtype = self.spec, self.layout.capacity, self.layout.out_len, self.dtype
-
-        def fresh(rows: decode.Rows) -> State:
-            return decode.state_from(spec, rows, capacity, out_len, dtype)
-
-        if mesh is None:
-            return jax.jit(fresh)
-        n = self._prefill_rows
-        return sharding.born_sharded(fresh, mesh, decode.row_settings(spec, [1] * n, [GenerateOptions()] * n))
 
     def _prefill_into(self, job: Job, slot: int) -> None:
         """Prefill ``job`` as a batch of its own and insert it into ``slot`` (whose old content is dead)."""

@@ -403,6 +403,21 @@ def test_a_small_tree_drafts_only_the_depths_it_can_reach(target, drafter, refer
     np.testing.assert_allclose(small, full[:, :4], rtol=1e-5, atol=1e-5)
 
 
+def test_start_builds_the_state_in_one_program_a_shape(target):
+    """decode.start's fresh state comes from one jitted program per shape (decode.fresh_state: no trace and no leaf
+    by leaf building per call) and equals the state init_state builds."""
+    opts = decode.GenerateOptions(temperature=0.7, seed=3)
+    spec = decode.make_spec(target[0], None, opts)
+    decode.fresh_state.cache_clear()
+    state, _ = decode.start(spec, [[1, 2, 3], [4, 5]], [opts, decode.GenerateOptions()], 8, np.float32)
+    _, capacity, out_len = decode.layout(spec, [3, 2], 8)
+    want = decode.init_state(spec, [3, 2], [opts, decode.GenerateOptions()], capacity, out_len, np.float32)
+    raw = lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x  # noqa: E731
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(raw(a), raw(b)), state, want)
+    decode.start(spec, [[7, 8], [9]], [decode.GenerateOptions()] * 2, 8, np.float32)  # the same shapes: reused
+    assert decode.fresh_state.cache_info().misses == 1 and decode.fresh_state.cache_info().hits == 1
+
+
 def test_greedy_runs_compile_the_greedy_choice_alone(target):
     """make_spec specialises on the options' temperature and filters (Spec.sampling, Spec.filtering), and a state
     asking for a sample from a greedy-only program, or for a filter from one without, is a clear error, not a silent
