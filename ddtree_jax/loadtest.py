@@ -16,6 +16,8 @@ chat template) or token ids (``/v1/completions``). Reported per level:
     form_rounds          (--tree-budget auto) sequence rounds by the form they took, from /metrics
     slot_batch_steps     steps by the slot batch of the program that ran them, from /metrics
     reason_rounds        (--tree-budget auto) sequence rounds by why their program ran (policy, probe, timing)
+    round_ms             at the level's end, the policy's cost of a round ('FORM@BATCH/VARIANT': ms) of each program
+                         at the slot batches the level stepped, from /metrics (what its choices weighed)
     engine tpot          the engine's own time per token of one sequence, from /metrics: its rounds' mean wall time
                          (device step seconds / the batch's rounds) over the acceptance; TPOT over it is what the
                          server (HTTP, scheduling, admissions, detokenising) adds
@@ -34,6 +36,7 @@ import asyncio
 import dataclasses
 import json
 import random
+import re
 import sys
 import time
 from typing import Any, Sequence
@@ -177,6 +180,12 @@ async def run_level(url: str, model: str | None, concurrency: int, requests: int
     reasons = {k[len(prefix):-2]: v - before.get(k, 0) for k, v in after.items() if k.startswith(prefix)}
     prefix = "ddtree_slot_batch_steps_total{batch=\""  # steps by the slot batch they ran at
     batches = {int(k[len(prefix):-2]): v - before.get(k, 0) for k, v in after.items() if k.startswith(prefix)}
+    costs = {}  # the cost table at the level's end, at the slot batches it stepped
+    for k, v in after.items():
+        if k.startswith("ddtree_program_round_seconds{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', k))
+            if batches.get(int(labels["batch"])):
+                costs[f"{labels['form']}@{labels['batch']}/{labels['variant']}"] = round(1e3 * v, 4)
     return {
         "concurrency": concurrency,
         "requests": len(samples),
@@ -195,6 +204,7 @@ async def run_level(url: str, model: str | None, concurrency: int, requests: int
         "form_rounds": {f: n for f, n in forms.items() if n} or None,
         "reason_rounds": {f: n for f, n in reasons.items() if n} or None,
         "slot_batch_steps": {b: n for b, n in sorted(batches.items()) if n} or None,
+        "round_ms": dict(sorted(costs.items())) or None,
     }
 
 

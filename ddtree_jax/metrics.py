@@ -70,6 +70,7 @@ class Metrics:
         self.ttft = Histogram("ddtree_time_to_first_token_seconds", "Submission to first delivered token",
                               buckets=slow, registry=r)
         self.latency = Histogram("ddtree_request_latency_seconds", "Submission to finish", buckets=slow, registry=r)
+        r.register(_Costs(engine))
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._lock = threading.Lock()
         self._started = time.perf_counter()
@@ -114,3 +115,24 @@ class Metrics:
                 self._recent.popleft()
             total = sum(n for _, n in self._recent)
         return total / max(min(10.0, now - self._started), 1e-3)
+
+
+class _Costs:
+    """``ddtree_program_round_seconds{form, batch, variant}``: the cost table the policy weighs, seconds a round of each
+    compiled program that has one (timed on free slots, by steps, refined online: ``ddtree_jax.costs``), read when
+    scraped."""
+
+    def __init__(self, engine: "Engine"):
+        self.engine = engine
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        g = GaugeMetricFamily("ddtree_program_round_seconds", "The policy's cost of one round of each compiled "
+                              "program (form x slot batch x sampling variant), seconds",
+                              labels=["form", "batch", "variant"])
+        cost = self.engine.costs.seconds()
+        for p in list(self.engine.programs.values()):
+            if p.fn is not None and p.cost_key in cost:
+                g.add_metric([p.form, str(p.size), p.variant], cost[p.cost_key])
+        yield g

@@ -204,6 +204,9 @@ def test_models_health_and_metrics(server):
     assert by_form and set(by_form) <= {f'ddtree_form_sequence_rounds_total{{form="{f}"}}' for f in ("ar", "chain", "8")}
     by_batch = {k for k, v in server.metrics().items() if k.startswith("ddtree_slot_batch_steps_total") and v > 0}
     assert by_batch and all(k.split('"')[1].isdigit() for k in by_batch), by_batch
+    costs = {k: v for k, v in server.metrics().items() if k.startswith("ddtree_program_round_seconds")}
+    assert costs and all(v > 0 for v in costs.values())  # the policy's cost table: a round of each timed program
+    assert all('form="' in k and 'batch="' in k and 'variant="' in k for k in costs)
     by_reason = {k: v for k, v in server.metrics().items() if k.startswith("ddtree_reason_sequence_rounds_total")}
     assert sum(by_reason.values()) == sum(by_form.values())  # every round has one reason
     reasons = ("policy", "probe", "timing")
@@ -332,6 +335,9 @@ def test_load_benchmark_runs(server):
         # client's TPOT over 6 tokens, whose first step's tokens arrive with the first); the device steps fill part
         # of the level's time
         assert 0 < r["engine_tpot_s"] < r["latency_s"]["p50"] and 0 < r["device_busy"] <= 1.05
+        # the policy's costs at the slot batches the level stepped (the server's programs are timed before use)
+        assert r["round_ms"] and {int(k.split("@")[1].split("/")[0]) for k in r["round_ms"]} <= set(
+            r["slot_batch_steps"]) and all(v > 0 for v in r["round_ms"].values())
     assert loadtest.format_table(results).count("\n") == 3
 
 
