@@ -52,7 +52,11 @@ def test_pair_mode_on_the_fixture_pair(tmp_path, capsys, monkeypatch):
     whose costs go to the cache directory's table), acceptance and speed vs AR; --tuning applies to every method."""
     from tests.conftest import fixture_path
 
+    from ddtree_jax import decode
+
     monkeypatch.setenv("DDTREE_JAX_CACHE", str(tmp_path))
+    methods, generate = [], decode.generate
+    monkeypatch.setattr(decode, "generate", lambda t, p, o, **kw: methods.append(o.method) or generate(t, p, o, **kw))
     out = tmp_path / "pair.json"
     code = bench.main(["pair", "--target", fixture_path("target"), "--draft", fixture_path("draft"),
                        "--budgets", "4,auto", "--forms", "ar,4", "--prompts", "2", "--max-new-tokens", "8",
@@ -77,6 +81,7 @@ def test_pair_mode_on_the_fixture_pair(tmp_path, capsys, monkeypatch):
         assert row["same_as_ar"] == 2 and row["first_divergence"] is None and row["traced_same_as_untraced"]
         assert row["walk_mismatches"] == 0 and row["traced_rounds"] >= 2  # a round per prompt at least
     assert "walk mismatches" in capsys.readouterr().out
+    assert methods.count("ar") == 2  # one AR decode a prompt: auto's check reuses it
     assert bench.main(["pair", "--target", str(tmp_path / "nope")]) == 2
 
 

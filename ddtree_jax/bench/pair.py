@@ -46,8 +46,9 @@ def run(args) -> int:
         run = evaluate.benchmark(target, draft, g, budgets=fixed, max_new_tokens=args.max_new_tokens,
                                  stop_ids=stop, attention=args.attention, check=args.check, log=lambda m: None,
                                  tuning=args.tuning)
+        ar_ids = run["ar"].pop("output_ids", None)  # with --check: AR's tokens, which auto's check reuses
         if AUTO in args.budgets:
-            run["ddtree-auto"] = _auto_run(target, draft, g, args, stop, run["ar"]["tokens_per_s"])
+            run["ddtree-auto"] = _auto_run(target, draft, g, args, stop, run["ar"]["tokens_per_s"], ar_ids)
         runs.append(run)
     table = {}
     for name in runs[0]:
@@ -101,9 +102,10 @@ def run(args) -> int:
     return 0
 
 
-def _auto_run(target, draft, prompts, args, stop, ar_tokens_per_s) -> dict:
+def _auto_run(target, draft, prompts, args, stop, ar_tokens_per_s, ar_ids) -> dict:
     """``bench pair``'s ddtree under --tree-budget auto (the cost table of the cache directory, kept there): what
-    training.evaluate.benchmark records of a fixed budget, and the forms the rounds took ({form: rounds})."""
+    training.evaluate.benchmark records of a fixed budget, and the forms the rounds took ({form: rounds}); with
+    --check, checked against ``ar_ids`` (AR's tokens of the same prompts)."""
     from ddtree_jax import decode
     from ddtree_jax.spec import AUTO, GenerateOptions
     from ddtree_jax.training import evaluate
@@ -120,9 +122,7 @@ def _auto_run(target, draft, prompts, args, stop, ar_tokens_per_s) -> dict:
            "costs_ms": res.form_costs_ms, "calls": len(res.groups)}
     if tps and ar_tokens_per_s:
         row["speedup"] = tps / ar_tokens_per_s
-    if args.check:  # as training.evaluate.benchmark's check: AR's tokens, and every traced round's walk replayed
-        ar_ids = decode.generate(target, prompts, dataclasses.replace(opts, method="ar"),
-                                 tuning=args.tuning).output_ids
+    if args.check:  # as training.evaluate.benchmark's check: AR's tokens (its run's), every traced round's walk replayed
         row.update(evaluate.check_against_ar(res, ar_ids, prompts, target, draft, dataclasses.replace(opts, trace=True),
                                              args.tuning, persist_costs=True))
     return row

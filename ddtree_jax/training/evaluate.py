@@ -62,7 +62,8 @@ def benchmark(target, draft, prompts: list[list[int]], *, budgets: Sequence[int]
     no compilation, no streaming round trips), speedup over ar. ``tuning`` (``ddtree_jax.tuning.Tuning``, default
     the backend's defaults) applies to every method.
 
-    check: also compare each method's tokens with ar's (``same_as_ar``: prompts whose outputs are equal;
+    check: also compare each method's tokens with ar's (ar's own kept as ``out["ar"]["output_ids"]``; ``same_as_ar``:
+    prompts whose outputs are equal;
     ``first_divergence``: the earliest generated position where one differs) and run it again traced, replaying
     every round's walk on the host from the traced tree and target choices (``walk_mismatches``: rounds whose
     accepted path differs from :func:`accept.walk_host`'s). Greedy speculative decoding in bf16 may part from
@@ -99,6 +100,8 @@ def benchmark(target, draft, prompts: list[list[int]], *, budgets: Sequence[int]
             out[name].update(check_against_ar(res, ar_ids, prompts, target, draft,
                                               dataclasses.replace(opts, trace=True), tuning))
         log(f"{name}: {json.dumps(out[name])}")
+    if check:
+        out["ar"]["output_ids"] = ar_ids
     return out
 
 
