@@ -95,8 +95,19 @@ def run(fn: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | 
     except Exception as e:  # a bug, not bad input: still one line, but say how to get the traceback
         if debug:
             raise
+        if "RESOURCE_EXHAUSTED" in str(e):  # XLA's allocation failure: the device's memory, not a bug
+            return error(out_of_memory(e), EXIT_INTERNAL)
         return error(f"internal error: {type(e).__name__}: {e} (set {DEBUG_ENV}=1 for the traceback)",
                      EXIT_INTERNAL)
+
+
+def out_of_memory(e: BaseException) -> str:
+    """The one line for an allocation that failed on the device: what XLA said, what JAX may take, how to ask for
+    more or need less (Qwen3-Coder-30B-A3B's 61 GB of weights fit an H100 80GB only above JAX's default 0.75)."""
+    share = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75 (JAX's default)")
+    return (f"out of device memory: {one_line(e)[:300]}; JAX may take {share} of each GPU's memory: "
+            "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 gives it more, or need less (--max-batch, --max-len, --dtype "
+            f"bfloat16, a mesh over more GPUs; {DEBUG_ENV}=1 for the traceback)")
 
 
 @contextlib.contextmanager

@@ -353,6 +353,17 @@ def test_internal_error_is_one_line(capsys, monkeypatch):
     assert cli.DEBUG_ENV in err
 
 
+def test_out_of_device_memory_says_what_to_do(capsys, monkeypatch):
+    """XLA's allocation failure is the device's memory, not a bug: one line naming JAX's share of the GPU and the
+    variable that raises it."""
+    _install_fakes(monkeypatch, raise_in_load=RuntimeError(
+        "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.2GiB.\nBufferAssignment OOM Debugging."))
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    code, out, err = run_main(capsys, "--target", TARGET, "--prompt-ids", "1")
+    assert code == 1 and err.count("\n") == 1 and err.startswith("error: out of device memory: RESOURCE_EXHAUSTED")
+    assert "0.75 (JAX's default)" in err and "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95" in err and "--max-batch" in err
+
+
 def test_cli_helpers():
     assert cli.one_line("a\n  b\tc") == "a b c"
     assert cli.int_list(" 1, 2,3 ") == [1, 2, 3]
