@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import json
 import os
 import shlex
@@ -268,7 +269,8 @@ def _main(argv: Sequence[str] | None) -> int:
         run["target_attention"] = tc.target_attention
 
         data_file = os.path.join(args.out, "data.npz")
-        ahead = None
+        # the step compiles on another thread (while the target generates the data, if it must)
+        ahead = concurrent.futures.ThreadPoolExecutor(1).submit(tr.compile, args.seq_len)
         if os.path.exists(data_file):
             seqs = dataset.Sequences.load(data_file)
             cli.info(f"reusing {data_file}: {len(seqs)} sequences, {seqs.response_tokens:,} response tokens")
@@ -276,8 +278,7 @@ def _main(argv: Sequence[str] | None) -> int:
             if os.path.exists(os.path.join(args.out, "data.json")):
                 with open(os.path.join(args.out, "data.json")) as f:
                     run["data"] = json.load(f)
-        else:  # the step compiles on another thread while the target generates
-            ahead = concurrent.futures.ThreadPoolExecutor(1).submit(tr.compile, args.seq_len)
+        else:
             t0 = time.perf_counter()
             dc = curate.DataConfig(corpora=args.corpus, per_passage=args.prompts_per_passage,
                                    self_instruct=args.self_instruct if tok is not None and tok.has_chat_template else 0,
@@ -300,12 +301,18 @@ def _main(argv: Sequence[str] | None) -> int:
                        "fill": round(float(rows.supervised.mean()), 3)}
         cli.info(f"{len(rows)} training rows of {args.seq_len} tokens ({run['rows']['fill']:.0%} response tokens), "
                  f"{len(held)} held out")
-        tr.start(init, log=cli.info)
-        if ahead is not None:
-            try:
-                run["phases_s"]["step_compile_ahead"] = round(ahead.result(), 1)
-            except Exception as e:  # noqa: BLE001 - the first step compiles it instead
+        try:
+            run["phases_s"]["step_compile_ahead"] = round(ahead.result(), 1)
+        except Exception as e:  # noqa: BLE001 - the kernel's form falls back to XLA's; else the first step compiles
+            if tc.target_attention == "xla":
                 cli.warn(f"compiling the step ahead failed ({type(e).__name__}: {e}); it compiles at the first step")
+            else:  # a kernel that does not compile here must not cost the run
+                cli.warn(f"the step with the tree-attention kernel did not compile ({type(e).__name__}: "
+                         f"{cli.one_line(e)[:200]}); training with XLA's attention")
+                tc = dataclasses.replace(tc, target_attention="xla")
+                tr = trainer.Trainer(target, dcfg, raw, tc, args.out, mesh)
+                run["target_attention"] = tc.target_attention
+        tr.start(init, log=cli.info)
 
         def held_out(params) -> dict:
             draft = (dcfg, jax.device_put(jax.tree.map(lambda x: x.astype(args.dtype), params), jax.devices()[0]))

@@ -163,9 +163,19 @@ def test_a_deadline_stops_training_and_still_saves(target, seqs, tmp_path):
     assert tr._plan(time.perf_counter() + 10.2, 0.5, 4.0) == 1 + 12  # 6.2 s left at 0.5 s a step
 
 
-def test_cli_end_to_end(tmp_path):
+def test_cli_end_to_end(tmp_path, monkeypatch, capsys):
     """Data (passage requests and self-instruct turns of the fixture's chat template), training, evaluation on the
-    held-out sets, export and the shareable record; rerunning resumes; bad input is one line."""
+    held-out sets, export and the shareable record; rerunning resumes; bad input is one line. The first run asks for
+    the tree kernel in the target's forward, whose step fails to compile here: it trains with XLA's attention."""
+    compile_ = trainer.Trainer.compile
+
+    def compile_or_fail(self, seq_len):
+        if self.tc.target_attention != "xla":
+            raise RuntimeError("Mosaic GPU lowering failed")
+        return compile_(self, seq_len)
+
+    monkeypatch.setattr(trainer.Trainer, "compile", compile_or_fail)
+    monkeypatch.setattr(td, "_target_attention", lambda choice, mesh: "pallas")
     out, results = str(tmp_path / "run"), str(tmp_path / "results")
     argv = ["--target", fixture_path("target"), "--out", out, "--dtype", "float32", "--layers", "1",
             "--block-size", "4", "--corpus", "pydoc", "--num-prompts", "6", "--held-out-prompts", "2",
@@ -177,6 +187,7 @@ def test_cli_end_to_end(tmp_path):
     with open(os.path.join(out, "run.json")) as f:
         run = json.load(f)
     assert run["data"]["sequences"]["sequences"] >= 6 and run["training"]["steps"] == 4
+    assert run["target_attention"] == "xla" and "training with XLA's attention" in capsys.readouterr().err
     assert set(run["evals"][-1]["eval"]) == {"python", "everyday"}
     weights.load_draft(os.path.join(out, "drafter"))
     assert td.main(argv[:-2] + ["--steps", "5"]) == 0  # reuses data.npz, resumes at step 4
