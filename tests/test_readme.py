@@ -119,3 +119,10 @@ def test_every_relative_link_resolves(page):
             if anchor not in {slug(h) for h in headings}:
                 bad.append(target)
     assert not bad, bad
+
+
+def test_every_record_is_listed_in_the_benchmarks_readme():
+    """benchmarks/README.md says what each file of benchmarks/results/ holds: none is left unexplained."""
+    listed = (ROOT / "benchmarks" / "README.md").read_text()
+    records = sorted(p.name for p in (ROOT / "benchmarks" / "results").iterdir())
+    assert records and [r for r in records if f"`{r}`" not in listed] == []
