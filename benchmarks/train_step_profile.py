@@ -192,7 +192,8 @@ def run(args) -> dict:
         try:
             pf, _ = prof.time("target_features pallas", jax.jit(lambda tp, batch: objective.target_features(
                 (tcfg, tp), dcfg.target_layer_ids, batch, attention="pallas")), (tparams, batch))
-            meta["pallas_features_max_abs_diff"] = float(jnp.max(jnp.abs(pf.astype(jnp.float32) - feats.astype(jnp.float32))))
+            diff = jnp.abs(pf.astype(jnp.float32) - feats.astype(jnp.float32))
+            meta["pallas_features_max_abs_diff"] = float(jnp.max(diff))
         except Exception as e:  # noqa: BLE001 - recorded; the rest of the profile still runs
             meta["pallas_features_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     kv = prof.time("context_kv", jax.jit(lambda p, f, pos: objective.context_kv(p, dcfg, f, pos)),

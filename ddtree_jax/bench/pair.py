@@ -122,7 +122,7 @@ def _auto_run(target, draft, prompts, args, stop, ar_tokens_per_s, ar_ids) -> di
            "costs_ms": res.form_costs_ms, "calls": len(res.groups)}
     if tps and ar_tokens_per_s:
         row["speedup"] = tps / ar_tokens_per_s
-    if args.check:  # as training.evaluate.benchmark's check: AR's tokens (its run's), every traced round's walk replayed
+    if args.check:  # as training.evaluate.benchmark's check: AR's tokens (its run's), each traced walk replayed
         row.update(evaluate.check_against_ar(res, ar_ids, prompts, target, draft, dataclasses.replace(opts, trace=True),
                                              args.tuning, persist_costs=True))
     return row

@@ -81,7 +81,8 @@ def segment_bits(positions: Array) -> Array:
     return low_bits(i + 1 - word) & ~low_bits(lo - word)
 
 
-def target_features(target: tuple, taps: tuple[int, ...], batch: Batch, attention: str = "xla") -> tuple[Array, Array]:
+def target_features(target: tuple, taps: tuple[int, ...], batch: Batch,
+                    attention: str = "xla") -> tuple[Array, Array]:
     """The target over packed rows: (hidden taps [B, T, taps*D], final hidden [B, T, D]), each sequence of a row
     computed as if alone (its own positions, attention within itself). No gradient flows into the target.
     ``attention``: the decoder's implementation (``model.attention_fn``; 'xla' materialises the [B, H, T, T] scores,
