@@ -165,7 +165,7 @@ def test_a_deadline_stops_training_and_still_saves(target, seqs, tmp_path):
 
 def test_cli_end_to_end(tmp_path, monkeypatch, capsys):
     """Data (passage requests and self-instruct turns of the fixture's chat template), training, evaluation on the
-    held-out sets, export and the shareable record; rerunning resumes; bad input is one line. The first run asks for
+    held-out sets, export and the shareable record; rerunning resumes; bad input is one line. Every run here asks for
     the tree kernel in the target's forward, whose step fails to compile here: it trains with XLA's attention."""
     compile_ = trainer.Trainer.compile
 
