@@ -306,8 +306,9 @@ class Programs(collections.abc.Mapping):
         """Run ``program`` on ``rows`` of the slot batch (all of them at max_batch): (state, its Snapshot)."""
         rounds = np.int32(self.rounds_per_step)  # host values, not jnp's: no eager device op a step
         if program.size == self.batch:
-            return program.fn(self.tparams, self.dparams, state, starts.astype(np.int32), rounds)
-        return program.fn(self.tparams, self.dparams, state, rows.astype(np.int32), starts.astype(np.int32), rounds)
+            return program.fn(self.tparams, self.dparams, state, np.asarray(starts, np.int32), rounds)
+        return program.fn(self.tparams, self.dparams, state, np.asarray(rows, np.int32), np.asarray(starts, np.int32),
+                          rounds)
 
     def choose(self, live: list[int], params: Sequence[SamplingParams], chooser: policy.Policy) -> Program:
         """The program of the next step for the ``live`` slots, whose requests' sampling ``params`` they are: among
