@@ -215,6 +215,9 @@ def shard_files(path: str) -> list[str]:
         return [os.path.join(path, n) for n in names]
     if os.path.isfile(os.path.join(path, SINGLE_FILE)):
         return [os.path.join(path, SINGLE_FILE)]
+    if any(n.startswith(SINGLE_FILE + ".part") for n in os.listdir(path)):  # a drafter as a device call returns it
+        raise WeightsError(f"{path}: no {SINGLE_FILE}, only its parts: join them first (cat {SINGLE_FILE}.part* > "
+                           f"{SINGLE_FILE})")
     raise WeightsError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE}")
 
 

@@ -231,7 +231,7 @@ def test_default_pair_script_end_to_end(tmp_path):
     assert dcfg.target_layer_ids == (1, 10, 18, 27) and dcfg.block_size == 16 and dcfg.mask_token_id == 16
 
 
-def test_held_out_check_runs_generate_json_per_set(capsys):
+def test_held_out_check_runs_generate_json_per_set(tmp_path, capsys):
     """python -m ddtree_jax.training.evaluate: one `generate --json` per held-out set, the pooled mean of its rounds
     (every round of every prompt counts once) and the command on stdout as JSON; an unknown set is one line."""
     from ddtree_jax.training import evaluate as ev
@@ -253,6 +253,12 @@ def test_held_out_check_runs_generate_json_per_set(capsys):
         "0-1": {"mean_acceptance_length": 2.0, "rounds": 3}, "2-3": {"mean_acceptance_length": 4.0, "rounds": 1},
         "4-5": {"mean_acceptance_length": 2.0, "rounds": 1}}
     assert ev.main(argv[:4] + ["--sets", "wiki"]) == 2
+    parts = tmp_path / "parts"  # a drafter as a device call returns it, not joined: generate's one line, exit 2
+    export.split(fixture_path("draft"), str(parts), max_bytes=1 << 16)
+    capsys.readouterr()
+    assert ev.main(argv[:2] + ["--draft", str(parts), *argv[4:]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: generate failed on the everyday set: ") and "only its parts" in err, err
 
 
 def test_sigterm_keeps_what_exists(tmp_path):

@@ -158,6 +158,22 @@ def cut_file(keep):
     return make
 
 
+def in_parts(src: str):
+    """A maker of a copy of a fixture model whose model.safetensors is cut into .partNN files (as a device call
+    returns a drafter)."""
+
+    def make(tmp_path) -> Path:
+        d = tmp_path / "parts"
+        shutil.copytree(FIX / src, d)
+        data = (d / "model.safetensors").read_bytes()
+        (d / "model.safetensors.part00").write_bytes(data[: len(data) // 2])
+        (d / "model.safetensors.part01").write_bytes(data[len(data) // 2:])
+        os.remove(d / "model.safetensors")
+        return d
+
+    return make
+
+
 def without(src: str, name: str):
     """A maker of a copy of a fixture model without one of its files."""
 
@@ -175,6 +191,8 @@ ERRORS = {  # case -> (make the broken directory in tmp_path, load function, wor
     "no directory": (lambda tmp: tmp / "nowhere", load_target, ["no such model directory", "nowhere"]),
     "no config": (without("target", "config.json"), load_target, ["no config.json"]),
     "no safetensors": (without("target", "model.safetensors"), load_target, ["no model.safetensors"]),
+    "only parts": (in_parts("draft"), load_draft,
+                   ["no model.safetensors, only its parts", "cat model.safetensors.part*"]),
     "missing shard": (
         without("llama_target", "model-00003-of-00007.safetensors"),
         load_target,

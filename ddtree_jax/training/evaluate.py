@@ -209,7 +209,10 @@ def _main(argv: Sequence[str] | None) -> int:
         cli.info(f"{name}: {len(messages)} prompts, python -m ddtree_jax.generate ... --json")
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
-            raise RuntimeError(f"generate failed on the {name} set: {proc.stderr.strip().splitlines()[-1:]}")
+            last = (proc.stderr.strip().splitlines() or ["(no message)"])[-1].removeprefix("error: ")
+            # bad input (a drafter directory without weights, ...) is the user's one line, anything else a failure
+            raise (ValueError if proc.returncode == cli.EXIT_USAGE else RuntimeError)(
+                f"generate failed on the {name} set: {last}")
         report = json.loads(proc.stdout)
         out["sets"][name] = {**set_acceptance(report), "decode_tokens_per_s": report["timing"]["decode_tokens_per_s"],
                              "command": shlex.join(["python", *cmd[1:cmd.index("--prompt")]])
