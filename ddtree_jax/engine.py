@@ -394,6 +394,15 @@ class Engine:
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
         inflight = None  # the Future of the step on the step thread, not yet delivered
+        waited = 0.0  # seconds of this pass spent waiting for a step's result
+
+        def result(future: concurrent.futures.Future) -> Stepped:
+            nonlocal waited
+            t = time.perf_counter()
+            step = future.result()
+            waited += time.perf_counter() - t
+            return step
+
         try:
             while True:
                 with self._lock:
@@ -409,9 +418,9 @@ class Engine:
                     cancels, self._cancels = self._cancels, set()
                     admit = bool(self.waiting) and self.active_slots < len(self.slots)
                     self.programs.serving(bool(self.active_slots or self.waiting))
-                later = None
+                t0, waited, later = time.perf_counter(), 0.0, None
                 if inflight is not None and (cancels or self._ended or admit or not self.active_slots):
-                    later = self._finish(inflight.result(), defer=True)  # the state changes below need it back
+                    later = self._finish(result(inflight), defer=True)  # the state changes below need it back
                     inflight = None
                 if inflight is None:
                     self._cancel(cancels)
@@ -422,11 +431,14 @@ class Engine:
                 if self.active_slots:
                     queued = self._dispatch()
                     if inflight is not None:  # the step before it, delivered while this one runs
-                        self._finish(inflight.result())
+                        self._finish(result(inflight))
                     inflight = queued
                     self._busy = time.monotonic()
                 if later is not None:  # the live slots' tokens of the step finished above, the next one queued
                     later()
+                # the host's own work this pass (choice, statistics, deliveries, admissions): when it exceeds the
+                # device's step, the host paces the server
+                self.metrics.host_seconds.inc(max(0.0, time.perf_counter() - t0 - waited))
         except BaseException as e:  # noqa: BLE001 - every request must hear about it
             self.failure = f"engine failed: {type(e).__name__}: {e}"
             log.exception("engine loop failed")

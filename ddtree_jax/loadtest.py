@@ -22,6 +22,8 @@ chat template) or token ids (``/v1/completions``). Reported per level:
                          (device step seconds / the batch's rounds) over the acceptance; TPOT over it is what the
                          server (HTTP, scheduling, admissions, detokenising) adds
     device busy          device step seconds / the level's wall time
+    host busy            the engine thread's seconds at work between device calls (choices, statistics, deliveries,
+                         admissions) / the level's wall time: near 1, the host paces the server, not the device
 
 Example (start the server first, e.g. with random Qwen3-8B-shaped weights):
     python -m ddtree_jax.loadtest --url http://127.0.0.1:8000 --concurrency 1,2,4,8,16,32 --json > load.json
@@ -174,6 +176,7 @@ async def run_level(url: str, model: str | None, concurrency: int, requests: int
 
     rounds, committed = grew("ddtree_sequence_rounds_total"), grew("ddtree_committed_tokens_total")
     step_s, batch_rounds = grew("ddtree_step_seconds_total"), grew("ddtree_batch_rounds_total")
+    host_s = grew("ddtree_host_seconds_total")
     prefix = "ddtree_form_sequence_rounds_total{form=\""  # --tree-budget auto: sequence-rounds by form
     forms = {k[len(prefix):-2]: v - before.get(k, 0) for k, v in after.items() if k.startswith(prefix)}
     prefix = "ddtree_reason_sequence_rounds_total{reason=\""  # ... by why: the policy's choice, a probe, a timing
@@ -201,6 +204,7 @@ async def run_level(url: str, model: str | None, concurrency: int, requests: int
         "mean_acceptance_length": committed / rounds if rounds else None,
         "engine_tpot_s": step_s / batch_rounds / (committed / rounds) if batch_rounds and committed else None,
         "device_busy": step_s / wall if wall > 0 else None,
+        "host_busy": host_s / wall if wall > 0 else None,  # the engine thread's work between device calls
         "form_rounds": {f: n for f, n in forms.items() if n} or None,
         "reason_rounds": {f: n for f, n in reasons.items() if n} or None,
         "slot_batch_steps": {b: n for b, n in sorted(batches.items()) if n} or None,

@@ -58,6 +58,9 @@ class Metrics:
             lambda: engine.programs_wanted)
         self.step_seconds = Counter("ddtree_step_seconds", "Wall time of the device steps (dispatch to the read of "
                                     "their snapshot), summed", registry=r)
+        self.host_seconds = Counter("ddtree_host_seconds", "The engine thread's time at work between device calls "
+                                    "(choosing, statistics, deliveries, admissions; not its waits for a step), "
+                                    "summed: near the wall time, the host paces the server", registry=r)
         self.batch_rounds = Counter("ddtree_batch_rounds", "Rounds the batch ran (each step's rounds, not summed over "
                                     "sequences): step seconds / batch rounds is the engine's round time", registry=r)
         lat = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
