@@ -394,7 +394,7 @@ class Engine:
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
         inflight = None  # the Future of the step on the step thread, not yet delivered
-        waited = 0.0  # seconds of this pass spent waiting for a step's result
+        waited = 0.0  # seconds of this pass spent waiting for the device (a step's result, timings on free slots)
 
         def result(future: concurrent.futures.Future) -> Stepped:
             nonlocal waited
@@ -427,7 +427,9 @@ class Engine:
                     self._mark_ended()  # before admission, which may reuse the freed slots
                     self._admit()
                     if not self.active_slots and self._timing_due() == 0.0:
+                        t = time.perf_counter()
                         self._measure_ready()
+                        waited += time.perf_counter() - t  # the device's timing runs, not host work
                 if self.active_slots:
                     queued = self._dispatch()
                     if inflight is not None:  # the step before it, delivered while this one runs
