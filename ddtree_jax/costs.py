@@ -47,6 +47,7 @@ class Cost:
     seconds: float  # per round
     context: int  # committed tokens per sequence when measured
     samples: int = 1
+    timed: float = 0.0  # seconds a round as last timed (before the online refinement; 0: not known)
 
 
 class CostTable:
@@ -73,10 +74,16 @@ class CostTable:
         with self._lock:
             return {k: c.seconds for k, c in self._costs.items()}
 
+    def timings(self) -> dict[str, float]:
+        """Each program's last timing (free slots, or a step chosen to time it), before the online refinement moved
+        it: beside :meth:`seconds`, how far the steps corrected it. Program key -> seconds a round."""
+        with self._lock:
+            return {k: c.timed for k, c in self._costs.items() if c.timed > 0}
+
     def measured(self, key: str, seconds: float, context: int) -> None:
         """A fresh timing of the program (after its compilation): replaces what was known."""
         with self._lock:
-            self._costs[key] = Cost(float(seconds), int(context))
+            self._costs[key] = Cost(float(seconds), int(context), timed=float(seconds))
             self._dirty = True
 
     def observe(self, key: str, seconds: float, context: int) -> None:
@@ -84,7 +91,7 @@ class CostTable:
         with self._lock:
             c = self._costs.get(key)
             if c is None:
-                self._costs[key] = Cost(float(seconds), int(context))
+                self._costs[key] = Cost(float(seconds), int(context), timed=float(seconds))
             else:
                 s = min(max(seconds, c.seconds / OUTLIER), c.seconds * OUTLIER)
                 c.seconds += REFINE * (s - c.seconds)

@@ -18,6 +18,8 @@ chat template) or token ids (``/v1/completions``). Reported per level:
     reason_rounds        (--tree-budget auto) sequence rounds by why their program ran (policy, probe, timing)
     round_ms             at the level's end, the policy's cost of a round ('FORM@BATCH/VARIANT': ms) of each program
                          at the slot batches the level stepped, from /metrics (what its choices weighed)
+    timed_ms             ... and each one's last timing, before the steps refined it (a program the policy rarely
+                         runs keeps its timing)
     engine tpot          the engine's own time per token of one sequence, from /metrics: its rounds' mean wall time
                          (device step seconds / the batch's rounds) over the acceptance; TPOT over it is what the
                          server (HTTP, scheduling, admissions, detokenising) adds
@@ -183,12 +185,13 @@ async def run_level(url: str, model: str | None, concurrency: int, requests: int
     reasons = {k[len(prefix):-2]: v - before.get(k, 0) for k, v in after.items() if k.startswith(prefix)}
     prefix = "ddtree_slot_batch_steps_total{batch=\""  # steps by the slot batch they ran at
     batches = {int(k[len(prefix):-2]): v - before.get(k, 0) for k, v in after.items() if k.startswith(prefix)}
-    costs = {}  # the cost table at the level's end, at the slot batches it stepped
+    costs, timed = {}, {}  # the cost table at the level's end, at the slot batches it stepped; each one's timing
     for k, v in after.items():
-        if k.startswith("ddtree_program_round_seconds{"):
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', k))
-            if batches.get(int(labels["batch"])):
-                costs[f"{labels['form']}@{labels['batch']}/{labels['variant']}"] = round(1e3 * v, 4)
+        for name, into in (("ddtree_program_round_seconds{", costs), ("ddtree_program_timed_round_seconds{", timed)):
+            if k.startswith(name):
+                labels = dict(re.findall(r'(\w+)="([^"]*)"', k))
+                if batches.get(int(labels["batch"])):
+                    into[f"{labels['form']}@{labels['batch']}/{labels['variant']}"] = round(1e3 * v, 4)
     return {
         "concurrency": concurrency,
         "requests": len(samples),
@@ -209,6 +212,7 @@ async def run_level(url: str, model: str | None, concurrency: int, requests: int
         "reason_rounds": {f: n for f, n in reasons.items() if n} or None,
         "slot_batch_steps": {b: n for b, n in sorted(batches.items()) if n} or None,
         "round_ms": dict(sorted(costs.items())) or None,
+        "timed_ms": dict(sorted(timed.items())) or None,
     }
 
 

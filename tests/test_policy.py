@@ -361,11 +361,13 @@ def test_the_cost_table_persists_per_signature(tmp_path):
     assert table.get(key) == pytest.approx(0.010 + costs.REFINE * 0.010)
     table.observe(key, 10.0, 600)  # a host hiccup: clipped to OUTLIER x the estimate
     assert table.get(key) < 0.012 * costs.OUTLIER
+    assert table.timings() == {key: 0.010}  # the timing the steps refined, kept beside it (/metrics shows both)
     table.save()
     other = costs.CostTable(costs.signature("other"), path)
     other.measured("ar@1/greedy", 0.005, 64)
     other.save()
     again = costs.CostTable(sig, path)
     assert again.get(key) == pytest.approx(table.get(key)) and again.get("ar@1/greedy") is None
+    assert again.timings() == {key: 0.010}
     assert set(json.load(open(path))) == {sig, costs.signature("other")}
     assert costs.CostTable(sig).get(key) is None  # in memory only

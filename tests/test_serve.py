@@ -207,6 +207,8 @@ def test_models_health_and_metrics(server):
     costs = {k: v for k, v in server.metrics().items() if k.startswith("ddtree_program_round_seconds")}
     assert costs and all(v > 0 for v in costs.values())  # the policy's cost table: a round of each timed program
     assert all('form="' in k and 'batch="' in k and 'variant="' in k for k in costs)
+    timed = {k for k in server.metrics() if k.startswith("ddtree_program_timed_round_seconds")}
+    assert {k.split("{")[1] for k in timed} == {k.split("{")[1] for k in costs}  # and each one's timing
     by_reason = {k: v for k, v in server.metrics().items() if k.startswith("ddtree_reason_sequence_rounds_total")}
     assert sum(by_reason.values()) == sum(by_form.values())  # every round has one reason
     reasons = ("policy", "probe", "timing")
@@ -340,6 +342,7 @@ def test_load_benchmark_runs(server):
         # the policy's costs at the slot batches the level stepped (the server's programs are timed before use)
         assert r["round_ms"] and {int(k.split("@")[1].split("/")[0]) for k in r["round_ms"]} <= set(
             r["slot_batch_steps"]) and all(v > 0 for v in r["round_ms"].values())
+        assert set(r["timed_ms"]) == set(r["round_ms"])  # each program's timing beside the refined cost
     assert loadtest.format_table(results).count("\n") == 3
 
 
