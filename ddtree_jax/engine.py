@@ -193,7 +193,7 @@ class Engine:
         self.slots: list[Job | None] = [None] * b
         self.step_sizes: collections.Counter[int] = collections.Counter()  # steps run per slot-batch size
         self.step_programs: collections.Counter[tuple] = collections.Counter()  # steps per (form, size, variant)
-        self._ended: list[int] = []  # slots of jobs that ended since the last device update
+        self._ended: list[int] = []  # slots of jobs that ended on the host since the last device update
         self._starts = np.zeros(b, np.int32)  # per slot, where the next step's window starts (the step thread's)
         self._steps = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddtree-step")
         self._handoffs = contextlib.ExitStack()  # autorun.quick_handoffs from start to stop: steps beside the host
@@ -610,6 +610,7 @@ class Engine:
         if new and job.first_token_at is None:
             job.first_token_at = now
             self.metrics.ttft.observe(now - job.submitted)
+        on_device = final  # the device ended the sequence (its length, a stop token): its slot is done there
         taken, hit = job.push(new, final=final)
         if hit:
             final, reason = True, "stop"
@@ -617,7 +618,7 @@ class Engine:
         self.metrics.delivered(len(taken))
         event = Event(tuple(taken), piece, reason if final else None, None, len(job.prompt_ids), len(job.tokens))
         if final:
-            self._end(job, reason, event=event)
+            self._end(job, reason, event=event, on_device=on_device)
         elif taken or piece:
             self._emit(job, event)
 
@@ -629,15 +630,18 @@ class Engine:
             if ev.finish_reason is None:
                 self.cancel(job)
 
-    def _end(self, job: Job, reason: str, *, error: str | None = None, event: Event | None = None) -> None:
-        """The one way a job ends: free its slot (device marking follows in _mark_ended), count it, then
-        send its last event, so that whoever sees the event sees the slot free and the metrics updated."""
+    def _end(self, job: Job, reason: str, *, error: str | None = None, event: Event | None = None,
+             on_device: bool = False) -> None:
+        """The one way a job ends: free its slot (marked done on the device by _mark_ended, unless ``on_device``: the
+        device ended it, so no state change has to wait for the step in flight), count it, then send its last event,
+        so that whoever sees the event sees the slot free and the metrics updated."""
         if job.finished:
             return
         job.finished = True
         if job.slot is not None and self.slots[job.slot] is job:
             self.slots[job.slot] = None
-            self._ended.append(job.slot)
+            if not on_device:
+                self._ended.append(job.slot)
             self.policy.end(job.slot)
         self.metrics.requests.labels(reason).inc()
         self.metrics.latency.observe(time.perf_counter() - job.submitted)

@@ -133,7 +133,7 @@ def test_a_step_runs_while_the_one_before_it_is_delivered(engine, reference_runs
 
 
 def test_requests_joining_and_ending_do_not_stop_the_steps_for_delivery(engine, reference_runs, monkeypatch):
-    """When a request ends on the device and another joins, the engine must have the step back before admitting, but
+    """When a request ends and another joins, the engine must have the step back before admitting, but
     it delivers the other slots' tokens only once the next step is queued (behind the admissions' prefills): a long
     request streamed beside a queue of two-token requests (two ending and two joining every step) still gets most of
     its tokens while a step is queued or running (calls held as on a GPU, 50 ms on top), each once and AR's. (Before,
@@ -202,6 +202,31 @@ def test_stop_strings_cut_the_text(engine, tokenizer, reference_runs):
     assert res.token_ids == full.token_ids[: len(res.token_ids)]
     assert stop in tokenizer.decode(res.token_ids) and stop not in tokenizer.decode(res.token_ids[:-1])
     assert engine.active_slots == 0
+
+
+def test_only_ends_on_the_host_wait_to_be_marked_on_the_device(engine, tokenizer, reference_runs, monkeypatch):
+    """A request the device ended (its length, a stop token) leaves its slot done there: nothing to mark, so its end
+    does not make the engine wait for the step in flight before the next (which a state change would); one a stop
+    string ended on the host is marked done on the device (the step in flight keeps decoding it)."""
+    run = reference_runs[0]
+    marked = []  # the slots _mark_ended found, each time it ran
+    original = engine._mark_ended
+
+    def mark_ended():
+        marked.append(list(engine._ended))
+        original()
+
+    engine.generate(run["prompt"], greedy(2), timeout=120)  # marks what earlier tests' ends left
+    monkeypatch.setattr(engine, "_mark_ended", mark_ended)
+    assert engine.generate(run["prompt"], greedy(12), timeout=120).finish_reason == "length"
+    assert engine.generate(run["prompt"], greedy(3), timeout=120).finish_reason == "length"
+    assert not any(marked)
+    text = engine.generate(run["prompt"], greedy(40), timeout=120).text
+    start = next(i for i in range(10, len(text) - 3) if "\ufffd" not in text[i: i + 3] and text[i: i + 3].strip())
+    res = engine.generate(run["prompt"], greedy(40, stop=(text[start: start + 3],)), timeout=120)
+    assert res.finish_reason == "stop" and engine.active_slots == 0
+    engine.generate(run["prompt"], greedy(2), timeout=120)  # the next admission marks it, if nothing did before
+    assert [s for m in marked for s in m] == [0]  # the stop string's slot, once
 
 
 def test_cancel_frees_the_slot(engine, reference_runs):
