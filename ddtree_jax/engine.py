@@ -5,7 +5,8 @@ tokens (prompt + generated), and compiled groups of ``rounds_per_step`` rounds (
 slot batch and sampling variant) that return what the host needs. Its thread loops::
 
     cancel   requests whose client went away end; their slots are marked done on device
-    admit    waiting requests enter free slots: prefill a batch of one (decode.prefill), slots.insert it
+    admit    waiting requests enter free slots: prefill a batch of one (decode.prefill; queued beside the step in
+             flight, before the engine takes that step back), slots.insert it
     time     a newly compiled program whose cost is unknown runs a few rounds on free slots (autorun.rewind)
     step     the chosen program (policy.Policy: the most expected tokens per second among the compiled ones) runs
              ``rounds_per_step`` rounds for the live slots (done slots are skipped on device), then one small
@@ -66,6 +67,9 @@ Array = jax.Array
 log = logging.getLogger("ddtree_jax.engine")
 
 IDLE_S = 0.5  # an engine idle this long times the programs that need it on free slots (Engine._timing_due)
+# Waiting requests prefilled beside a step in flight, at most (Engine._prefill_ahead): each holds a fresh state (a
+# max_len cache row) until its insert, beside the step's own memory; under load about one to three requests join a step
+PREFILL_AHEAD = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,7 +373,7 @@ class Engine:
             n = min(bucket, self.layout.max_prompt)
             job = Job(id="warmup", prompt_ids=[0] * n, params=SamplingParams(max_tokens=1), sink=lambda ev: None,
                       stop_ids=(), seed=0)
-            self._prefill_into(job, 0)
+            self._insert(job, self._prefill(job), 0)
             self.slots[0] = None
             self._ended.append(0)
             self._mark_ended()
@@ -420,6 +424,8 @@ class Engine:
                     self.programs.serving(bool(self.active_slots or self.waiting))
                 t0, waited, later = time.perf_counter(), 0.0, None
                 if inflight is not None and (cancels or self._ended or admit or not self.active_slots):
+                    if admit:
+                        self._prefill_ahead()  # beside the step in flight: only the inserts wait for it
                     later = self._finish(result(inflight), defer=True)  # the state changes below need it back
                     inflight = None
                 if inflight is None:
@@ -486,7 +492,8 @@ class Engine:
                 job = self.waiting.popleft()
             try:
                 t0 = time.perf_counter()
-                self._prefill_into(job, s)
+                one, job.prefilled = (job.prefilled if job.prefilled is not None else self._prefill(job)), None
+                self._insert(job, one, s)
                 self.policy.start(s)
                 self.metrics.admission.observe(time.perf_counter() - t0)
                 self.metrics.prompt_tokens.inc(len(job.prompt_ids))
@@ -494,8 +501,24 @@ class Engine:
                 log.exception("admission of %s failed", job.id)
                 self._end(job, "error", error=f"prefill failed: {type(e).__name__}: {e}")
 
-    def _prefill_into(self, job: Job, slot: int) -> None:
-        """Prefill ``job`` as a batch of its own and insert it into ``slot`` (whose old content is dead)."""
+    def _prefill_ahead(self) -> None:
+        """Prefill the waiting requests the free slots will take, before the engine takes the step in flight back to
+        admit them: a prefill needs no slot, so it runs on the device beside that step (on a GPU the step's loop reads
+        its predicate on the host, so the prefill's kernels queue between its rounds) and only the inserts wait. A
+        failure here is left to the admission, which tries again and reports it."""
+        free = min(sum(j is None for j in self.slots), PREFILL_AHEAD)
+        with self._lock:
+            jobs = [j for j in itertools.islice(self.waiting, free) if j.prefilled is None]
+        for job in jobs:
+            try:
+                job.prefilled = self._prefill(job)
+            except Exception:  # noqa: BLE001 - _admit reports it
+                log.debug("prefill ahead of %s failed", job.id, exc_info=True)
+
+    def _prefill(self, job: Job):
+        """``job``'s prompt prefilled as a batch of its own (a fresh state of ``_prefill_rows`` rows), queued on the
+        device, not waited for: the host builds the next admission (or dispatches the next step, whose thread waits
+        for the inserts) while the device prefills."""
         n = len(job.prompt_ids)
         p_pad = self.layout.bucket(n)  # prefill cuts its chunk to it
         p = job.params
@@ -507,15 +530,16 @@ class Engine:
         tokens[0, :n] = job.prompt_ids
         one = self._fresh(decode.row_settings(self.spec, [n] + [1] * (rows - 1), [opts] + [pad] * (rows - 1)))
         toks = tokens if self.mesh is None else jax.device_put(tokens, sharding.batch_sharding(self.mesh, 2))
-        # queued, not waited for: the host builds the next admission (or dispatches the next step, whose thread waits
-        # for the inserts) while the device prefills
-        one = prefill(self.spec, self.tparams, self.dparams, one, toks)
-        if rows == 1:
+        return prefill(self.spec, self.tparams, self.dparams, one, toks)
+
+    def _insert(self, job: Job, one: State, slot: int) -> None:
+        """Put ``job``'s prefilled state (:meth:`_prefill`) into ``slot`` (whose old content is dead)."""
+        if self._prefill_rows == 1:
             self.state = slots.insert(self.state, np.int32(slot), one)
         else:
             self.state = slots.insert_first(self.state, np.int32(slot), one)
-        job.slot, job.emitted = slot, n
-        self._starts[slot] = n
+        job.slot, job.emitted = slot, len(job.prompt_ids)
+        self._starts[slot] = len(job.prompt_ids)
         if self.tokenizer is not None:
             job.decoder = self.tokenizer.incremental_decoder()
         self.slots[slot] = job

@@ -174,6 +174,46 @@ def test_requests_joining_and_ending_do_not_stop_the_steps_for_delivery(engine, 
     assert [t for _, ev in events for t in ev.token_ids] == run["ar"][n: n + 40]
 
 
+def test_a_request_is_prefilled_beside_the_step_in_flight(engine, reference_runs, monkeypatch):
+    """A request that arrives while steps run is prefilled before the engine takes the step in flight back to admit
+    it (a prefill needs no slot), so only its insert waits for that step: with calls held as on a GPU (50 ms on top),
+    a step's call ends between the request's prefill and its insert, and both requests' tokens are AR's."""
+    long_run, short_run = reference_runs[2], reference_runs[0]
+    steps, prefills, inserts = [], {}, {}  # the calls' spans; job id -> when its prefill / insert was queued
+    prefill_fn, insert_fn = engine._prefill, engine._insert
+
+    def prefill(job):
+        prefills.setdefault(job.id, time.perf_counter())
+        return prefill_fn(job)
+
+    def insert(job, one, slot):
+        inserts.setdefault(job.id, time.perf_counter())
+        return insert_fn(job, one, slot)
+
+    monkeypatch.setattr(engine.programs, "call", blocking_like_a_gpu(engine.programs.call, steps, 0.05))
+    monkeypatch.setattr(engine, "_prefill", prefill)
+    monkeypatch.setattr(engine, "_insert", insert)
+    events = {"long": [], "short": []}
+    first, done = threading.Event(), threading.Semaphore(0)
+
+    def sink(name):
+        def take(ev):
+            events[name].append(ev)
+            first.set()
+            if ev.finish_reason:
+                done.release()
+        return take
+
+    engine.submit(long_run["prompt"], greedy(40), sink("long"))
+    assert first.wait(120)  # its steps run back to back from here
+    job = engine.submit(short_run["prompt"], greedy(6), sink("short"))
+    assert done.acquire(timeout=120) and done.acquire(timeout=120)
+    assert any(prefills[job.id] < b < inserts[job.id] for _, b in steps), (prefills[job.id], inserts[job.id], steps)
+    for name, run, n_new in (("long", long_run, 40), ("short", short_run, 6)):
+        n = len(run["prompt"])
+        assert [t for ev in events[name] for t in ev.token_ids] == run["ar"][n: n + n_new]
+
+
 def test_stop_token_ids_and_max_tokens(engine, reference_runs):
     run = reference_runs[2]
     n = len(run["prompt"])
