@@ -661,7 +661,7 @@ class Engine:
         so that whoever sees the event sees the slot free and the metrics updated."""
         if job.finished:
             return
-        job.finished = True
+        job.finished, job.prefilled = True, None  # (a waiting request's prefill ahead: its memory goes now)
         if job.slot is not None and self.slots[job.slot] is job:
             self.slots[job.slot] = None
             if not on_device:
