@@ -492,7 +492,8 @@ class Engine:
                 job = self.waiting.popleft()
             try:
                 t0 = time.perf_counter()
-                one, job.prefilled = (job.prefilled if job.prefilled is not None else self._prefill(job)), None
+                one = job.prefilled if job.prefilled is not None else self._prefill(job)
+                job.prefilled = None
                 self._insert(job, one, s)
                 self.policy.start(s)
                 self.metrics.admission.observe(time.perf_counter() - t0)
