@@ -108,6 +108,19 @@ def test_events_stream_every_token_once_and_text_decodes(engine, tokenizer, refe
     assert events[-1].completion_tokens == 40 and events[-1].prompt_tokens == n
 
 
+def queued_spans(dispatch, spans: list):
+    """``Engine._dispatch`` that appends each step's span, from its dispatch to its end on the step thread, to
+    ``spans``."""
+
+    def queue():
+        span = [time.perf_counter(), float("inf")]
+        spans.append(span)
+        future = dispatch()
+        future.add_done_callback(lambda _, span=span: span.__setitem__(1, time.perf_counter()))
+        return future
+    return queue
+
+
 def test_a_step_runs_while_the_one_before_it_is_delivered(engine, reference_runs, monkeypatch):
     """On a GPU a step's call returns only once its rounds have run (here every call waits for its step and sleeps
     50 ms on top), so the engine queues the next step on its step thread before delivering the last one: a lone
@@ -122,15 +135,8 @@ def test_a_step_runs_while_the_one_before_it_is_delivered(engine, reference_runs
         if ev.finish_reason:
             done.set()
 
-    def dispatch(original=engine._dispatch):
-        span = [time.perf_counter(), float("inf")]
-        queued.append(span)
-        future = original()
-        future.add_done_callback(lambda _, span=span: span.__setitem__(1, time.perf_counter()))
-        return future
-
     monkeypatch.setattr(engine.programs, "call", blocking_like_a_gpu(engine.programs.call, steps, 0.05))
-    monkeypatch.setattr(engine, "_dispatch", dispatch)
+    monkeypatch.setattr(engine, "_dispatch", queued_spans(engine._dispatch, queued))
     engine.submit(run["prompt"], greedy(40), sink)
     assert done.wait(120)
     streamed = [at for at, ev in events if ev.finish_reason is None]
@@ -155,13 +161,6 @@ def test_requests_joining_and_ending_do_not_stop_the_steps_for_delivery(engine, 
         if ev.finish_reason:
             done.set()
 
-    def dispatch(original=engine._dispatch):  # each step's span: from its dispatch to its end on the step thread
-        span = [time.perf_counter(), float("inf")]
-        queued.append(span)
-        future = original()
-        future.add_done_callback(lambda _, span=span: span.__setitem__(1, time.perf_counter()))
-        return future
-
     ended = threading.Semaphore(0)  # one release per short request that finished
 
     def short(ev):
@@ -169,7 +168,7 @@ def test_requests_joining_and_ending_do_not_stop_the_steps_for_delivery(engine, 
             ended.release()
 
     monkeypatch.setattr(engine.programs, "call", blocking_like_a_gpu(engine.programs.call, steps, 0.05))
-    monkeypatch.setattr(engine, "_dispatch", dispatch)
+    monkeypatch.setattr(engine, "_dispatch", queued_spans(engine._dispatch, queued))
     for i in range(42):
         engine.submit(reference_runs[0 if i < 2 else 1]["prompt"], greedy(2), short)
         if i == 1:
