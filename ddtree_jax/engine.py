@@ -5,8 +5,8 @@ tokens (prompt + generated), and compiled groups of ``rounds_per_step`` rounds (
 slot batch and sampling variant) that return what the host needs. Its thread loops::
 
     cancel   requests whose client went away end; their slots are marked done on device
-    admit    waiting requests enter free slots: prefill a batch of one (decode.prefill; queued beside the step in
-             flight, before the engine takes that step back), slots.insert it
+    admit    waiting requests enter free slots: prefill a batch of one (decode.prefill, queued beside the step in
+             flight), slots.insert it (by the step thread, before the next step, while a step is in flight)
     time     a newly compiled program whose cost is unknown runs a few rounds on free slots (autorun.rewind)
     step     the chosen program (policy.Policy: the most expected tokens per second among the compiled ones) runs
              ``rounds_per_step`` rounds for the live slots (done slots are skipped on device), then one small
@@ -15,9 +15,9 @@ slot batch and sampling variant) that return what the host needs. Its thread loo
              ended frees its slot before its last event is sent
 
 so new requests join between device calls, while the others keep decoding; background threads compile the programs
-meanwhile. The steps run on a step thread: while nothing changes the slots (no cancel, no admission, no request
-ended on the host), the next step is queued before the last one is delivered, so the device does not wait for the
-delivery (on a GPU a call returns only once its rounds have run: XLA reads the round loop's predicate on the host).
+meanwhile. The steps run on a step thread: while no request ends on the host (a cancel, a stop string), the next
+step is queued before the last one is delivered, so the device waits neither for the delivery nor for admissions (on
+a GPU a call returns only once its rounds have run: XLA reads the round loop's predicate on the host).
 
 Everything per request (temperature, top_p, top_k, seed, max_tokens, stop token ids) lives in the slot's own arrays,
 set by ``decode.init_state`` at admission; sampling keys depend only on a request's own seed and positions
@@ -67,9 +67,9 @@ Array = jax.Array
 log = logging.getLogger("ddtree_jax.engine")
 
 IDLE_S = 0.5  # an engine idle this long times the programs that need it on free slots (Engine._timing_due)
-# Waiting requests prefilled beside a step in flight, at most (Engine._prefill_ahead): each holds a fresh state (a
-# max_len cache row) until its insert, beside the step's own memory; under load about one to three requests join a step
-PREFILL_AHEAD = 4
+# Requests admitted a pass while a step is in flight, at most (Engine._admit): each holds its prefilled state (a max_len
+# cache row) until the step thread inserts it, beside the step's own memory; under load one to three join a step
+JOIN_AHEAD = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +111,7 @@ class Stepped:
     program: Program
     jobs: list  # (slot, Job) of the live slots when it was chosen
     reason: str  # why its program ran: policy, probe or timing
-    quiet: bool  # no compilation ran meanwhile (its time counts as the program's cost)
+    quiet: bool  # no compilation ran meanwhile (its time counts as the program's cost, unless admissions shared it)
     starts: np.ndarray  # [B] each slot's first undelivered index: where its Snapshot window starts
     snap: decode.Snapshot  # [B], on the host
     elapsed: float  # seconds from its dispatch to its Snapshot read
@@ -198,6 +198,7 @@ class Engine:
         self.step_sizes: collections.Counter[int] = collections.Counter()  # steps run per slot-batch size
         self.step_programs: collections.Counter[tuple] = collections.Counter()  # steps per (form, size, variant)
         self._ended: list[int] = []  # slots of jobs that ended on the host since the last device update
+        self._joining: list[tuple] = []  # (Job, prefilled state, slot) admitted beside a step, for the next step
         self._starts = np.zeros(b, np.int32)  # per slot, where the next step's window starts (the step thread's)
         self._steps = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddtree-step")
         self._handoffs = contextlib.ExitStack()  # autorun.quick_handoffs from start to stop: steps beside the host
@@ -374,7 +375,6 @@ class Engine:
             job = Job(id="warmup", prompt_ids=[0] * n, params=SamplingParams(max_tokens=1), sink=lambda ev: None,
                       stop_ids=(), seed=0)
             self._insert(job, self._prefill(job), 0)
-            self.slots[0] = None
             self._ended.append(0)
             self._mark_ended()
         self.programs.compile(self.first)
@@ -420,26 +420,24 @@ class Engine:
                     if self._stopping:
                         break
                     cancels, self._cancels = self._cancels, set()
-                    admit = bool(self.waiting) and self.active_slots < len(self.slots)
                     self.programs.serving(bool(self.active_slots or self.waiting))
-                t0, waited, later = time.perf_counter(), 0.0, None
-                if inflight is not None and (cancels or self._ended or admit or not self.active_slots):
-                    if admit:
-                        self._prefill_ahead()  # beside the step in flight: only the inserts wait for it
+                t0, waited, later, shared = time.perf_counter(), 0.0, None, False
+                if inflight is not None and (cancels or self._ended or not self.active_slots):
                     later = self._finish(result(inflight), defer=True)  # the state changes below need it back
                     inflight = None
                 if inflight is None:
                     self._cancel(cancels)
                     self._mark_ended()  # before admission, which may reuse the freed slots
-                    self._admit()
-                    if not self.active_slots and self._timing_due() == 0.0:
-                        t = time.perf_counter()
-                        self._measure_ready()
-                        waited += time.perf_counter() - t  # the device's timing runs, not host work
+                if self.waiting:
+                    shared = self._admit(ahead=inflight is not None)
+                if inflight is None and not self.active_slots and self._timing_due() == 0.0:
+                    t = time.perf_counter()
+                    self._measure_ready()
+                    waited += time.perf_counter() - t  # the device's timing runs, not host work
                 if self.active_slots:
                     queued = self._dispatch()
                     if inflight is not None:  # the step before it, delivered while this one runs
-                        self._finish(result(inflight))
+                        self._finish(result(inflight), shared=shared)
                     inflight = queued
                     self._busy = time.monotonic()
                 if later is not None:  # the live slots' tokens of the step finished above, the next one queued
@@ -482,39 +480,36 @@ class Engine:
         self._ended = []
         self.state = slots.mark_done(self.state, mask)
 
-    def _admit(self) -> None:
+    def _admit(self, ahead: bool) -> bool:
+        """Waiting requests into the free slots: each prompt prefilled as a batch of its own (:meth:`_prefill`: queued
+        on the device, not waited for), the request seated in its slot on the host, and its state inserted there at
+        once, or, with ``ahead`` (a step in flight, which owns the state; at most JOIN_AHEAD), by the step thread
+        before the next step (:meth:`_device_step`): the device waits for no admission. Returns whether a prefill
+        was queued beside the step in flight (its kernels run between that step's rounds, so its time is not its
+        program's cost alone)."""
+        joined = 0
         for s in range(len(self.slots)):
             if self.slots[s] is not None:
                 continue
             with self._lock:
-                if not self.waiting:
-                    return
+                if not self.waiting or (ahead and joined == JOIN_AHEAD):
+                    break
                 job = self.waiting.popleft()
             try:
                 t0 = time.perf_counter()
-                one = job.prefilled if job.prefilled is not None else self._prefill(job)
-                job.prefilled = None
-                self._insert(job, one, s)
-                self.policy.start(s)
+                one = self._prefill(job)
+                self._seat(job, s)
+                if ahead:
+                    self._joining.append((job, one, s))
+                else:
+                    self._insert(job, one, s)
+                joined += 1
                 self.metrics.admission.observe(time.perf_counter() - t0)
                 self.metrics.prompt_tokens.inc(len(job.prompt_ids))
             except Exception as e:  # noqa: BLE001 - one request's failure is not the server's
                 log.exception("admission of %s failed", job.id)
                 self._end(job, "error", error=f"prefill failed: {type(e).__name__}: {e}")
-
-    def _prefill_ahead(self) -> None:
-        """Prefill the waiting requests the free slots will take, before the engine takes the step in flight back to
-        admit them: a prefill needs no slot, so it runs on the device beside that step (on a GPU the step's loop reads
-        its predicate on the host, so the prefill's kernels queue between its rounds) and only the inserts wait. A
-        failure here is left to the admission, which tries again and reports it."""
-        free = min(sum(j is None for j in self.slots), PREFILL_AHEAD)
-        with self._lock:
-            jobs = [j for j in itertools.islice(self.waiting, free) if j.prefilled is None]
-        for job in jobs:
-            try:
-                job.prefilled = self._prefill(job)
-            except Exception:  # noqa: BLE001 - _admit reports it
-                log.debug("prefill ahead of %s failed", job.id, exc_info=True)
+        return ahead and joined > 0
 
     def _prefill(self, job: Job):
         """``job``'s prompt prefilled as a batch of its own (a fresh state of ``_prefill_rows`` rows), queued on the
@@ -534,16 +529,22 @@ class Engine:
         return prefill(self.spec, self.tparams, self.dparams, one, toks)
 
     def _insert(self, job: Job, one: State, slot: int) -> None:
-        """Put ``job``'s prefilled state (:meth:`_prefill`) into ``slot`` (whose old content is dead)."""
+        """Put ``job``'s prefilled state (:meth:`_prefill`) into ``slot`` of the device state (whose old content is
+        dead), its window starting after the prompt: on the thread that owns the state (the engine thread with no
+        step in flight, else the step thread)."""
         if self._prefill_rows == 1:
             self.state = slots.insert(self.state, np.int32(slot), one)
         else:
             self.state = slots.insert_first(self.state, np.int32(slot), one)
-        job.slot, job.emitted = slot, len(job.prompt_ids)
         self._starts[slot] = len(job.prompt_ids)
+
+    def _seat(self, job: Job, slot: int) -> None:
+        """``job`` holds ``slot`` from now on, on the host (the next step runs it)."""
+        job.slot, job.emitted = slot, len(job.prompt_ids)
         if self.tokenizer is not None:
             job.decoder = self.tokenizer.incremental_decoder()
         self.slots[slot] = job
+        self.policy.start(slot)
 
     def _untimed(self) -> bool:
         """Whether :meth:`_measure_ready` has a program to time (the engine thread wakes for it when idle)."""
@@ -569,13 +570,18 @@ class Engine:
         if program.size == len(self.slots):
             rows = np.arange(len(self.slots), dtype=np.int32)
         jobs = [(s, self.slots[s]) for s in live]
-        return self._steps.submit(self._device_step, program, rows, jobs, reason, self.programs.quiet())
+        joining, self._joining = self._joining, []
+        return self._steps.submit(self._device_step, program, rows, jobs, reason, self.programs.quiet(), joining)
 
-    def _device_step(self, program: Program, rows: np.ndarray, jobs, reason: str, quiet: bool) -> Stepped:
-        """On the step thread: run ``rounds_per_step`` rounds of ``program`` on ``rows`` and read its Snapshot
-        (every slot's, in slot order). Its windows start at :attr:`_starts`, which it then moves to their ends."""
+    def _device_step(self, program: Program, rows: np.ndarray, jobs, reason: str, quiet: bool,
+                     joining: Sequence[tuple] = ()) -> Stepped:
+        """On the step thread: insert the requests admitted beside the step before (``joining``: (Job, prefilled
+        state, slot)), run ``rounds_per_step`` rounds of ``program`` on ``rows`` and read its Snapshot (every slot's,
+        in slot order). Its windows start at :attr:`_starts`, which it then moves to their ends."""
+        for job, one, slot in joining:
+            self._insert(job, one, slot)
         starts = self._starts.copy()
-        jax.block_until_ready(self.state)  # an admission's insert, queued before: not this step's time
+        jax.block_until_ready(self.state)  # the admissions' prefills and inserts: not this step's time
         t0 = time.perf_counter()
         self.state, part = self.programs.call(program, self.state, rows, starts[rows])
         part = jax.device_get(part)
@@ -589,18 +595,19 @@ class Engine:
         self._starts[rows] = np.maximum(starts[rows], part.end)
         return Stepped(program, jobs, reason, quiet and self.programs.quiet(), starts, snap, elapsed)
 
-    def _finish(self, step: Stepped, defer: bool = False) -> Callable[[], None] | None:
-        """Count a step that ran (metrics, its program's cost, the policy's statistics of the slots whose jobs it
-        ran for and that still hold them), then deliver its tokens (:meth:`_deliver`). With ``defer``, only those of
-        the sequences that ended on the device (their slots free for admissions), the others' returned as a callable
-        to run once the next step is queued: a request that ends or joins then costs the device no delivery's wait."""
+    def _finish(self, step: Stepped, defer: bool = False, shared: bool = False) -> Callable[[], None] | None:
+        """Count a step that ran (metrics, its program's cost unless admissions' prefills ran beside it (``shared``),
+        the policy's statistics of the slots whose jobs it ran for and that still hold them), then deliver its tokens
+        (:meth:`_deliver`). With ``defer``, only those of the sequences that ended on the device (their slots free
+        for admissions), the others' returned as a callable to run once the next step is queued: a request that ends
+        on the host then costs the device no delivery's wait."""
         program, snap = step.program, step.snap
         live = [s for s, job in step.jobs if self.slots[s] is job]
         self.step_sizes[program.size] += 1
         self.step_programs[program.form, program.size, program.variant] += 1
         rounds = int(snap.new_rounds.max()) if snap.new_rounds.size else 0
         if rounds:
-            self.programs.stepped(program, step.elapsed, rounds, self._context(), step.quiet)
+            self.programs.stepped(program, step.elapsed, rounds, self._context(), step.quiet, shared)
         if snap.new_stats is not None:
             for s in live:
                 self.policy.observe(s, program.form, snap.new_stats[s])
@@ -662,7 +669,7 @@ class Engine:
         so that whoever sees the event sees the slot free and the metrics updated."""
         if job.finished:
             return
-        job.finished, job.prefilled = True, None  # (a waiting request's prefill ahead: its memory goes now)
+        job.finished = True
         if job.slot is not None and self.slots[job.slot] is job:
             self.slots[job.slot] = None
             if not on_device:

@@ -284,16 +284,20 @@ class Programs(collections.abc.Mapping):
             self.costs.save()  # for the next start (no-op without a cost table on disk)
         return state
 
-    def stepped(self, program: Program, elapsed: float, rounds: int, context: int, quiet: bool) -> None:
+    def stepped(self, program: Program, elapsed: float, rounds: int, context: int, quiet: bool,
+                shared: bool = False) -> None:
         """A step of ``program`` took ``elapsed`` seconds for ``rounds`` rounds at ``context`` tokens (``quiet``: no
         compilation ran meanwhile): its seconds a round become its cost when :meth:`choose` picked it to be timed,
         else refine it. A step beside a compilation (2x slower on 2 CPU cores) leaves the cost alone and marks the
-        program to be timed again."""
+        program to be timed again; one beside admissions' prefills (``shared``: on a GPU their kernels run between
+        its rounds) leaves it alone too (a program it was to time stays due)."""
         self.busy += elapsed
         seconds = elapsed / rounds
         timing, program.timing = program.timing, False
         if not quiet:
             program.clean = False
+        elif shared:
+            return
         elif timing or self.costs.get(program.cost_key) is None:
             self.costs.measured(program.cost_key, seconds, context)
             program.clean, program.timed_at = True, self.busy

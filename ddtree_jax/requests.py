@@ -80,7 +80,6 @@ class Job:
     text: str = ""  # decoded text so far (cut at a stop string)
     sent: int = 0  # characters of ``text`` already delivered
     decoder: object | None = None
-    prefilled: object | None = None  # its prompt's state, prefilled while it waited (Engine._prefill_ahead)
     first_token_at: float | None = None
     finished: bool = False
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from ddtree_jax import autorun, decode, engine as engines, programs
+from ddtree_jax import autorun, costs, decode, engine as engines, programs
 from ddtree_jax.tokenizer import load_tokenizer
 from tests.conftest import blocking_like_a_gpu, fixture_path
 
@@ -148,11 +148,10 @@ def test_a_step_runs_while_the_one_before_it_is_delivered(engine, reference_runs
 
 
 def test_requests_joining_and_ending_do_not_stop_the_steps_for_delivery(engine, reference_runs, monkeypatch):
-    """When a request ends and another joins, the engine must have the step back before admitting, but
-    it delivers the other slots' tokens only once the next step is queued (behind the admissions' prefills): a long
-    request streamed beside a queue of two-token requests (two ending and two joining every step) still gets most of
-    its tokens while a step is queued or running (calls held as on a GPU, 50 ms on top), each once and AR's. (Before,
-    7 of 13: every other step's, the steps after which nothing ended or joined.)"""
+    """When requests end on the device and others join, the engine keeps a step queued or running: a long request
+    streamed beside a queue of two-token requests (two ending and two joining every step) still gets most of its
+    tokens while a step is queued or running (calls held as on a GPU, 50 ms on top), each once and AR's. (Once, 7 of
+    13: every other step's, the steps after which nothing ended or joined.)"""
     run = reference_runs[2]
     steps, queued, events, done = [], [], [], threading.Event()  # calls' spans; steps' (dispatch, end)
 
@@ -182,25 +181,26 @@ def test_requests_joining_and_ending_do_not_stop_the_steps_for_delivery(engine, 
     assert [t for _, ev in events for t in ev.token_ids] == run["ar"][n: n + 40]
 
 
-def test_a_request_is_prefilled_beside_the_step_in_flight(engine, reference_runs, monkeypatch):
-    """A request that arrives while steps run is prefilled before the engine takes the step in flight back to admit
-    it (a prefill needs no slot), so only its insert waits for that step: with calls held as on a GPU (50 ms on top),
-    a step's call ends between the request's prefill and its insert, and both requests' tokens are AR's."""
+def test_a_request_joins_without_the_step_in_flight_back(engine, reference_runs, monkeypatch):
+    """A request that arrives while steps run is admitted beside the step in flight: prefilled and seated by the
+    engine thread, inserted by the step thread once that step's call has ended, so the step that first runs it is
+    queued while a call still runs (the device waits for no admission; with calls held as on a GPU, 50 ms on top),
+    and both requests' tokens are AR's. (Before, the engine took the step in flight back to admit it.)"""
     long_run, short_run = reference_runs[2], reference_runs[0]
-    steps, prefills, inserts = [], {}, {}  # the calls' spans; job id -> when its prefill / insert was queued
-    prefill_fn, insert_fn = engine._prefill, engine._insert
-
-    def prefill(job):
-        prefills.setdefault(job.id, time.perf_counter())
-        return prefill_fn(job)
+    calls, dispatches, inserts = [], [], {}  # the calls' spans; (time, live job ids) a dispatch; job id -> insert
+    insert_fn, dispatch_fn = engine._insert, engine._dispatch
 
     def insert(job, one, slot):
         inserts.setdefault(job.id, time.perf_counter())
         return insert_fn(job, one, slot)
 
-    monkeypatch.setattr(engine.programs, "call", blocking_like_a_gpu(engine.programs.call, steps, 0.05))
-    monkeypatch.setattr(engine, "_prefill", prefill)
+    def dispatch():
+        dispatches.append((time.perf_counter(), {j.id for j in engine.slots if j is not None}))
+        return dispatch_fn()
+
+    monkeypatch.setattr(engine.programs, "call", blocking_like_a_gpu(engine.programs.call, calls, 0.05))
     monkeypatch.setattr(engine, "_insert", insert)
+    monkeypatch.setattr(engine, "_dispatch", dispatch)
     events = {"long": [], "short": []}
     first, done = threading.Event(), threading.Semaphore(0)
 
@@ -216,7 +216,10 @@ def test_a_request_is_prefilled_beside_the_step_in_flight(engine, reference_runs
     assert first.wait(120)  # its steps run back to back from here
     job = engine.submit(short_run["prompt"], greedy(6), sink("short"))
     assert done.acquire(timeout=120) and done.acquire(timeout=120)
-    assert any(prefills[job.id] < b < inserts[job.id] for _, b in steps), (prefills[job.id], inserts[job.id], steps)
+    queued = next(at for at, ids in dispatches if job.id in ids)
+    running = [(a, b) for a, b in calls if a < queued < b]
+    assert running, (queued, calls)  # a call ran while the joiner's first step was queued
+    assert running[0][1] < inserts[job.id], (running, inserts[job.id])  # and it was inserted after that call
     for name, run, n_new in (("long", long_run, 40), ("short", short_run, 6)):
         n = len(run["prompt"])
         assert [t for ev in events[name] for t in ev.token_ids] == run["ar"][n: n + n_new]
@@ -555,6 +558,22 @@ def test_a_cost_older_than_its_ttl_is_timed_again_by_a_step(target, drafter):
         assert eng.metrics.rounds_by_reason.labels("timing")._value.get() >= 1  # /metrics tells such steps apart
     finally:
         eng.stop()
+
+
+def test_a_step_beside_admissions_leaves_its_cost_alone(engine):
+    """Requests join beside the step in flight, their prefills queued while it runs (on a GPU their kernels run
+    between its rounds), so that step's time is not its program's alone: it neither refines the program's cost nor,
+    when the step was to time it, replaces the cost; a step alone refines it (by costs.REFINE, the step clipped to
+    costs.OUTLIER times the cost)."""
+    p = engine.first
+    with engine._lock:
+        cost = engine.costs.get(p.cost_key)
+        p.timing = True
+        engine.programs.stepped(p, 100 * cost, 1, 64, quiet=True, shared=True)
+        assert engine.costs.get(p.cost_key) == cost
+        engine.programs.stepped(p, 100 * cost, 1, 64, quiet=True)
+        assert engine.costs.get(p.cost_key) == pytest.approx(cost * (1 + costs.REFINE * (costs.OUTLIER - 1)))
+        engine.costs.measured(p.cost_key, cost, 64)
 
 
 def test_forms_and_slot_batches_run_only_the_live_slots(target, drafter, tokenizer, reference_runs, monkeypatch):
