@@ -183,7 +183,7 @@ def test_requests_joining_and_ending_do_not_stop_the_steps_for_delivery(engine, 
 
 def test_a_request_joins_without_the_step_in_flight_back(engine, reference_runs, monkeypatch):
     """A request that arrives while steps run is admitted beside the step in flight: prefilled and seated by the
-    engine thread, inserted by the step thread once that step's call has ended, so the step that first runs it is
+    engine thread, inserted by the step thread once that step's call has ended, so the joiner's earliest step is
     queued while a call still runs (the device waits for no admission; with calls held as on a GPU, 50 ms on top),
     and both requests' tokens are AR's. (Before, the engine took the step in flight back to admit it.)"""
     long_run, short_run = reference_runs[2], reference_runs[0]
