@@ -561,8 +561,10 @@ class Engine:
         """Choose the next step's program (:meth:`programs.Programs.choose`) for the live slots and queue it on the
         step thread (:meth:`_device_step`); its result goes to :meth:`_finish`."""
         live = [s for s, j in enumerate(self.slots) if j is not None]
-        probes = self.policy.probes
+        probes, choices = self.policy.probes, self.policy.choices
         program = self.programs.choose(live, [self.slots[s].params for s in live], self.policy)
+        if self.policy.choices != choices:
+            self.metrics.chose(self.policy.last)
         reason = "timing" if program.timing else "probe" if self.policy.probes != probes else "policy"
         # the whole batch in slot order, or for a smaller one the live slots padded with free ones (distinct rows:
         # the scatter back stays exact)

@@ -20,6 +20,8 @@ chat template) or token ids (``/v1/completions``). Reported per level:
                          at the slot batches the level stepped, from /metrics (what its choices weighed)
     timed_ms             ... and each one's last timing, before the steps refined it (a program the policy rarely
                          runs keeps its timing)
+    expected_tokens      (--tree-budget auto) the policy's expected tokens a round per sequence of each form, the
+                         mean over the level's choices, from /metrics (beside round_ms: why it chose what it did)
     engine tpot          the engine's own time per token of one sequence, from /metrics: its rounds' mean wall time
                          (device step seconds / the batch's rounds) over the acceptance; TPOT over it is what the
                          server (HTTP, scheduling, admissions, detokenising) adds
@@ -185,6 +187,9 @@ async def run_level(url: str, model: str | None, concurrency: int, requests: int
     reasons = {k[len(prefix):-2]: v - before.get(k, 0) for k, v in after.items() if k.startswith(prefix)}
     prefix = "ddtree_slot_batch_steps_total{batch=\""  # steps by the slot batch they ran at
     batches = {int(k[len(prefix):-2]): v - before.get(k, 0) for k, v in after.items() if k.startswith(prefix)}
+    prefix, choices = "ddtree_policy_expected_tokens_total{form=\"", grew("ddtree_policy_choices_total")
+    expected = {k[len(prefix):-2]: round((v - before.get(k, 0)) / choices, 3) for k, v in after.items()
+                if k.startswith(prefix) and choices}  # the mean over the level's choices
     costs, timed = {}, {}  # the cost table at the level's end, at the slot batches it stepped; each one's timing
     for k, v in after.items():
         for name, into in (("ddtree_program_round_seconds{", costs), ("ddtree_program_timed_round_seconds{", timed)):
@@ -213,6 +218,7 @@ async def run_level(url: str, model: str | None, concurrency: int, requests: int
         "slot_batch_steps": {b: n for b, n in sorted(batches.items()) if n} or None,
         "round_ms": dict(sorted(costs.items())) or None,
         "timed_ms": dict(sorted(timed.items())) or None,
+        "expected_tokens": dict(sorted(expected.items())) or None,
     }
 
 

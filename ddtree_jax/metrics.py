@@ -52,6 +52,12 @@ class Metrics:
         self.ratio = Gauge("ddtree_acceptance_ratio", "Mean over the live sequences of accepted / predicted tokens "
                            "beyond the root at the form of the last step (the policy's correction of the drafter)",
                            registry=r)
+        self.choices = Counter("ddtree_policy_choices", "Steps whose program the policy chose (not a timing)",
+                               registry=r)
+        self.expected_by_form = Counter("ddtree_policy_expected_tokens", "The policy's expected tokens a round of each "
+                                        "form it could weigh, the mean over the live sequences, summed over its "
+                                        "choices: over ddtree_policy_choices, what its choices weighed on average",
+                                        ["form"], registry=r)
         Gauge("ddtree_programs_compiled", "Programs compiled (form x slot batch x sampling variant)",
               registry=r).set_function(lambda: engine.programs_ready)
         Gauge("ddtree_programs", "Programs the background compiler works towards", registry=r).set_function(
@@ -100,6 +106,12 @@ class Metrics:
         expected, ratio = engine.policy.summary(live, program.form)
         self.expected.set(expected)
         self.ratio.set(ratio)
+
+    def chose(self, expected: dict[str, float]) -> None:
+        """The policy chose a step's program, expecting ``expected`` (form -> tokens a round per live sequence)."""
+        self.choices.inc()
+        for form, e in expected.items():
+            self.expected_by_form.labels(form).inc(e)
 
     def delivered(self, n: int) -> None:
         if not n:

@@ -188,6 +188,8 @@ class Policy:
         self._probe_out: int | None = None  # the slot batch of a probe whose statistics have not arrived (they come
         # a group late)
         self.probes = 0  # choices that were probes (the engine's metrics tell its rounds apart by them)
+        self.choices = 0  # calls of choose
+        self.last: dict[str, float] = {}  # at the last choice: form -> mean E_i over its sequences (known forms)
         self._exploring: set[str] = set()  # forms chosen to learn about whose statistics have not arrived
 
     # ---------------------------------------------------------------- sequences
@@ -276,6 +278,8 @@ class Policy:
         if not options:
             raise ValueError("no program to choose from")
         totals = {form: self.total(seqs, form) for form in {f for f, _ in options}}  # once per form, not per batch
+        self.choices += 1
+        self.last = {f: t / len(seqs) for f, t in totals.items() if t is not None and seqs}
         speculative = sorted(((c, k) for k, c in options.items() if k[0] != AR), key=lambda x: x[0])
         unknown = [k for c, k in speculative if totals[k[0]] is None]
         if unknown:  # of those within EXPLORE_SPREAD times the cheapest, the one whose rounds teach the most

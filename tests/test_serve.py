@@ -198,7 +198,7 @@ def test_models_health_and_metrics(server):
                  "ddtree_tokens_per_second", "ddtree_queue_length", "ddtree_round_latency_seconds_bucket",
                  "ddtree_active_slots", "ddtree_expected_acceptance_length", "ddtree_acceptance_ratio",
                  "ddtree_programs_compiled", "ddtree_programs", "ddtree_step_seconds_total",
-                 "ddtree_batch_rounds_total", "ddtree_host_seconds_total"):
+                 "ddtree_batch_rounds_total", "ddtree_host_seconds_total", "ddtree_policy_choices_total"):
         assert name in text
     by_form = {k: v for k, v in server.metrics().items() if k.startswith("ddtree_form_sequence_rounds_total")}
     assert by_form and set(by_form) <= {f'ddtree_form_sequence_rounds_total{{form="{f}"}}' for f in ("ar", "chain", "8")}
@@ -343,6 +343,8 @@ def test_load_benchmark_runs(server):
         assert r["round_ms"] and {int(k.split("@")[1].split("/")[0]) for k in r["round_ms"]} <= set(
             r["slot_batch_steps"]) and all(v > 0 for v in r["round_ms"].values())
         assert set(r["timed_ms"]) == set(r["round_ms"])  # each program's timing beside the refined cost
+        # what the policy expected of each form it weighed, per sequence and round: exactly 1 for an AR step
+        assert r["expected_tokens"]["ar"] == 1.0 and all(v >= 1.0 for v in r["expected_tokens"].values())
     assert loadtest.format_table(results).count("\n") == 3
 
 
