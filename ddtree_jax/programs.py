@@ -289,19 +289,18 @@ class Programs(collections.abc.Mapping):
         """A step of ``program`` took ``elapsed`` seconds for ``rounds`` rounds at ``context`` tokens (``quiet``: no
         compilation ran meanwhile): its seconds a round become its cost when :meth:`choose` picked it to be timed,
         else refine it. A step beside a compilation (2x slower on 2 CPU cores) leaves the cost alone and marks the
-        program to be timed again; one beside admissions' prefills (``shared``: on a GPU their kernels run between
-        its rounds) leaves it alone too (a program it was to time stays due)."""
+        program to be timed again. A step beside admissions' prefills (``shared``: on a GPU their kernels run between
+        its rounds) does not refine a cost; it still times a program it was chosen to time, or whose cost is missing
+        (otherwise, with requests joining at every step, such a program would be chosen to time again and again)."""
         self.busy += elapsed
         seconds = elapsed / rounds
         timing, program.timing = program.timing, False
         if not quiet:
             program.clean = False
-        elif shared:
-            return
         elif timing or self.costs.get(program.cost_key) is None:
             self.costs.measured(program.cost_key, seconds, context)
             program.clean, program.timed_at = True, self.busy
-        else:
+        elif not shared:
             self.costs.observe(program.cost_key, seconds, context)
             program.timed_at = self.busy
 

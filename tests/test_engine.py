@@ -562,17 +562,20 @@ def test_a_cost_older_than_its_ttl_is_timed_again_by_a_step(target, drafter):
 
 def test_a_step_beside_admissions_leaves_its_cost_alone(engine):
     """Requests join beside the step in flight, their prefills queued while it runs (on a GPU their kernels run
-    between its rounds), so that step's time is not its program's alone: it neither refines the program's cost nor,
-    when the step was to time it, replaces the cost; a step alone refines it (by costs.REFINE, the step clipped to
-    costs.OUTLIER times the cost)."""
+    between its rounds), so that step's time is not its program's alone: it does not refine the program's cost; a
+    step alone does (by costs.REFINE, the step clipped to costs.OUTLIER times the cost). A step chosen to time its
+    program still times it, shared or not: otherwise, with requests joining at every step, the program would be
+    chosen to time again and again."""
     p = engine.first
     with engine._lock:
         cost = engine.costs.get(p.cost_key)
-        p.timing = True
         engine.programs.stepped(p, 100 * cost, 1, 64, quiet=True, shared=True)
         assert engine.costs.get(p.cost_key) == cost
         engine.programs.stepped(p, 100 * cost, 1, 64, quiet=True)
         assert engine.costs.get(p.cost_key) == pytest.approx(cost * (1 + costs.REFINE * (costs.OUTLIER - 1)))
+        p.timing = True
+        engine.programs.stepped(p, 2 * cost, 1, 64, quiet=True, shared=True)
+        assert engine.costs.get(p.cost_key) == pytest.approx(2 * cost) and not p.timing
         engine.costs.measured(p.cost_key, cost, 64)
 
 
