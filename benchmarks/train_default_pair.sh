@@ -14,7 +14,8 @@
 # `training.export.load` or `cat`), history.jsonl, run.json (data counts, generation and training tokens/s, steps,
 # times, evaluations), log.txt (the run's messages, progress bars left out).
 # SIGTERM/SIGINT: the run stops at its next step and writes what exists. Extra flags override the recipe's; pass
-# --init DIR (a previous $OUT or any drafter directory) to continue from an earlier session's drafter. Work files
+# --init DIR (a previous $OUT or any drafter directory) to continue from an earlier session's drafter (with --lr 3e-4
+# --warmup 30 its first steps on new data lose less ground than at the recipe's 6e-4: docs/TRAINING.md). Work files
 # (data, checkpoints, the compilation cache) stay in $WORK (default /tmp/ddtree_train): a second call on the same
 # machine resumes from them.
 set -u
