@@ -13,24 +13,26 @@ drafter is over- or under-confident, so :class:`Policy` keeps per sequence an ex
 
     r_i = (accepted - 1) / (predicted for the form used - 1)        (clipped to [0, RATIO_MAX])
 
-and expects E_i(c) = 1 + r_i k_i(c) (pred_i(c) - 1) tokens a round from form c (an AR step: exactly 1). A new
-sequence's r_i starts at the others' (1 for the first), worth PRIOR_ROUNDS rounds against its own first group. A tree
-round also shows what every smaller tree would have accepted (its c best nodes are that tree: the accepted path up to
-its first node past c), so each tree form c keeps a moving factor k_i(c): its own ratio in those rounds over the ratio
-of the form they ran (1 until seen; a larger tree never seen takes the largest smaller one's; the chain 1). A large tree
-whose extra nodes the drafter overrates is then seen to accept less than its prediction and is left, while the smaller
-trees are not underrated by its low ratio; and as factors, not ratios, they follow r_i when only the chain probes (a
-drafter useless for a while, then useful again). It picks the (form,
-slot batch) with the most expected tokens per second, sum_i E_i(c) / cost(c, n), among the ready programs whose cost
-is known (``costs.CostTable``: seconds a round, measured on the device). When AR wins no prediction arrives any more,
-so after N AR groups one group probes the cheapest speculative form; N doubles after each probe that changes nothing
-(up to ``MAX_PROBE_EVERY``) and restarts when speculation wins. The wait is N AR groups times the probe's cost over
-AR's (a chain at a large slot batch costs several AR steps), so a probe's extra time stays under 1/N of the AR time
-between probes, whatever the load: a useless drafter costs AR under 2% of its speed. Each slot batch keeps its own N
-(:class:`Probing`): a lone request's win, where speculation is cheap, says nothing of a full batch, and must not bring
-back a full batch's dear probes; a win restarts the waits of its slot batch and of the smaller ones. A slot batch AR
-first wins at starts from the longest wait a smaller one has earned: what did not pay where speculation is cheaper
-will not pay there (a server's load grows through its slot batches, and each new one would otherwise probe from 2).
+and expects E_i(c) = 1 + r_i k_i(c) (pred_i(c) - 1) tokens a round from form c (an AR step: exactly 1). A new sequence's
+r_i starts at the others' (1 for the first), worth PRIOR_ROUNDS rounds against its own first group. A tree round also
+shows what every smaller tree would have accepted (its c best nodes are that tree: the accepted path up to its first
+node past c), so each tree form c keeps a moving factor k_i(c): its own ratio in those rounds over the ratio of the form
+they ran (1 until seen; a larger tree never seen takes the largest smaller one's; the chain 1). A group of a smaller
+tree u moves the reference toward u's ratio, so the larger trees it did not show keep their factor over u's (scaled as
+k_i(u) moves): a tree of 64 seen at 0.88x the tree of 32's ratio stays at that after groups of 32. A large tree whose
+extra nodes the drafter overrates is then seen to accept less than its prediction and is left, while the smaller trees
+are not underrated by its low ratio; and as factors, not ratios, they follow r_i when only the chain probes (a drafter
+useless for a while, then useful again). It picks the (form, slot batch) with the most expected tokens per second, sum_i
+E_i(c) / cost(c, n), among the ready programs whose cost is known (``costs.CostTable``: seconds a round, measured on the
+device). When AR wins no prediction arrives any more, so after N AR groups one group probes the cheapest speculative
+form; N doubles after each probe that changes nothing (up to ``MAX_PROBE_EVERY``) and restarts when speculation wins.
+The wait is N AR groups times the probe's cost over AR's (a chain at a large slot batch costs several AR steps), so a
+probe's extra time stays under 1/N of the AR time between probes, whatever the load: a useless drafter costs AR under 2%
+of its speed. Each slot batch keeps its own N (:class:`Probing`): a lone request's win, where speculation is cheap, says
+nothing of a full batch, and must not bring back a full batch's dear probes; a win restarts the waits of its slot batch
+and of the smaller ones. A slot batch AR first wins at starts from the longest wait a smaller one has earned: what did
+not pay where speculation is cheaper will not pay there (a server's load grows through its slot batches, and each new
+one would otherwise probe from 2).
 """
 
 from __future__ import annotations
@@ -227,9 +229,14 @@ class Policy:
             for f, p in preds.items():
                 old = est.preds.get(f)
                 est.preds[f] = p if old is None or first else old + weight * (p - old)
+            before = est.factors.get(form)  # the group's own tree's factor, in the reference of the forms before
             for f, k in factors.items():
                 old = est.factors.get(f)
                 est.factors[f] = k if old is None or first else old + weight * (k - old)
+            if before and (now := est.factors.get(form)):  # the larger trees this group did not show keep their
+                for f in est.factors:  # factor over its tree's, which the reference moving toward it rescales
+                    if int(f) > used:
+                        est.factors[f] = min(est.factors[f] * now / before, FACTOR_MAX)
             est.observed = True
         if form != AR and self._probe_out is not None:  # a probe's, not those of speculation that ran before AR won
             if (state := self.probing.get(self._probe_out)) is not None:

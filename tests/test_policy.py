@@ -134,6 +134,37 @@ def test_each_tree_keeps_its_own_ratio_so_overrated_extra_nodes_do_not_hide_a_be
     assert 1 + r * (pred[2] - 1) < 0.9 * true["64"] and max(single, key=single.get) == "128"
 
 
+def test_settles_on_the_best_tree_when_each_larger_tree_is_overrated_more():
+    """The drafter overrates each larger tree's extra nodes more (predicted 3.0, 3.6, 4.3, 5.0 at 16-128 nodes, true
+    2.8, 3.0, 3.1, 3.15): the tree of 32 commits the most tokens per second. A round of 32 (built at 64) shows the
+    trees of 16 and 32 and predicts 64; a round of 64 shows 64 too. Once 64 has run, its factor is kept relative to
+    the tree of 32's (what it showed), so after groups of 32 the tree of 64 is expected at its true 3.1 and the policy
+    stays at 32. (Before, 64's factor stayed 1 against whatever form ran last, the ratio of 32's groups made 64 look
+    better than it is, and the policy alternated: 64 in 60% of the groups.)"""
+    true = {"16": 2.8, "32": 3.0, "64": 3.1, "128": 3.15, "256": 3.18}
+    pred = {"16": 3.0, "32": 3.6, "64": 4.3, "128": 5.0, "256": 5.6}
+    table = {"ar": 0.9, "16": 1.0, "32": 1.04, "64": 1.12, "128": 1.3, "256": 1.6}
+    rate = {f: true[f] / table[f] for f in true}
+    assert max(rate, key=rate.get) == "32" and rate["32"] > 1.04 * rate["64"]
+
+    def group(form):  # 4 rounds of a tree of ``form`` nodes, built at the next size up
+        built = TREES[min(TREES.index(int(form)) + 1, len(TREES) - 1)]
+        trees = [pred[str(b)] if b <= built else 0.0 for b in TREES]
+        return stats(4, true[form], pred[form], 2.0, trees, {str(b): true[str(b)] for b in TREES if b <= int(form)})
+
+    p = policy.Policy(FORMS, TREES)
+    p.start(0)
+    choices = []
+    for _ in range(60):
+        form, _ = p.choose([0], options(table=table))
+        choices.append(form)
+        if form != "ar":
+            p.observe(0, form, group(form))
+    assert "64" in choices and choices[-40:] == ["32"] * 40, choices
+    for f in ("16", "32", "64"):
+        assert p.expected(0, f) == pytest.approx(true[f], rel=1e-3)
+
+
 def test_falls_back_to_ar_when_the_drafter_is_useless_and_probes_less_and_less():
     """Predictions near 1 (random drafter) or a ratio near 0: AR wins. Every so many AR groups one group probes the
     cheapest speculative form; each probe that changes nothing doubles the wait, up to MAX_PROBE_EVERY AR groups
