@@ -111,7 +111,7 @@ class Stepped:
     program: Program
     jobs: list  # (slot, Job) of the live slots when it was chosen
     reason: str  # why its program ran: policy, probe or timing
-    quiet: bool  # no compilation ran meanwhile (its time counts as the program's cost, unless admissions shared it)
+    quiet: bool  # no compilation ran meanwhile (its time counts as the program's cost; _finish's shared: admissions)
     starts: np.ndarray  # [B] each slot's first undelivered index: where its Snapshot window starts
     snap: decode.Snapshot  # [B], on the host
     elapsed: float  # seconds from its dispatch to its Snapshot read

@@ -13,7 +13,7 @@ PERFORMANCE = ROOT / "docs" / "PERFORMANCE.md"
 RESULTS = ROOT / "benchmarks" / "results"
 # the default pair's records shown, in table order: (file, key or None for the whole file, the rows' label, the
 # drafter: "first" shipped until 2026-12-05 14:00, "second" until 17:40, "third" until 2026-12-06 07:55, "fourth"
-# until 10:40, "fifth" until 15:45, "sixth" until 17:50, "seventh" until 20:45, "eighth" since)
+# until 10:40, "fifth" until 15:45, "sixth" until 17:50, "seventh" until 20:26, "eighth" since)
 PAIR_RECORDS = [("default_pair_h200.json", "batch1_budgets_32_64", "H200, batch 1", "first"),
                 ("default_pair_h200.json", "batch1_budgets_16_128_256", "H200, batch 1", "first"),
                 ("auto_pair_h200.json", "at_2026-12-05", "H200, batch 1", "first"),
