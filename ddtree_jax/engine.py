@@ -115,6 +115,7 @@ class Stepped:
     starts: np.ndarray  # [B] each slot's first undelivered index: where its Snapshot window starts
     snap: decode.Snapshot  # [B], on the host
     elapsed: float  # seconds from its dispatch to its Snapshot read
+    failed: list = dataclasses.field(default_factory=list)  # (Job, error) of joiners whose admission failed
 
 
 class Engine:
@@ -508,7 +509,7 @@ class Engine:
                 self.metrics.prompt_tokens.inc(len(job.prompt_ids))
             except Exception as e:  # noqa: BLE001 - one request's failure is not the server's
                 log.exception("admission of %s failed", job.id)
-                self._end(job, "error", error=f"prefill failed: {type(e).__name__}: {e}")
+                self._end(job, "error", error=f"admission failed: {type(e).__name__}: {e}")
         return ahead and joined > 0
 
     def _prefill(self, job: Job):
@@ -579,9 +580,17 @@ class Engine:
                      joining: Sequence[tuple] = ()) -> Stepped:
         """On the step thread: insert the requests admitted beside the step before (``joining``: (Job, prefilled
         state, slot)), run ``rounds_per_step`` rounds of ``program`` on ``rows`` and read its Snapshot (every slot's,
-        in slot order). Its windows start at :attr:`_starts`, which it then moves to their ends."""
+        in slot order). Its windows start at :attr:`_starts`, which it then moves to their ends. A joiner whose
+        prefill or insert fails is left out (its slot keeps its dead content, done on the device), for
+        :meth:`_finish` to end with an error: one request's failure is not the server's."""
+        failed = []
         for job, one, slot in joining:
-            self._insert(job, one, slot)
+            try:
+                jax.block_until_ready(one)  # its prefill's error is its own, before it reaches the shared state
+                self._insert(job, one, slot)
+            except Exception as e:  # noqa: BLE001
+                log.exception("admission of %s failed", job.id)
+                failed.append((job, f"admission failed: {type(e).__name__}: {e}"))
         starts = self._starts.copy()
         jax.block_until_ready(self.state)  # the admissions' prefills and inserts: not this step's time
         t0 = time.perf_counter()
@@ -595,7 +604,7 @@ class Engine:
             for full, x in zip(jax.tree.leaves(snap), jax.tree.leaves(part)):
                 full[rows] = x
         self._starts[rows] = np.maximum(starts[rows], part.end)
-        return Stepped(program, jobs, reason, quiet and self.programs.quiet(), starts, snap, elapsed)
+        return Stepped(program, jobs, reason, quiet and self.programs.quiet(), starts, snap, elapsed, failed)
 
     def _finish(self, step: Stepped, defer: bool = False, shared: bool = False) -> Callable[[], None] | None:
         """Count a step that ran (metrics, its program's cost unless admissions' prefills ran beside it (``shared``),
@@ -604,6 +613,8 @@ class Engine:
         for admissions), the others' returned as a callable to run once the next step is queued: a request that ends
         on the host then costs the device no delivery's wait."""
         program, snap = step.program, step.snap
+        for job, error in step.failed:  # before anything reads their slots: never inserted, done on the device
+            self._end(job, "error", error=error, on_device=True)
         live = [s for s, job in step.jobs if self.slots[s] is job]
         self.step_sizes[program.size] += 1
         self.step_programs[program.form, program.size, program.variant] += 1

@@ -225,6 +225,40 @@ def test_a_request_joins_without_the_step_in_flight_back(engine, reference_runs,
         assert [t for ev in events[name] for t in ev.token_ids] == run["ar"][n: n + n_new]
 
 
+def test_a_joiner_whose_insert_fails_ends_alone(engine, reference_runs, monkeypatch):
+    """A request admitted beside a step whose insert fails on the step thread ends with an error; the request already
+    decoding keeps AR's tokens and the engine serves on (before, the step's failure stopped the engine)."""
+    long_run, short_run = reference_runs[2], reference_runs[0]
+    insert_fn = engine._insert
+
+    def insert(job, one, slot):
+        if job.prompt_ids == list(short_run["prompt"]) and threading.current_thread().name.startswith("ddtree-step"):
+            raise RuntimeError("simulated device out of memory")
+        return insert_fn(job, one, slot)
+
+    monkeypatch.setattr(engine.programs, "call", blocking_like_a_gpu(engine.programs.call, [], 0.05))
+    monkeypatch.setattr(engine, "_insert", insert)
+    events, first, done = [], threading.Event(), threading.Event()
+
+    def sink(ev):
+        events.append(ev)
+        first.set()
+        if ev.finish_reason:
+            done.set()
+
+    engine.submit(long_run["prompt"], greedy(40), sink)
+    assert first.wait(120)  # its steps run back to back from here: the next request joins beside one
+    failed = engine.generate(short_run["prompt"], greedy(6), timeout=120)
+    assert failed.finish_reason == "error" and "simulated device out of memory" in failed.error, failed
+    assert failed.token_ids == []
+    assert done.wait(120) and events[-1].finish_reason == "length"
+    n = len(long_run["prompt"])
+    assert [t for ev in events for t in ev.token_ids] == long_run["ar"][n: n + 40]
+    assert engine.alive  # and it serves the same request once it is admitted with no step in flight
+    again = engine.generate(short_run["prompt"], greedy(6), timeout=120)
+    assert again.token_ids == short_run["ar"][len(short_run["prompt"]): len(short_run["prompt"]) + 6]
+
+
 def test_stop_token_ids_and_max_tokens(engine, reference_runs):
     run = reference_runs[2]
     n = len(run["prompt"])
