@@ -116,6 +116,7 @@ class Stepped:
     snap: decode.Snapshot  # [B], on the host
     elapsed: float  # seconds from its dispatch to its Snapshot read
     failed: list = dataclasses.field(default_factory=list)  # (Job, error) of joiners whose admission failed
+    waited: float = 0.0  # seconds the step thread waited before it for the state changes queued since the last step
 
 
 class Engine:
@@ -583,7 +584,7 @@ class Engine:
         in slot order). Its windows start at :attr:`_starts`, which it then moves to their ends. A joiner whose
         prefill or insert fails is left out (its slot keeps its dead content, done on the device), for
         :meth:`_finish` to end with an error: one request's failure is not the server's."""
-        failed = []
+        failed, t_wait = [], time.perf_counter()
         for job, one, slot in joining:
             try:
                 jax.block_until_ready(one)  # its prefill's error is its own, before it reaches the shared state
@@ -594,6 +595,7 @@ class Engine:
         starts = self._starts.copy()
         jax.block_until_ready(self.state)  # the admissions' prefills and inserts: not this step's time
         t0 = time.perf_counter()
+        waited = t0 - t_wait
         self.state, part = self.programs.call(program, self.state, rows, starts[rows])
         part = jax.device_get(part)
         elapsed = time.perf_counter() - t0
@@ -604,7 +606,7 @@ class Engine:
             for full, x in zip(jax.tree.leaves(snap), jax.tree.leaves(part)):
                 full[rows] = x
         self._starts[rows] = np.maximum(starts[rows], part.end)
-        return Stepped(program, jobs, reason, quiet and self.programs.quiet(), starts, snap, elapsed, failed)
+        return Stepped(program, jobs, reason, quiet and self.programs.quiet(), starts, snap, elapsed, failed, waited)
 
     def _finish(self, step: Stepped, defer: bool = False, shared: bool = False) -> Callable[[], None] | None:
         """Count a step that ran (metrics, its program's cost unless admissions' prefills ran beside it (``shared``),
@@ -624,7 +626,7 @@ class Engine:
         if snap.new_stats is not None:
             for s in live:
                 self.policy.observe(s, program.form, snap.new_stats[s])
-        self.metrics.stepped(self, program, live, snap, step.reason, step.elapsed)
+        self.metrics.stepped(self, program, live, snap, step.reason, step.elapsed, step.waited)
         if not defer:
             self._deliver(step.starts, snap, step.jobs)
             return None

@@ -180,7 +180,7 @@ async def run_level(url: str, model: str | None, concurrency: int, requests: int
 
     rounds, committed = grew("ddtree_sequence_rounds_total"), grew("ddtree_committed_tokens_total")
     step_s, batch_rounds = grew("ddtree_step_seconds_total"), grew("ddtree_batch_rounds_total")
-    host_s = grew("ddtree_host_seconds_total")
+    host_s, admit_s = grew("ddtree_host_seconds_total"), grew("ddtree_admission_wait_seconds_total")
     prefix = "ddtree_form_sequence_rounds_total{form=\""  # --tree-budget auto: sequence-rounds by form
     forms = {k[len(prefix):-2]: v - before.get(k, 0) for k, v in after.items() if k.startswith(prefix)}
     prefix = "ddtree_reason_sequence_rounds_total{reason=\""  # ... by why: the policy's choice, a probe, a timing
@@ -213,6 +213,7 @@ async def run_level(url: str, model: str | None, concurrency: int, requests: int
         "engine_tpot_s": step_s / batch_rounds / (committed / rounds) if batch_rounds and committed else None,
         "device_busy": step_s / wall if wall > 0 else None,
         "host_busy": host_s / wall if wall > 0 else None,  # the engine thread's work between device calls
+        "admission_busy": admit_s / wall if wall > 0 else None,  # the step thread's waits for joiners' prefills
         "form_rounds": {f: n for f, n in forms.items() if n} or None,
         "reason_rounds": {f: n for f, n in reasons.items() if n} or None,
         "slot_batch_steps": {b: n for b, n in sorted(batches.items()) if n} or None,

@@ -66,6 +66,10 @@ class Metrics:
             lambda: engine.programs_wanted)
         self.step_seconds = Counter("ddtree_step_seconds", "Wall time of the device steps (dispatch to the read of "
                                     "their snapshot), summed", registry=r)
+        self.admission_wait = Counter("ddtree_admission_wait_seconds", "The step thread's waits before the steps "
+                                      "for the state changes queued since the step before (the prefills and inserts "
+                                      "of the requests joining, slots marked done): device work outside the steps, "
+                                      "summed", registry=r)
         self.host_seconds = Counter("ddtree_host_seconds", "The engine thread's time at work between device calls "
                                     "(choosing, statistics, deliveries, admissions; not its waits for a step), "
                                     "summed: near the wall time, the host paces the server", registry=r)
@@ -93,9 +97,10 @@ class Metrics:
         return num._value.get() / d if d else 0.0
 
     def stepped(self, engine: "Engine", program: "Program", live: list[int], snap: decode.Snapshot,
-                reason: str, elapsed: float) -> None:
+                reason: str, elapsed: float, waited: float = 0.0) -> None:
         """Count a step of ``program`` (engine thread) that took ``elapsed`` seconds, chosen for ``reason`` (policy,
-        probe or timing)."""
+        probe or timing), after ``waited`` seconds for the admissions before it."""
+        self.admission_wait.inc(waited)
         if (batch_rounds := int(snap.new_rounds.max()) if snap.new_rounds.size else 0):
             self.round_latency.observe(elapsed / batch_rounds)
             self.batch_rounds.inc(batch_rounds)

@@ -198,7 +198,8 @@ def test_models_health_and_metrics(server):
                  "ddtree_tokens_per_second", "ddtree_queue_length", "ddtree_round_latency_seconds_bucket",
                  "ddtree_active_slots", "ddtree_expected_acceptance_length", "ddtree_acceptance_ratio",
                  "ddtree_programs_compiled", "ddtree_programs", "ddtree_step_seconds_total",
-                 "ddtree_batch_rounds_total", "ddtree_host_seconds_total", "ddtree_policy_choices_total"):
+                 "ddtree_batch_rounds_total", "ddtree_host_seconds_total", "ddtree_admission_wait_seconds_total",
+                 "ddtree_policy_choices_total"):
         assert name in text
     by_form = {k: v for k, v in server.metrics().items() if k.startswith("ddtree_form_sequence_rounds_total")}
     assert by_form and set(by_form) <= {f'ddtree_form_sequence_rounds_total{{form="{f}"}}' for f in ("ar", "chain", "8")}
@@ -339,6 +340,8 @@ def test_load_benchmark_runs(server):
         assert 0 < r["engine_tpot_s"] < r["latency_s"]["p50"] and 0 < r["device_busy"] <= 1.05
         # ... and the engine thread's own work between device calls part of it
         assert 0 < r["host_busy"] <= 1.05
+        # ... and the step thread's waits for the joiners' prefills and inserts before the steps (device work too)
+        assert 0 < r["admission_busy"] <= 1.05
         # the policy's costs at the slot batches the level stepped (the server's programs are timed before use)
         assert r["round_ms"] and {int(k.split("@")[1].split("/")[0]) for k in r["round_ms"]} <= set(
             r["slot_batch_steps"]) and all(v > 0 for v in r["round_ms"].values())
