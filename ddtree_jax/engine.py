@@ -6,7 +6,8 @@ slot batch and sampling variant) that return what the host needs. Its thread loo
 
     cancel   requests whose client went away end; their slots are marked done on device
     admit    waiting requests enter free slots: prefill a batch of one (decode.prefill, queued beside the step in
-             flight), slots.insert it (by the step thread, before the next step, while a step is in flight)
+             flight, unless that step times its program), slots.insert it (by the step thread, before the next step,
+             while a step is in flight)
     time     a newly compiled program whose cost is unknown runs a few rounds on free slots (autorun.rewind)
     step     the chosen program (policy.Policy: the most expected tokens per second among the compiled ones) runs
              ``rounds_per_step`` rounds for the live slots (done slots are skipped on device), then one small
@@ -205,6 +206,7 @@ class Engine:
         self._steps = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddtree-step")
         self._handoffs = contextlib.ExitStack()  # autorun.quick_handoffs from start to stop: steps beside the host
         self._busy = 0.0  # time.monotonic() of the last step (idle timings wait IDLE_S after it)
+        self._timing_ahead = False  # the last step dispatched times its program: no admission beside it
         self.waiting: collections.deque[Job] = collections.deque()
         self._cancels: set[str] = set()
         self._lock = threading.Lock()
@@ -430,7 +432,7 @@ class Engine:
                 if inflight is None:
                     self._cancel(cancels)
                     self._mark_ended()  # before admission, which may reuse the freed slots
-                if self.waiting:
+                if self.waiting and not (inflight is not None and self._timing_ahead):  # a timing step runs alone
                     shared = self._admit(ahead=inflight is not None)
                 if inflight is None and not self.active_slots and self._timing_due() == 0.0:
                     t = time.perf_counter()
@@ -568,6 +570,7 @@ class Engine:
         if self.policy.choices != choices:
             self.metrics.chose(self.policy.last)
         reason = "timing" if program.timing else "probe" if self.policy.probes != probes else "policy"
+        self._timing_ahead = program.timing
         # the whole batch in slot order, or for a smaller one the live slots padded with free ones (distinct rows:
         # the scatter back stays exact)
         rows = np.array((live + [s for s, j in enumerate(self.slots) if j is None])[: program.size], np.int32)

@@ -290,8 +290,9 @@ class Programs(collections.abc.Mapping):
         compilation ran meanwhile): its seconds a round become its cost when :meth:`choose` picked it to be timed,
         else refine it. A step beside a compilation (2x slower on 2 CPU cores) leaves the cost alone and marks the
         program to be timed again. A step beside admissions' prefills (``shared``: on a GPU their kernels run between
-        its rounds) does not refine a cost; it still times a program it was chosen to time, or whose cost is missing
-        (otherwise, with requests joining at every step, such a program would be chosen to time again and again)."""
+        its rounds) does not refine a cost; it still gives a missing one (otherwise, with requests joining at every
+        step, such a program would be chosen to time again and again). A step chosen to time its program runs with no
+        admission beside it (the engine holds them for the next step)."""
         self.busy += elapsed
         seconds = elapsed / rounds
         timing, program.timing = program.timing, False

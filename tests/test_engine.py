@@ -225,6 +225,57 @@ def test_a_request_joins_without_the_step_in_flight_back(engine, reference_runs,
         assert [t for ev in events[name] for t in ev.token_ids] == run["ar"][n: n + n_new]
 
 
+def test_a_step_that_times_its_program_runs_with_no_admission_beside_it(engine, reference_runs, monkeypatch):
+    """A step chosen to time its program runs alone: a request arriving meanwhile is prefilled only once no such step
+    is in flight (beside one, its prefill's kernels would run between the step's rounds and count as the program's
+    cost). Here every step from some point on times its program, so the joiner is prefilled between calls."""
+    import jax
+
+    long_run, short_run = reference_runs[2], reference_runs[0]
+    spans, prefills = [], {}
+    call_fn, prefill_fn, choose_fn = engine.programs.call, engine._prefill, engine.programs.choose
+    timing = threading.Event()
+
+    def call(*args):
+        began = time.perf_counter()
+        out = jax.block_until_ready(call_fn(*args))
+        time.sleep(0.05)  # held as on a GPU, where a call returns once its rounds have run
+        spans.append((began, time.perf_counter()))
+        return out
+
+    def choose(*args):
+        program = choose_fn(*args)
+        program.timing = program.timing or timing.is_set()
+        return program
+
+    def prefill(job):
+        prefills[job.id] = time.perf_counter()
+        return prefill_fn(job)
+
+    monkeypatch.setattr(engine.programs, "call", call)
+    monkeypatch.setattr(engine.programs, "choose", choose)
+    monkeypatch.setattr(engine, "_prefill", prefill)
+    events, first, done = [], threading.Event(), threading.Event()
+
+    def sink(ev):
+        events.append(ev)
+        first.set()
+        if ev.finish_reason:
+            done.set()
+
+    engine.submit(long_run["prompt"], greedy(40), sink)
+    assert first.wait(120)
+    timing.set()
+    time.sleep(0.2)  # a timing step is in flight from here on
+    short = engine.generate(short_run["prompt"], greedy(6), timeout=120)
+    assert done.wait(120)
+    joiner = max(prefills.items(), key=lambda kv: kv[1])
+    assert not any(a < joiner[1] < b for a, b in spans), (joiner, spans)
+    n, m = len(long_run["prompt"]), len(short_run["prompt"])
+    assert [t for ev in events for t in ev.token_ids] == long_run["ar"][n: n + 40]
+    assert short.token_ids == short_run["ar"][m: m + 6]
+
+
 def test_a_joiner_whose_insert_fails_ends_alone(engine, reference_runs, monkeypatch):
     """A request admitted beside a step whose insert fails on the step thread ends with an error; the request already
     decoding keeps AR's tokens and the engine serves on (before, the step's failure stopped the engine)."""
@@ -598,8 +649,8 @@ def test_a_step_beside_admissions_leaves_its_cost_alone(engine):
     """Requests join beside the step in flight, their prefills queued while it runs (on a GPU their kernels run
     between its rounds), so that step's time is not its program's alone: it does not refine the program's cost; a
     step alone does (by costs.REFINE, the step clipped to costs.OUTLIER times the cost). A step chosen to time its
-    program still times it, shared or not: otherwise, with requests joining at every step, the program would be
-    chosen to time again and again."""
+    program times it (the engine runs such a step with no admission beside it:
+    test_a_step_that_times_its_program_runs_with_no_admission_beside_it)."""
     p = engine.first
     with engine._lock:
         cost = engine.costs.get(p.cost_key)
