@@ -37,6 +37,22 @@ def greedy(max_tokens, **kw):
     return engines.SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
 
 
+def decoding(engine, run, max_tokens):
+    """Submit ``run``'s prompt, greedy; return once its first tokens arrived (its steps run back to back from there):
+    (its events so far, an Event set when it ends)."""
+    events, first, done = [], threading.Event(), threading.Event()
+
+    def sink(ev):
+        events.append(ev)
+        first.set()
+        if ev.finish_reason:
+            done.set()
+
+    engine.submit(run["prompt"], greedy(max_tokens), sink)
+    assert first.wait(120)
+    return events, done
+
+
 def run_concurrently(engine, requests):
     """[(prompt, params)] -> [Completion], all submitted at once from threads."""
     out = [None] * len(requests)
@@ -255,16 +271,7 @@ def test_a_step_that_times_its_program_runs_with_no_admission_beside_it(engine, 
     monkeypatch.setattr(engine.programs, "call", call)
     monkeypatch.setattr(engine.programs, "choose", choose)
     monkeypatch.setattr(engine, "_prefill", prefill)
-    events, first, done = [], threading.Event(), threading.Event()
-
-    def sink(ev):
-        events.append(ev)
-        first.set()
-        if ev.finish_reason:
-            done.set()
-
-    engine.submit(long_run["prompt"], greedy(40), sink)
-    assert first.wait(120)
+    events, done = decoding(engine, long_run, 40)
     timing.set()
     time.sleep(0.2)  # a timing step is in flight from here on
     short = engine.generate(short_run["prompt"], greedy(6), timeout=120)
@@ -289,16 +296,7 @@ def test_a_joiner_whose_insert_fails_ends_alone(engine, reference_runs, monkeypa
 
     monkeypatch.setattr(engine.programs, "call", blocking_like_a_gpu(engine.programs.call, [], 0.05))
     monkeypatch.setattr(engine, "_insert", insert)
-    events, first, done = [], threading.Event(), threading.Event()
-
-    def sink(ev):
-        events.append(ev)
-        first.set()
-        if ev.finish_reason:
-            done.set()
-
-    engine.submit(long_run["prompt"], greedy(40), sink)
-    assert first.wait(120)  # its steps run back to back from here: the next request joins beside one
+    events, done = decoding(engine, long_run, 40)  # the next request joins beside one of its steps
     failed = engine.generate(short_run["prompt"], greedy(6), timeout=120)
     assert failed.finish_reason == "error" and "simulated device out of memory" in failed.error, failed
     assert failed.token_ids == []
