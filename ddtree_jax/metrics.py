@@ -52,8 +52,8 @@ class Metrics:
         self.expected = Gauge("ddtree_expected_acceptance_length", "The policy's expected tokens a round over the live "
                               "sequences at the form of the last step (1 for ar), set at most every 0.5 s", registry=r)
         self.ratio = Gauge("ddtree_acceptance_ratio", "Mean over the live sequences of accepted / predicted tokens "
-                           "beyond the root at the form of the last step (the policy's correction of the drafter)",
-                           registry=r)
+                           "beyond the root at the form of the last step (the policy's correction of the drafter), "
+                           "set at most every 0.5 s", registry=r)
         self.choices = Counter("ddtree_policy_choices", "Steps whose program the policy chose (not a timing)",
                                registry=r)
         self.expected_by_form = Counter("ddtree_policy_expected_tokens", "The policy's expected tokens a round of each "
