@@ -380,7 +380,8 @@ def summarize(out: str) -> str:
             lines.append(f"Then every program compiled in the background after: {compiled}.")
         lines.append("")
     lines += ["| config | concurrency | requests | errors | req/s | output tok/s | tok/s vs ar "
-              "| latency p50 / p90 / p99 (s) | TTFT p50 (s) | TPOT p50 (ms) | engine TPOT (ms) | device / admission / host busy "
+              "| latency p50 / p90 / p99 (s) | TTFT p50 (s) | TPOT p50 (ms) | engine TPOT (ms) "
+              "| device / admission / host busy "
               "| acceptance | forms (auto) |",
               "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|"]
     for m in configs:

@@ -80,7 +80,8 @@ class Metrics:
                                        "(device step / rounds it ran)", buckets=lat, registry=r)
         self.admission = Histogram("ddtree_admission_seconds", "Host time to admit one request: its state built, "
                                    "its prefill queued on the device and its insert too, or handed to the step thread "
-                                   "while a step is in flight (not waited for: the time to first token holds them)", buckets=lat + (5.0, 10.0), registry=r)
+                                   "while a step is in flight (not waited for: the time to first token holds them)",
+                                   buckets=lat + (5.0, 10.0), registry=r)
         slow = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
         self.ttft = Histogram("ddtree_time_to_first_token_seconds", "Submission to first delivered token",
                               buckets=slow, registry=r)

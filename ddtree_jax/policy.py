@@ -208,7 +208,6 @@ class Policy:
         rounds = float(sums[ROUNDS])
         if rounds <= 0:
             return  # AR steps: nothing drafted
-        sums = np.asarray(sums, np.float64).tolist()  # Python floats: a numpy scalar's every use costs more
         self._exploring.discard(form)
         if seq not in self.seqs:
             self.start(seq)

@@ -290,9 +290,8 @@ class Programs(collections.abc.Mapping):
         compilation ran meanwhile): its seconds a round become its cost when :meth:`choose` picked it to be timed,
         else refine it. A step beside a compilation (2x slower on 2 CPU cores) leaves the cost alone and marks the
         program to be timed again. A step beside admissions' prefills (``shared``: on a GPU their kernels run between
-        its rounds) does not refine a cost; it still gives a missing one (otherwise, with requests joining at every
-        step, such a program would be chosen to time again and again). A step chosen to time its program runs with no
-        admission beside it (the engine holds them for the next step)."""
+        its rounds) does not refine a cost (the engine runs a step chosen to time its program with no admission beside
+        it)."""
         self.busy += elapsed
         seconds = elapsed / rounds
         timing, program.timing = program.timing, False
