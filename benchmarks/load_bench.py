@@ -381,7 +381,7 @@ def summarize(out: str) -> str:
         lines.append("")
     lines += ["| config | concurrency | requests | errors | req/s | output tok/s | tok/s vs ar "
               "| latency p50 / p90 / p99 (s) | TTFT p50 (s) | TPOT p50 (ms) | engine TPOT (ms) "
-              "| device / admission / host busy "
+              "| device / admission / host / gc busy "
               "| acceptance | forms (auto) |",
               "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|"]
     for m in configs:
@@ -399,7 +399,7 @@ def summarize(out: str) -> str:
                 f"| {_f(tpot * 1000 if tpot is not None else None, '.1f')} "
                 f"| {_f(engine * 1000 if engine is not None else None, '.1f')} "
                 f"| {_f(r.get('device_busy'), '.2f')} / {_f(r.get('admission_busy'), '.2f')} "
-                f"/ {_f(r.get('host_busy'), '.2f')} "
+                f"/ {_f(r.get('host_busy'), '.2f')} / {_f(r.get('gc_busy'), '.2f')} "
                 f"| {_f(r['mean_acceptance_length'], '.2f')} "
                 f"| {_forms(r.get('form_rounds'), r.get('reason_rounds'))} |")
     fails = [f"- {m['config']}: {x}" for m in run.get("configs", []) for x in m.get("failures", [])]

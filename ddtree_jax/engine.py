@@ -352,6 +352,7 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="ddtree-engine", daemon=True)
         self._thread.start()
         self.programs.start(self.config.compile_threads)
+        programs.freeze()  # the weights, the warm-up's programs: out of the garbage collector's scans
         self.ready = True
         return self
 

@@ -28,6 +28,10 @@ chat template) or token ids (``/v1/completions``). Reported per level:
     device busy          device step seconds / the level's wall time
     host busy            the engine thread's seconds at work between device calls (choices, statistics, deliveries,
                          admissions) / the level's wall time: near 1, the host paces the server, not the device
+    admission busy       the step thread's waits for the prefills and inserts of the requests joining a step / the
+                         level's wall time: device work outside the steps
+    gc busy, gc full     seconds in Python's garbage collector (every thread stopped) / the level's wall time, and
+                         its collections of the oldest generation (the ones that scan every tracked object)
 
 Example (start the server first, e.g. with random Qwen3-8B-shaped weights):
     python -m ddtree_jax.loadtest --url http://127.0.0.1:8000 --concurrency 1,2,4,8,16,32 --json > load.json
@@ -181,6 +185,7 @@ async def run_level(url: str, model: str | None, concurrency: int, requests: int
     rounds, committed = grew("ddtree_sequence_rounds_total"), grew("ddtree_committed_tokens_total")
     step_s, batch_rounds = grew("ddtree_step_seconds_total"), grew("ddtree_batch_rounds_total")
     host_s, admit_s = grew("ddtree_host_seconds_total"), grew("ddtree_admission_wait_seconds_total")
+    gc_s = sum(grew(f'ddtree_gc_pause_seconds_total{{generation="{g}"}}') for g in range(3))
     prefix = "ddtree_form_sequence_rounds_total{form=\""  # --tree-budget auto: sequence-rounds by form
     forms = {k[len(prefix):-2]: v - before.get(k, 0) for k, v in after.items() if k.startswith(prefix)}
     prefix = "ddtree_reason_sequence_rounds_total{reason=\""  # ... by why: the policy's choice, a probe, a timing
@@ -214,6 +219,8 @@ async def run_level(url: str, model: str | None, concurrency: int, requests: int
         "device_busy": step_s / wall if wall > 0 else None,
         "host_busy": host_s / wall if wall > 0 else None,  # the engine thread's work between device calls
         "admission_busy": admit_s / wall if wall > 0 else None,  # the step thread's waits for joiners' prefills
+        "gc_busy": gc_s / wall if wall > 0 else None,  # Python's garbage collector, every thread stopped
+        "gc_full": grew('ddtree_gc_collections_total{generation="2"}'),  # its collections of the oldest generation
         "form_rounds": {f: n for f, n in forms.items() if n} or None,
         "reason_rounds": {f: n for f, n in reasons.items() if n} or None,
         "slot_batch_steps": {b: n for b, n in sorted(batches.items()) if n} or None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import gc
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -87,6 +88,7 @@ class Metrics:
                               buckets=slow, registry=r)
         self.latency = Histogram("ddtree_request_latency_seconds", "Submission to finish", buckets=slow, registry=r)
         r.register(_Costs(engine))
+        r.register(_GcClock())
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._lock = threading.Lock()
         self._started = time.perf_counter()
@@ -142,6 +144,43 @@ class Metrics:
                 self._recent.popleft()
             total = sum(n for _, n in self._recent)
         return total / max(min(10.0, now - self._started), 1e-3)
+
+
+class _GcClock:
+    """``ddtree_gc_pause_seconds{generation}`` and ``ddtree_gc_collections{generation}``: the time the process spent in
+    Python's cyclic garbage collector, which stops every thread (the engine's, the HTTP server's), and its collections,
+    since the first engine's metrics (one process-wide ``gc.callbacks`` hook). A collection of the oldest generation
+    scans every object it tracks: the objects an engine keeps are frozen out of it (programs.freeze)."""
+
+    seconds = dict.fromkeys(range(3), 0.0)  # by generation
+    collections = dict.fromkeys(range(3), 0)
+    _started = 0.0
+
+    def __init__(self):
+        if _GcClock._hook not in gc.callbacks:
+            gc.callbacks.append(_GcClock._hook)
+
+    @staticmethod
+    def _hook(phase: str, info: dict) -> None:
+        if phase == "start":
+            _GcClock._started = time.perf_counter()
+        else:
+            g = info["generation"]
+            _GcClock.seconds[g] = _GcClock.seconds.get(g, 0.0) + time.perf_counter() - _GcClock._started
+            _GcClock.collections[g] = _GcClock.collections.get(g, 0) + 1
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        s = CounterMetricFamily("ddtree_gc_pause_seconds", "Seconds in Python's cyclic garbage collector (every thread "
+                                "stopped), by generation, summed", labels=["generation"])
+        n = CounterMetricFamily("ddtree_gc_collections", "Collections of Python's cyclic garbage collector, by "
+                                "generation", labels=["generation"])
+        for g in sorted(self.seconds):
+            s.add_metric([str(g)], self.seconds[g])
+            n.add_metric([str(g)], self.collections[g])
+        yield s
+        yield n
 
 
 class _Costs:

@@ -214,6 +214,9 @@ def test_models_health_and_metrics(server):
     assert sum(by_reason.values()) == sum(by_form.values())  # every round has one reason
     reasons = ("policy", "probe", "timing")
     assert set(by_reason) <= {f'ddtree_reason_sequence_rounds_total{{reason="{r}"}}' for r in reasons}
+    gc = server.metrics()  # Python's garbage collector: the server's requests allocated enough for young collections
+    assert gc['ddtree_gc_collections_total{generation="0"}'] > 0
+    assert gc['ddtree_gc_pause_seconds_total{generation="0"}'] > 0 and 'ddtree_gc_pause_seconds_total{generation="2"}' in gc
 
 
 def test_greedy_completions_equal_the_reference(server, reference_runs):
@@ -342,6 +345,8 @@ def test_load_benchmark_runs(server):
         assert 0 < r["host_busy"] <= 1.05
         # ... and the step thread's waits for the joiners' prefills and inserts before the steps (device work too)
         assert 0 < r["admission_busy"] <= 1.05
+        # ... and Python's garbage collector's pauses, every thread stopped (the load's allocations run some)
+        assert 0 <= r["gc_busy"] < 1 and r["gc_full"] >= 0
         # the policy's costs at the slot batches the level stepped (the server's programs are timed before use)
         assert r["round_ms"] and {int(k.split("@")[1].split("/")[0]) for k in r["round_ms"]} <= set(
             r["slot_batch_steps"]) and all(v > 0 for v in r["round_ms"].values())
