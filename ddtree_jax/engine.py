@@ -369,6 +369,7 @@ class Engine:
         self._handoffs.close()
         self.ready = False
         self.costs.save()
+        programs.thaw()  # this engine, a reference cycle, can be collected
 
     def warmup(self, buckets: Sequence[int] | None = None) -> None:
         """Compile the prefill of the given buckets (default: the shortest) and the slot insertion by admitting a

@@ -75,8 +75,15 @@ def freeze() -> None:
     while every thread stood still (0.2-0.35 s at 200 thousand on 2 CPU cores). Called once a program is compiled and
     once the engine has started: what is alive then is mostly what the engine keeps (weights, programs, caches). An
     object frozen is still freed when its last reference goes; only a reference cycle among frozen objects is never
-    collected."""
+    collected: :func:`thaw` when the engine stops."""
     gc.freeze()
+
+
+def thaw() -> None:
+    """Give the frozen objects back to the collector (``gc.unfreeze``), when an engine stops: a stopped engine is a
+    reference cycle (its threads, its loop), which the collector alone frees, with its weights and slot state; frozen,
+    it was never freed. The engines still running freeze theirs again at their next compilation."""
+    gc.unfreeze()
 
 
 def _rank(program: Program) -> tuple:

@@ -9,6 +9,7 @@ import gc
 import sys
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -562,6 +563,20 @@ def test_a_compiled_program_is_left_out_of_the_garbage_collectors_scans(target, 
     eng.programs.compile(eng.first)
     assert eng.first.fn is not None
     assert len(gc.get_objects()) < tracked + 1000
+
+
+def test_a_stopped_engine_is_freed(target, drafter):
+    """The engine freezes its objects out of the collector's scans; stopped, it gives them back: an engine is a
+    reference cycle (its threads, its loop) that only the collector frees, and with it its weights and slot state (a
+    notebook that starts a second engine must not keep the first's memory)."""
+    cfg = engines.EngineConfig(method="ddtree", forms=("ar",), max_batch=2, max_len=MAX_LEN, batch_buckets=())
+    eng = engines.Engine(target, drafter, cfg).start()
+    assert len(eng.generate([1, 2, 3], greedy(4), timeout=120).token_ids) == 4
+    eng.stop()
+    gone = weakref.ref(eng)
+    del eng
+    gc.collect()
+    assert gone() is None
 
 
 def test_programs_are_timed_one_at_a_time_never_timed_first(target, drafter):
