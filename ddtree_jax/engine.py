@@ -201,6 +201,7 @@ class Engine:
         self.step_sizes: collections.Counter[int] = collections.Counter()  # steps run per slot-batch size
         self.step_programs: collections.Counter[tuple] = collections.Counter()  # steps per (form, size, variant)
         self._ended: list[int] = []  # slots of jobs that ended on the host since the last device update
+        self._cold = self.layout.buckets()  # prompt buckets whose prefill no request has compiled (Engine._idle_work)
         self._joining: list[tuple] = []  # (Job, prefilled state, slot) admitted beside a step, for the next step
         self._starts = np.zeros(b, np.int32)  # per slot, where the next step's window starts (the step thread's)
         self._steps = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddtree-step")
@@ -377,17 +378,31 @@ class Engine:
         :meth:`start`."""
         t0 = time.perf_counter()
         for bucket in buckets or [self.layout.bucket(1)]:
-            n = min(bucket, self.layout.max_prompt)
-            job = Job(id="warmup", prompt_ids=[0] * n, params=SamplingParams(max_tokens=1), sink=lambda ev: None,
-                      stop_ids=(), seed=0)
-            self._insert(job, self._prefill(job), 0)
-            self._ended.append(0)
-            self._mark_ended()
+            self._warm(bucket)
         self.programs.compile(self.first)
         self._measure_ready(most=None)
         log.info("engine warm in %.1fs", time.perf_counter() - t0)
 
+    def _warm(self, bucket: int) -> None:
+        """Compile the prefill of prompt ``bucket`` and the slot insertion, by admitting a request of that length
+        into slot 0 (free) and marking it done."""
+        job = Job(id="warmup", prompt_ids=[0] * min(bucket, self.layout.max_prompt),
+                  params=SamplingParams(max_tokens=1), sink=lambda ev: None, stop_ids=(), seed=0)
+        self._insert(job, self._prefill(job), 0)
+        self._ended.append(0)
+        self._mark_ended()
+
     # ------------------------------------------------------------------ programs
+    def _idle_work(self) -> None:
+        """One piece of the idle engine's work, one a pass of its loop (arriving requests are admitted between):
+        time a program that needs it (:meth:`_measure_ready`), else compile the prefill of the shortest prompt bucket
+        no request has used yet (:meth:`_warm`): compiled on demand, a prompt of a new length held every running
+        request up while it compiled."""
+        if self._untimed():
+            self._measure_ready()
+        elif self._cold:
+            self._warm(self._cold[0])
+
     def _measure_ready(self, most: int | None = 1) -> None:
         """Time ``most`` of the programs that need it (:meth:`programs.Programs.to_time`) on the free slots of an
         engine idle for ``IDLE_S``: one a pass of the loop, so that arriving requests are admitted between timings.
@@ -438,8 +453,8 @@ class Engine:
                     shared = self._admit(ahead=inflight is not None)
                 if inflight is None and not self.active_slots and self._timing_due() == 0.0:
                     t = time.perf_counter()
-                    self._measure_ready()
-                    waited += time.perf_counter() - t  # the device's timing runs, not host work
+                    self._idle_work()
+                    waited += time.perf_counter() - t  # timings and compilations while idle: not the steps' host work
                 if self.active_slots:
                     queued = self._dispatch()
                     if inflight is not None:  # the step before it, delivered while this one runs
@@ -532,7 +547,10 @@ class Engine:
         tokens[0, :n] = job.prompt_ids
         one = self._fresh(decode.row_settings(self.spec, [n] + [1] * (rows - 1), [opts] + [pad] * (rows - 1)))
         toks = tokens if self.mesh is None else jax.device_put(tokens, sharding.batch_sharding(self.mesh, 2))
-        return prefill(self.spec, self.tparams, self.dparams, one, toks)
+        one = prefill(self.spec, self.tparams, self.dparams, one, toks)
+        if p_pad in self._cold:  # compiled (the call returns once it is queued)
+            self._cold.remove(p_pad)
+        return one
 
     def _insert(self, job: Job, one: State, slot: int) -> None:
         """Put ``job``'s prefilled state (:meth:`_prefill`) into ``slot`` of the device state (whose old content is
@@ -557,9 +575,10 @@ class Engine:
         return bool(self.programs.to_time(sum(j is None for j in self.slots)))
 
     def _timing_due(self) -> float | None:
-        """Seconds until the idle engine times a program on free slots (0.0: now; None: none to time): ``IDLE_S``
-        after its last step, so that a client's next request (closed loop: a few ms later) does not wait for it."""
-        if not self._untimed():
+        """Seconds until the idle engine times a program on free slots or warms a prompt bucket (:meth:`_idle_work`;
+        0.0: now; None: nothing to do): ``IDLE_S`` after its last step, so that a client's next request (closed loop:
+        a few ms later) does not wait for it."""
+        if not self._untimed() and not self._cold:
             return None
         return max(0.0, self._busy + IDLE_S - time.monotonic())
 

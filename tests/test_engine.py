@@ -565,6 +565,24 @@ def test_a_compiled_program_is_left_out_of_the_garbage_collectors_scans(target, 
     assert len(gc.get_objects()) < tracked + 1000
 
 
+def test_the_idle_engine_compiles_every_prompt_buckets_prefill(target, drafter):
+    """Start-up compiles the shortest prompt bucket's prefill; the idle engine compiles the others', one a pass of
+    its loop: the first prompt of a new length no longer holds every running request up while its prefill
+    compiles."""
+    cfg = engines.EngineConfig(method="ddtree", forms=("ar",), max_batch=2, max_len=112, batch_buckets=())
+    eng = engines.Engine(target, drafter, cfg)  # shapes no other test compiles: buckets of 64 and 128 tokens
+    assert eng.layout.buckets() == [64, 128]
+    eng.start()
+    try:
+        wait_until(lambda: not eng._cold)
+        compiled = engines.prefill._cache_size()
+        res = eng.generate(list(range(1, 101)), greedy(4), timeout=120)  # a prompt of the 128-token bucket
+        assert len(res.token_ids) == 4
+        assert engines.prefill._cache_size() == compiled
+    finally:
+        eng.stop()
+
+
 def test_a_stopped_engine_is_freed(target, drafter):
     """The engine freezes its objects out of the collector's scans; stopped, it gives them back: an engine is a
     reference cycle (its threads, its loop) that only the collector frees, and with it its weights and slot state (a
