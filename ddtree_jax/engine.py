@@ -5,9 +5,9 @@ tokens (prompt + generated), and compiled groups of ``rounds_per_step`` rounds (
 slot batch and sampling variant) that return what the host needs. Its thread loops::
 
     cancel   requests whose client went away end; their slots are marked done on device
-    admit    waiting requests enter free slots: prefill a batch of one (decode.prefill, queued beside the step in
-             flight, unless that step times its program), slots.insert it (by the step thread, before the next step,
-             while a step is in flight)
+    admit    waiting requests enter free slots: those of one prompt bucket prefilled together (decode.prefill,
+             queued beside the step in flight, unless that step times its program), each row slots.insert_row'ed
+             into its slot (by the step thread, before the next step, while a step is in flight)
     time     a newly compiled program whose cost is unknown runs a few rounds on free slots (autorun.rewind)
     step     the chosen program (policy.Policy: the most expected tokens per second among the compiled ones) runs
              ``rounds_per_step`` rounds for the live slots (done slots are skipped on device), then one small
@@ -27,7 +27,8 @@ its rounds take (AR's tokens for that seed). Stop strings are matched on the hos
 text: the text is cut before the stop string and the slot is cancelled.
 
 Shapes are static: every prompt is padded to a bucket (64, 128, 256, ... up to the longest allowed
-prompt), so the engine compiles one prefill per bucket and one insert. On a mesh (``sharding.make_mesh``) the slots
+prompt), so the engine compiles one prefill per bucket and number of rows prefilled together (1, 2, 4) and one
+insert per number of rows. On a mesh (``sharding.make_mesh``) the slots
 split over the data axis and the model over the model axis; decode's jitted functions take the mesh from the Spec.
 
 Requests talk to the engine through a *sink*: a callable that receives :class:`Event` objects, from the engine
@@ -71,6 +72,11 @@ IDLE_S = 0.5  # an engine idle this long times the programs that need it on free
 # Requests admitted a pass while a step is in flight, at most (Engine._admit): each holds its prefilled state (a max_len
 # cache row) until the step thread inserts it, beside the step's own memory; under load one to three join a step
 JOIN_AHEAD = 4
+# Requests of one prompt bucket prefilled in one call, at most (Engine._prefill): rows padded to a power of two, so
+# each bucket compiles a prefill of 1, 2 and 4 rows. A prefill of the default pair's launch-bound target costs about
+# what one of a single row does, and a large target's reads its weights once for them all: under load the requests
+# joining a step were prefilled one by one (10-14% of the time at 16-32 requests on an H100, the device busy with them).
+PREFILL_TOGETHER = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,10 +194,11 @@ class Engine:
         self.metrics = metrics.Metrics(self)
 
         b = config.max_batch
-        self._prefill_rows = sharding.padded_batch(1, mesh)  # a data-parallel mesh prefills D rows
-        # an admission's fresh state in one device call
-        self._fresh = decode.fresh_state(self.spec, self._prefill_rows, self.layout.capacity, self.layout.out_len,
-                                         self.dtype, mesh)
+        # the numbers of requests prefilled together (each compiles its prefill); an admission's fresh state of
+        # ``rows`` rows in one device call
+        self._together = [1 << k for k in range(PREFILL_TOGETHER.bit_length()) if 1 << k <= min(PREFILL_TOGETHER, b)]
+        self._fresh = functools.cache(lambda rows: decode.fresh_state(self.spec, rows, self.layout.capacity,
+                                                                      self.layout.out_len, self.dtype, mesh))
         empty = functools.partial(slots.empty_slots, self.spec, b, self.layout.capacity, self.layout.out_len,
                                   self.dtype)
         # copies: the steps donate every leaf, so none may share a buffer with another (a guard, once at start)
@@ -201,8 +208,9 @@ class Engine:
         self.step_sizes: collections.Counter[int] = collections.Counter()  # steps run per slot-batch size
         self.step_programs: collections.Counter[tuple] = collections.Counter()  # steps per (form, size, variant)
         self._ended: list[int] = []  # slots of jobs that ended on the host since the last device update
-        self._cold = self.layout.buckets()  # prompt buckets whose prefill no request has compiled (Engine._idle_work)
-        self._joining: list[tuple] = []  # (Job, prefilled state, slot) admitted beside a step, for the next step
+        # (prompt bucket, requests prefilled together) whose prefill no admission has compiled (Engine._idle_work)
+        self._cold = [(bucket, n) for bucket in self.layout.buckets() for n in self._together]
+        self._joining: list[tuple] = []  # (Job, prefilled state, row, slot) joining the next step
         self._starts = np.zeros(b, np.int32)  # per slot, where the next step's window starts (the step thread's)
         self._steps = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddtree-step")
         self._handoffs = contextlib.ExitStack()  # autorun.quick_handoffs from start to stop: steps beside the host
@@ -373,35 +381,38 @@ class Engine:
         programs.thaw()  # this engine, a reference cycle, can be collected
 
     def warmup(self, buckets: Sequence[int] | None = None) -> None:
-        """Compile the prefill of the given buckets (default: the shortest) and the slot insertion by admitting a
-        one-token request into slot 0, then the first program (:attr:`first`), and time it. Call before
-        :meth:`start`."""
+        """Compile the prefills of the given prompt buckets (each for every number of requests prefilled together;
+        default: the shortest bucket, one request) and the slot insertion by admitting dummy requests (:meth:`_warm`),
+        then the first program (:attr:`first`), and time it. Call before :meth:`start`."""
         t0 = time.perf_counter()
         for bucket in buckets or [self.layout.bucket(1)]:
-            self._warm(bucket)
+            for n in self._together if buckets else [1]:
+                self._warm(bucket, n)
         self.programs.compile(self.first)
         self._measure_ready(most=None)
         log.info("engine warm in %.1fs", time.perf_counter() - t0)
 
-    def _warm(self, bucket: int) -> None:
-        """Compile the prefill of prompt ``bucket`` and the slot insertion, by admitting a request of that length
-        into slot 0 (free) and marking it done."""
-        job = Job(id="warmup", prompt_ids=[0] * min(bucket, self.layout.max_prompt),
-                  params=SamplingParams(max_tokens=1), sink=lambda ev: None, stop_ids=(), seed=0)
-        self._insert(job, self._prefill(job), 0)
-        self._ended.append(0)
+    def _warm(self, bucket: int, n: int) -> None:
+        """Compile the prefill of ``n`` requests of prompt ``bucket`` together and the slot insertion, by admitting
+        ``n`` requests of that length into slots 0..n-1 (free) and marking them done."""
+        jobs = [Job(id="warmup", prompt_ids=[0] * min(bucket, self.layout.max_prompt),
+                    params=SamplingParams(max_tokens=1), sink=lambda ev: None, stop_ids=(), seed=0) for _ in range(n)]
+        one = self._prefill(jobs)
+        for row, job in enumerate(jobs):
+            self._insert(job, one, row, row)
+        self._ended.extend(range(n))
         self._mark_ended()
 
     # ------------------------------------------------------------------ programs
     def _idle_work(self) -> None:
         """One piece of the idle engine's work, one a pass of its loop (arriving requests are admitted between):
-        time a program that needs it (:meth:`_measure_ready`), else compile the prefill of the shortest prompt bucket
-        no request has used yet (:meth:`_warm`): compiled on demand, a prompt of a new length held every running
+        time a program that needs it (:meth:`_measure_ready`), else compile a prefill no admission has used yet (the
+        shortest prompt bucket first; :meth:`_warm`): compiled on demand, a prompt of a new length held every running
         request up while it compiled."""
         if self._untimed():
             self._measure_ready()
         elif self._cold:
-            self._warm(self._cold[0])
+            self._warm(*self._cold[0])
 
     def _measure_ready(self, most: int | None = 1) -> None:
         """Time ``most`` of the programs that need it (:meth:`programs.Programs.to_time`) on the free slots of an
@@ -502,64 +513,74 @@ class Engine:
         self.state = slots.mark_done(self.state, mask)
 
     def _admit(self, ahead: bool) -> bool:
-        """Waiting requests into the free slots: each prompt prefilled as a batch of its own (:meth:`_prefill`: queued
-        on the device, not waited for), the request seated in its slot on the host, and its state inserted there at
-        once, or, with ``ahead`` (a step in flight, which owns the state; at most JOIN_AHEAD), by the step thread
-        before the next step (:meth:`_device_step`): the device waits for no admission. Returns whether a prefill
-        was queued beside the step in flight (its kernels run between that step's rounds, so its time is not its
-        program's cost alone)."""
-        joined = 0
-        for s in range(len(self.slots)):
-            if self.slots[s] is not None:
-                continue
-            with self._lock:
-                if not self.waiting or (ahead and joined == JOIN_AHEAD):
-                    break
-                job = self.waiting.popleft()
-            try:
+        """Waiting requests into the free slots (at most JOIN_AHEAD with ``ahead``): those of one prompt bucket
+        prefilled together, PREFILL_TOGETHER at most a call (:meth:`_prefill`: queued on the device, not waited for),
+        each seated in its slot on the host and its row inserted there at once, or, with ``ahead`` (a step in
+        flight, which owns the state), by the step thread before the next step (:meth:`_device_step`): the device
+        waits for no admission. Returns whether a prefill was queued beside the step in flight (its kernels run
+        between that step's rounds, so its time is not its program's cost alone)."""
+        free = [s for s, job in enumerate(self.slots) if job is None]
+        with self._lock:
+            n = min(len(free), len(self.waiting), JOIN_AHEAD if ahead else len(free))
+            jobs = [self.waiting.popleft() for _ in range(n)]
+        buckets: dict[int, list[Job]] = {}  # in order of arrival
+        for job in jobs:
+            buckets.setdefault(self.layout.bucket(len(job.prompt_ids)), []).append(job)
+        most = self._together[-1]
+        for same in buckets.values():
+            for chunk in (same[i:i + most] for i in range(0, len(same), most)):
                 t0 = time.perf_counter()
-                one = self._prefill(job)
-                self._seat(job, s)
-                if ahead:
-                    self._joining.append((job, one, s))
-                else:
-                    self._insert(job, one, s)
-                joined += 1
-                self.metrics.admission.observe(time.perf_counter() - t0)
-                self.metrics.prompt_tokens.inc(len(job.prompt_ids))
-            except Exception as e:  # noqa: BLE001 - one request's failure is not the server's
-                log.exception("admission of %s failed", job.id)
-                self._end(job, "error", error=f"admission failed: {type(e).__name__}: {e}")
-        return ahead and joined > 0
+                try:
+                    one = self._prefill(chunk)
+                except Exception as e:  # noqa: BLE001 - these requests' failure is not the server's
+                    log.exception("admission of %s failed", ", ".join(job.id for job in chunk))
+                    for job in chunk:
+                        self._end(job, "error", error=f"admission failed: {type(e).__name__}: {e}")
+                    continue
+                for row, job in enumerate(chunk):
+                    slot = free.pop(0)
+                    try:
+                        self._seat(job, slot)
+                        if ahead:
+                            self._joining.append((job, one, row, slot))
+                        else:
+                            self._insert(job, one, row, slot)
+                        self.metrics.admission.observe((time.perf_counter() - t0) / len(chunk))
+                        self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+                    except Exception as e:  # noqa: BLE001 - one request's failure is not the server's
+                        log.exception("admission of %s failed", job.id)
+                        self._end(job, "error", error=f"admission failed: {type(e).__name__}: {e}")
+        return ahead and bool(jobs)
 
-    def _prefill(self, job: Job):
-        """``job``'s prompt prefilled as a batch of its own (a fresh state of ``_prefill_rows`` rows), queued on the
-        device, not waited for: the host builds the next admission (or dispatches the next step, whose thread waits
-        for the inserts) while the device prefills."""
-        n = len(job.prompt_ids)
-        p_pad = self.layout.bucket(n)  # prefill cuts its chunk to it
-        p = job.params
-        opts = GenerateOptions(method=self.spec.method, max_new_tokens=p.max_tokens, temperature=p.temperature,
-                               top_p=p.top_p, top_k=p.top_k, stop_token_ids=job.stop_ids, seed=job.seed)
-        rows = self._prefill_rows
+    def _prefill(self, jobs: Sequence[Job]):
+        """The prompts of ``jobs`` (of one bucket) prefilled together, as a fresh state of their own: rows for each
+        in order, their number rounded up to a power of two and to a multiple of a mesh's data axis with one-token
+        dummies. Queued on the device, not waited for: the host builds the next admission (or dispatches the next
+        step, whose thread waits for the inserts) while the device prefills."""
+        lens = [len(job.prompt_ids) for job in jobs]
+        p_pad = self.layout.bucket(max(lens))  # prefill cuts its chunk to it
+        together = 1 << (len(jobs) - 1).bit_length()
+        rows = sharding.padded_batch(together, self.mesh)
+        opts = [GenerateOptions(method=self.spec.method, max_new_tokens=job.params.max_tokens,
+                                temperature=job.params.temperature, top_p=job.params.top_p, top_k=job.params.top_k,
+                                stop_token_ids=job.stop_ids, seed=job.seed) for job in jobs]
         pad = GenerateOptions(method=self.spec.method, max_new_tokens=1)
         tokens = np.zeros((rows, p_pad), np.int32)
-        tokens[0, :n] = job.prompt_ids
-        one = self._fresh(decode.row_settings(self.spec, [n] + [1] * (rows - 1), [opts] + [pad] * (rows - 1)))
+        for row, job in enumerate(jobs):
+            tokens[row, : lens[row]] = job.prompt_ids
+        dummies = rows - len(jobs)
+        one = self._fresh(rows)(decode.row_settings(self.spec, lens + [1] * dummies, opts + [pad] * dummies))
         toks = tokens if self.mesh is None else jax.device_put(tokens, sharding.batch_sharding(self.mesh, 2))
         one = prefill(self.spec, self.tparams, self.dparams, one, toks)
-        if p_pad in self._cold:  # compiled (the call returns once it is queued)
-            self._cold.remove(p_pad)
+        if (p_pad, together) in self._cold:  # compiled (the call returns once it is queued)
+            self._cold.remove((p_pad, together))
         return one
 
-    def _insert(self, job: Job, one: State, slot: int) -> None:
-        """Put ``job``'s prefilled state (:meth:`_prefill`) into ``slot`` of the device state (whose old content is
-        dead), its window starting after the prompt: on the thread that owns the state (the engine thread with no
-        step in flight, else the step thread)."""
-        if self._prefill_rows == 1:
-            self.state = slots.insert(self.state, np.int32(slot), one)
-        else:
-            self.state = slots.insert_first(self.state, np.int32(slot), one)
+    def _insert(self, job: Job, one: State, row: int, slot: int) -> None:
+        """Put row ``row`` of the prefilled state holding ``job`` (:meth:`_prefill`) into ``slot`` of the device
+        state (whose old content is dead), its window starting after the prompt: on the thread that owns the state
+        (the engine thread with no step in flight, else the step thread)."""
+        self.state = slots.insert_row(self.state, np.int32(slot), one, np.int32(row))
         self._starts[slot] = len(job.prompt_ids)
 
     def _seat(self, job: Job, slot: int) -> None:
@@ -604,15 +625,15 @@ class Engine:
     def _device_step(self, program: Program, rows: np.ndarray, jobs, reason: str, quiet: bool,
                      joining: Sequence[tuple] = ()) -> Stepped:
         """On the step thread: insert the requests admitted beside the step before (``joining``: (Job, prefilled
-        state, slot)), run ``rounds_per_step`` rounds of ``program`` on ``rows`` and read its Snapshot (every slot's,
-        in slot order). Its windows start at :attr:`_starts`, which it then moves to their ends. A joiner whose
+        state, row, slot)), run ``rounds_per_step`` rounds of ``program`` on ``rows`` and read its Snapshot (every
+        slot's, in slot order). Its windows start at :attr:`_starts`, which it then moves to their ends. A joiner whose
         prefill or insert fails is left out (its slot keeps its dead content, done on the device), for
         :meth:`_finish` to end with an error: one request's failure is not the server's."""
         failed, t_wait = [], time.perf_counter()
-        for job, one, slot in joining:
+        for job, one, row, slot in joining:
             try:
                 jax.block_until_ready(one)  # its prefill's error is its own, before it reaches the shared state
-                self._insert(job, one, slot)
+                self._insert(job, one, row, slot)
             except Exception as e:  # noqa: BLE001
                 log.exception("admission of %s failed", job.id)
                 failed.append((job, f"admission failed: {type(e).__name__}: {e}"))

@@ -148,10 +148,10 @@ def build_parser() -> cli.ArgumentParser:
                         "compiles little) and no cost table ($DDTREE_JAX_CACHE/costs.json: each program's seconds "
                         "per round, which --tree-budget auto weighs; then timed anew at every start)")
     b.add_argument("--warmup-all", action="store_true",
-                   help="compile the prefill of every prompt-length bucket (64, 128, 256, ... up to --max-len) "
-                        "before /health turns 200; by default only the shortest is, and the engine compiles the "
-                        "others while it is idle (a bucket no idle moment reached compiles on its first prompt, "
-                        "pausing the batch once)")
+                   help="compile the prefills of every prompt-length bucket (64, 128, 256, ... up to --max-len; "
+                        "each for 1, 2 and 4 requests prefilled together) before /health turns 200; by default only "
+                        "the shortest bucket's for one request is, and the engine compiles the others while it is "
+                        "idle (one no idle moment reached compiles on first use, pausing the batch once)")
 
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")

@@ -1,6 +1,6 @@
 """The slot batch: one decoding State whose rows (slots) hold independent sequences, as the engine serves them.
 
-A sequence enters a free slot (:func:`insert`, :func:`insert_first`), ends there (:func:`mark_done`), and a group of
+A sequence enters a free slot (:func:`insert`, :func:`insert_row`), ends there (:func:`mark_done`), and a group of
 rounds may run on some slots alone (:func:`run_group_rows`: gathered with :func:`take_rows`, scattered back with
 :func:`put_rows`), as a smaller slot batch. The batch's static sizes (:class:`Layout`: the prompt buckets, the cache
 and output lengths) follow from --max-len; the smaller slot batches a step may run are :func:`default_buckets`'.
@@ -47,11 +47,11 @@ def insert(batch: State, slot: Array, one: State) -> State:
 
 
 @functools.partial(donating_jit, donate_argnums=(0,))
-def insert_first(batch: State, slot: Array, rows: State) -> State:
-    """:func:`insert` of the first sequence of a prefilled batch ``rows`` (the others are padding for a
-    data-parallel mesh, whose batch must split evenly over the data axis)."""
-    first = jax.tree.map_with_path(lambda p, x: jax.lax.slice_in_dim(x, 0, 1, axis=_batch_axis(p)), rows)
-    return insert(batch, slot, first)
+def insert_row(batch: State, slot: Array, rows: State, row: Array) -> State:
+    """:func:`insert` of sequence ``row`` of a prefilled batch ``rows`` (prompts prefilled together, padded to a
+    power of two and to a data-parallel mesh's multiple with dummies)."""
+    one = jax.tree.map_with_path(lambda p, x: jax.lax.dynamic_slice_in_dim(x, row, 1, axis=_batch_axis(p)), rows)
+    return insert(batch, slot, one)
 
 
 @functools.partial(donating_jit, donate_argnums=(0,))

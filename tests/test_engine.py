@@ -93,6 +93,29 @@ def test_greedy_equals_reference_alone_and_batched(engine, reference_runs):
     assert engine.active_slots == 0 and engine.queue_length == 0
 
 
+def test_waiting_requests_of_one_prompt_bucket_are_prefilled_together(engine, reference_runs, monkeypatch):
+    """Requests waiting together whose prompts share a bucket are prefilled in one call (rows padded to a power of
+    two: 1 or 2 with 3 slots), each row inserted into its own slot; every request keeps AR's tokens."""
+    together, prefill_fn, admit_fn = [], engine._prefill, engine._admit
+
+    def prefill(jobs):
+        together.append(len(jobs))
+        return prefill_fn(jobs)
+
+    def admit(ahead):
+        time.sleep(0.2)  # the requests submitted at once all wait by then
+        return admit_fn(ahead)
+
+    monkeypatch.setattr(engine, "_prefill", prefill)
+    monkeypatch.setattr(engine, "_admit", admit)
+    reqs = [(r["prompt"], greedy(12)) for r in reference_runs]
+    assert len({engine.layout.bucket(len(p)) for p, _ in reqs}) == 1 and len(reqs) == 3
+    for (prompt, params), res in zip(reqs, run_concurrently(engine, reqs)):
+        ref = next(r["ar"] for r in reference_runs if r["prompt"] == prompt)
+        assert res.token_ids == ref[len(prompt): len(prompt) + 12]
+    assert sorted(together) == [1, 2], together
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(engine, reference_runs):
     prompt = reference_runs[1]["prompt"]
     params = engines.SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, seed=1234)
@@ -208,9 +231,9 @@ def test_a_request_joins_without_the_step_in_flight_back(engine, reference_runs,
     calls, dispatches, inserts = [], [], {}  # the calls' spans; (time, live job ids) a dispatch; job id -> insert
     insert_fn, dispatch_fn = engine._insert, engine._dispatch
 
-    def insert(job, one, slot):
+    def insert(job, one, row, slot):
         inserts.setdefault(job.id, time.perf_counter())
-        return insert_fn(job, one, slot)
+        return insert_fn(job, one, row, slot)
 
     def dispatch():
         dispatches.append((time.perf_counter(), {j.id for j in engine.slots if j is not None}))
@@ -266,9 +289,9 @@ def test_a_step_that_times_its_program_runs_with_no_admission_beside_it(engine, 
         program.timing = program.timing or timing.is_set()
         return program
 
-    def prefill(job):
-        prefills[job.id] = time.perf_counter()
-        return prefill_fn(job)
+    def prefill(jobs):
+        prefills.update((job.id, time.perf_counter()) for job in jobs)
+        return prefill_fn(jobs)
 
     monkeypatch.setattr(engine.programs, "call", call)
     monkeypatch.setattr(engine.programs, "choose", choose)
@@ -291,10 +314,10 @@ def test_a_joiner_whose_insert_fails_ends_alone(engine, reference_runs, monkeypa
     long_run, short_run = reference_runs[2], reference_runs[0]
     insert_fn = engine._insert
 
-    def insert(job, one, slot):
+    def insert(job, one, row, slot):
         if job.prompt_ids == list(short_run["prompt"]) and threading.current_thread().name.startswith("ddtree-step"):
             raise RuntimeError("simulated device out of memory")
-        return insert_fn(job, one, slot)
+        return insert_fn(job, one, row, slot)
 
     monkeypatch.setattr(engine.programs, "call", blocking_like_a_gpu(engine.programs.call, [], 0.05))
     monkeypatch.setattr(engine, "_insert", insert)
