@@ -93,9 +93,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=32, help="server slots (default: %(default)s)")
     p.add_argument("--max-len", type=int, default=1024, help="server --max-len (default: %(default)s)")
     p.add_argument("--wait-compiled", type=float, default=0.0, metavar="S",
-                   help="before the levels, wait up to S seconds until the server has compiled every program "
-                        "and timed (/health's programs_compiled and programs_timed), so that the levels measure the steady "
-                        "state (default: 0)")
+                   help="before the levels, wait up to S seconds until the server has compiled and timed every "
+                        "program and compiled every prefill (/health's programs_compiled, programs_timed and "
+                        "prefills_to_compile), so that the levels measure the steady state (default: 0)")
     p.add_argument("--restart", type=_configs, default=[], metavar="CONFIGS",
                    help="configurations to start a second time, on the persistent compilation cache, to time it "
                         "(default: none)")
@@ -184,13 +184,14 @@ def _start(args, config: str, log, deadline: float, env: dict | None = None
 
 
 def _wait_compiled(url: str, limit: float) -> tuple[float | None, dict]:
-    """Seconds until /health says every program is compiled and timed (None when ``limit`` passed first), and its
-    last JSON."""
+    """Seconds until /health says every program is compiled and timed and every prefill compiled (None when
+    ``limit`` passed first), and its last JSON."""
     t0 = time.monotonic()
     while True:
         health = _health(url) or {}
         compiled = health.get("programs_compiled", 0)
-        if compiled >= health.get("programs", 1) and health.get("programs_timed", compiled) >= compiled:
+        if (compiled >= health.get("programs", 1) and health.get("programs_timed", compiled) >= compiled
+                and not health.get("prefills_to_compile")):
             return round(time.monotonic() - t0, 1), health
         if time.monotonic() - t0 > limit:
             return None, health

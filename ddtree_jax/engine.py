@@ -258,6 +258,12 @@ class Engine:
         return self.programs.wanted
 
     @property
+    def prefills_to_compile(self) -> int:
+        """Prefills (prompt bucket x requests prefilled together) no admission has compiled yet (the idle engine
+        compiles them: :meth:`_idle_work`)."""
+        return len(self._cold)
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.failure is None
 

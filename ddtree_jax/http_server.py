@@ -274,7 +274,7 @@ class Server:
             return JSONResponse({"status": "starting" if not e.ready else "stopped"}, status_code=503)
         return JSONResponse({"status": "ok", "active_slots": e.active_slots, "queue_length": e.queue_length,
                              "programs_compiled": e.programs_ready, "programs_timed": e.programs_timed,
-                             "programs": e.programs_wanted})
+                             "programs": e.programs_wanted, "prefills_to_compile": e.prefills_to_compile})
 
     async def metrics(self, request):
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

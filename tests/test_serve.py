@@ -192,6 +192,7 @@ def test_models_health_and_metrics(server):
     health = httpx.get(f"{server.url}/health").json()
     assert health["status"] == "ok" and 1 <= health["programs_compiled"] <= 9 and health["programs"] >= 3
     assert 0 <= health["programs_timed"] <= health["programs_compiled"]
+    assert 0 <= health["prefills_to_compile"] <= 3 * 2  # the buckets of 64 and 128 tokens, 1, 2 and 4 together
     server.client().completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=8, temperature=0)
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("ddtree_requests_total", "ddtree_generated_tokens_total", "ddtree_mean_acceptance_length",
