@@ -70,12 +70,12 @@ class Program:
 
 def freeze() -> None:
     """Take every object Python's cyclic garbage collector tracks now out of its scans for good (``gc.freeze``): a
-    compiled program keeps 25-30 thousand Python objects alive (its traced program, in jax's caches; the default
+    compiled program keeps 20-30 thousand Python objects alive (its traced program, in jax's caches; the default
     pair's shape), auto's 33 programs about a million, and each collection of the oldest generation scanned them all
-    while every thread stood still (0.2-0.35 s at 200 thousand on 2 CPU cores). Called once a program is compiled and
-    once the engine has started: what is alive then is mostly what the engine keeps (weights, programs, caches). An
-    object frozen is still freed when its last reference goes; only a reference cycle among frozen objects is never
-    collected: :func:`thaw` when the engine stops."""
+    while every thread stood still (0.30 s for 340 thousand on 2 CPU cores: benchmarks/results/gc_pause_cpu.json).
+    Called once a program is compiled and once the engine has started: what is alive then is mostly what the engine
+    keeps (weights, programs, caches). An object frozen is still freed when its last reference goes; only a reference
+    cycle among frozen objects is never collected: :func:`thaw` when the engine stops."""
     gc.freeze()
 
 

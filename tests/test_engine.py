@@ -576,8 +576,8 @@ def test_steps_beside_a_compilation_leave_the_cost_to_a_timing_when_it_is_done(t
 
 def test_a_compiled_program_is_left_out_of_the_garbage_collectors_scans(target, drafter):
     """A compiled program keeps thousands of Python objects alive (its traced program, in jax's caches: about 18
-    thousand for this tiny pair's AR step, 25-30 thousand for the default pair's forms); each collection of Python's
-    oldest generation scanned them all with every thread stopped (0.2-0.35 s at 200 thousand objects on 2 CPU cores).
+    thousand for this tiny pair's AR step, 20-30 thousand for the default pair's forms); each collection of Python's
+    oldest generation scanned them all with every thread stopped (0.30 s for 340 thousand objects on 2 CPU cores).
     Compiling one leaves the collector's tracked objects no more numerous than before."""
     cfg = engines.EngineConfig(method="ddtree", forms=("ar",), max_batch=2, max_len=96, batch_buckets=())
     eng = engines.Engine(target, drafter, cfg)  # a shape no other test compiles: its tracing is new
