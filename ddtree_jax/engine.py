@@ -414,11 +414,17 @@ class Engine:
         """One piece of the idle engine's work, one a pass of its loop (arriving requests are admitted between):
         time a program that needs it (:meth:`_measure_ready`), else compile a prefill no admission has used yet (the
         shortest prompt bucket first; :meth:`_warm`): compiled on demand, a prompt of a new length held every running
-        request up while it compiled."""
+        request up while it compiled. A prefill that fails here (e.g. out of device memory) is left to its first
+        admission, whose requests alone would fail."""
         if self._untimed():
             self._measure_ready()
         elif self._cold:
-            self._warm(*self._cold[0])
+            key = self._cold[0]
+            try:
+                self._warm(*key)
+            except Exception:  # noqa: BLE001 - not the server's failure
+                log.exception("compiling the prefill of %d requests of %d tokens failed", key[1], key[0])
+                self._cold.remove(key)
 
     def _measure_ready(self, most: int | None = 1) -> None:
         """Time ``most`` of the programs that need it (:meth:`programs.Programs.to_time`) on the free slots of an

@@ -606,6 +606,28 @@ def test_the_idle_engine_compiles_every_prompt_buckets_prefill(target, drafter):
         eng.stop()
 
 
+def test_a_prefill_that_fails_while_idle_leaves_the_engine_serving(target, drafter, monkeypatch):
+    """The idle engine's compilation of a prefill that fails (e.g. out of device memory) is logged and dropped; the
+    engine serves on (the idle work runs on its thread, whose failure would end every request)."""
+    cfg = engines.EngineConfig(method="ddtree", forms=("ar",), max_batch=2, max_len=MAX_LEN, batch_buckets=())
+    eng = engines.Engine(target, drafter, cfg)
+    warm_fn = eng._warm
+
+    def warm(bucket, n):
+        if bucket > 64:
+            raise RuntimeError("simulated device out of memory")
+        return warm_fn(bucket, n)
+
+    monkeypatch.setattr(eng, "_warm", warm)
+    eng.start()
+    try:
+        wait_until(lambda: not eng._cold)
+        assert eng.alive
+        assert len(eng.generate([1, 2, 3], greedy(4), timeout=120).token_ids) == 4
+    finally:
+        eng.stop()
+
+
 def test_a_stopped_engine_is_freed(target, drafter):
     """The engine freezes its objects out of the collector's scans; stopped, it gives them back: an engine is a
     reference cycle (its threads, its loop) that only the collector frees, and with it its weights and slot state (a
