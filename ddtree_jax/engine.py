@@ -68,7 +68,7 @@ from ddtree_jax.weight_layout import device_layout, layout_method
 Array = jax.Array
 log = logging.getLogger("ddtree_jax.engine")
 
-IDLE_S = 0.5  # an engine idle this long times the programs that need it on free slots (Engine._timing_due)
+IDLE_S = 0.5  # an engine idle this long times programs on free slots, compiles prefills (Engine._idle_due)
 # Requests admitted a pass while a step is in flight, at most (Engine._admit): each holds its prefilled state (a max_len
 # cache row) until the step thread inserts it, beside the step's own memory; under load one to three join a step
 JOIN_AHEAD = 4
@@ -403,11 +403,13 @@ class Engine:
         ``n`` requests of that length into slots 0..n-1 (free) and marking them done."""
         jobs = [Job(id="warmup", prompt_ids=[0] * min(bucket, self.layout.max_prompt),
                     params=SamplingParams(max_tokens=1), sink=lambda ev: None, stop_ids=(), seed=0) for _ in range(n)]
-        one = self._prefill(jobs)
-        for row, job in enumerate(jobs):
-            self._insert(job, one, row, row)
-        self._ended.extend(range(n))
-        self._mark_ended()
+        try:
+            one = self._prefill(jobs)
+            for row, job in enumerate(jobs):
+                self._insert(job, one, row, row)
+        finally:  # done on the device, whatever was inserted
+            self._ended.extend(range(n))
+            self._mark_ended()
 
     # ------------------------------------------------------------------ programs
     def _idle_work(self) -> None:
@@ -419,12 +421,11 @@ class Engine:
         if self._untimed():
             self._measure_ready()
         elif self._cold:
-            key = self._cold[0]
+            bucket, n = self._cold.pop(0)  # tried once
             try:
-                self._warm(*key)
+                self._warm(bucket, n)
             except Exception:  # noqa: BLE001 - not the server's failure
-                log.exception("compiling the prefill of %d requests of %d tokens failed", key[1], key[0])
-                self._cold.remove(key)
+                log.exception("compiling the prefill of %d requests of %d tokens failed", n, bucket)
 
     def _measure_ready(self, most: int | None = 1) -> None:
         """Time ``most`` of the programs that need it (:meth:`programs.Programs.to_time`) on the free slots of an
@@ -457,7 +458,7 @@ class Engine:
                     while (inflight is None and not self._stopping and not self._cancels and not self.active_slots
                            and not self.waiting):
                         self.programs.serving(False)  # idle: every compile thread works
-                        due = self._timing_due()
+                        due = self._idle_due()
                         if due == 0.0:
                             break
                         self._wake.wait(due)
@@ -474,7 +475,7 @@ class Engine:
                     self._mark_ended()  # before admission, which may reuse the freed slots
                 if self.waiting and not (inflight is not None and self._timing_ahead):  # a timing step runs alone
                     shared = self._admit(ahead=inflight is not None)
-                if inflight is None and not self.active_slots and self._timing_due() == 0.0:
+                if inflight is None and not self.active_slots and self._idle_due() == 0.0:
                     t = time.perf_counter()
                     self._idle_work()
                     waited += time.perf_counter() - t  # timings and compilations while idle: not the steps' host work
@@ -532,9 +533,9 @@ class Engine:
         waits for no admission. Returns whether a prefill was queued beside the step in flight (its kernels run
         between that step's rounds, so its time is not its program's cost alone)."""
         free = [s for s, job in enumerate(self.slots) if job is None]
+        room = min(len(free), JOIN_AHEAD) if ahead else len(free)
         with self._lock:
-            n = min(len(free), len(self.waiting), JOIN_AHEAD if ahead else len(free))
-            jobs = [self.waiting.popleft() for _ in range(n)]
+            jobs = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
         buckets: dict[int, list[Job]] = {}  # in order of arrival
         for job in jobs:
             buckets.setdefault(self.layout.bucket(len(job.prompt_ids)), []).append(job)
@@ -607,8 +608,8 @@ class Engine:
         """Whether :meth:`_measure_ready` has a program to time (the engine thread wakes for it when idle)."""
         return bool(self.programs.to_time(sum(j is None for j in self.slots)))
 
-    def _timing_due(self) -> float | None:
-        """Seconds until the idle engine times a program on free slots or warms a prompt bucket (:meth:`_idle_work`;
+    def _idle_due(self) -> float | None:
+        """Seconds until the idle engine times a program on free slots or compiles a prefill (:meth:`_idle_work`;
         0.0: now; None: nothing to do): ``IDLE_S`` after its last step, so that a client's next request (closed loop:
         a few ms later) does not wait for it."""
         if not self._untimed() and not self._cold:
