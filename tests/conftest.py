@@ -57,7 +57,13 @@ def pytest_configure(config):
 # (--no-loadscope-reorder keeps it; xdist's own order is by test count), so the long ones start at once and the short
 # ones fill the end, instead of the 8-device sharding subprocess or the sampling test (one test: it cannot be split)
 # starting last on one worker while the other idles. Modules not listed run after these, in file order.
+# test_engine.py starts first, in a fresh worker: after about half of the suite in one worker, the background
+# compilation of the top-p programs in test_forms_and_slot_batches_run_only_the_live_slots crashed the worker (a
+# segmentation fault or an abort inside XLA's compilation or jax's cache write of the program; 3 of 7 full runs on 2
+# cores, 2026-12-07, jaxlib 0.11.2), and xdist then stalled until CI's limit. The module alone, and that test alone,
+# never crashed (4 runs); the cause, something in the process's history, is not found.
 LONGEST_FIRST = (
+    "test_engine.py",  # 70 beside a full run, about 300 alone: first, in a fresh worker (above)
     "test_sharding.py",  # 200: one 8-device subprocess, besides the worker
     "test_moe_sharding.py",  # 110 (CPU seconds, a busy 2-core machine): one 4-device subprocess
     "test_kernels.py",  # 180: the Pallas interpreter
@@ -72,7 +78,6 @@ LONGEST_FIRST = (
     "test_train_objective.py",  # 50
     "test_serve.py",  # 105: four servers, besides the worker
     "test_tree.py",  # 95
-    "test_engine.py",  # 70
     "test_notebooks.py",  # 55
     "test_model.py",  # 40
     "test_convert.py",  # 30
