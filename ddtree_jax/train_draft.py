@@ -58,7 +58,8 @@ def build_parser() -> cli.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="work directory: data.npz, ckpt/, drafter/, run.json")
     p.add_argument("--init", default=None, metavar="DRAFTER",
                    help="start from this exported drafter (config.json + model.safetensors or its .partNN files; "
-                        "its shape replaces the drafter flags) when DIR/ckpt has no checkpoint")
+                        "its shape replaces the drafter flags but --layers, which may deepen it) when DIR/ckpt has "
+                        "no checkpoint")
     p.add_argument("--results", default=None, metavar="DIR2",
                    help="also write the drafter split into parts, config.json, history.jsonl and run.json here")
     p.add_argument("--dtype", choices=cli.DTYPES, default="bfloat16",
@@ -73,8 +74,9 @@ def build_parser() -> cli.ArgumentParser:
                         "target's forward over the training rows (the tree-attention kernel when this resolves to "
                         "a Pallas one, else XLA's); " + cli.ATTENTION_HELP.removeprefix("attention: "))
     m = p.add_argument_group("drafter")
-    m.add_argument("--layers", type=cli.positive_int, default=2, metavar="N",
-                   help="drafter layers (of the target's width)")
+    m.add_argument("--layers", type=cli.positive_int, default=None, metavar="N",
+                   help="drafter layers, of the target's width (default 2, or --init's); more than --init's grows it: "
+                        "its layers, then new ones that start as the identity (zero output projections)")
     m.add_argument("--block-size", type=cli.positive_int, default=16, metavar="N",
                    help="block: the anchor token + block-size - 1 predicted positions")
     m.add_argument("--intermediate-size", type=cli.positive_int, default=None, metavar="N",
@@ -180,6 +182,12 @@ def _drafter_config(args, tcfg, tok) -> dict:
         with open(os.path.join(cli.existing_dir("--init", args.init), "config.json")) as f:
             raw = json.load(f)
         raw.pop("weights_sha256", None)
+        have = int(raw["num_hidden_layers"])
+        if args.layers is not None and args.layers != have:
+            if args.layers < have:
+                raise cli.UsageError(f"--layers {args.layers} is fewer than the --init drafter's {have}: a drafter "
+                                     "can grow, not shrink")
+            raw.update(num_hidden_layers=args.layers, layer_types=["full_attention"] * args.layers)
         return raw
     if args.block_size < 2:
         raise cli.UsageError("--block-size must be at least 2")
@@ -189,7 +197,7 @@ def _drafter_config(args, tcfg, tok) -> dict:
         if tok is not None:
             specials = [i for i, t in tok._tok.get_added_tokens_decoder().items() if t.special and i < tcfg.vocab_size]
             mask = max(specials) if specials else mask
-    return draft_raw_config(tcfg, num_layers=args.layers, block_size=args.block_size, mask_token_id=mask,
+    return draft_raw_config(tcfg, num_layers=args.layers or 2, block_size=args.block_size, mask_token_id=mask,
                             target_layer_ids=args.target_layer_ids or default_layer_ids(tcfg.num_layers),
                             intermediate_size=args.intermediate_size)
 

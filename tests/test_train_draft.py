@@ -115,6 +115,30 @@ def test_warm_start_from_exported_parts(target, seqs, tmp_path):
         export.load(str(tmp_path / "parts"))
 
 
+def test_a_drafter_grows_deeper_computing_what_it_did(target, tmp_path):
+    """Warm-starting a deeper drafter from a shallower one appends layers that start as the identity: the grown
+    drafter drafts the same trees (the same outputs and per-round acceptance lengths) until training moves them;
+    every config field but the depth must match."""
+    dcfg, dp = weights.load_draft(fixture_path("draft"))
+    raw = weights.read_config(fixture_path("draft"))
+    deep_raw = {**raw, "num_hidden_layers": 4, "layer_types": ["full_attention"] * 4}
+    deep_cfg = config.draft_config(deep_raw)
+    tr = trainer.Trainer(target, deep_cfg, deep_raw, TC, str(tmp_path / "w"))
+    assert tr.start((dcfg, dp), log=lambda *_: None).endswith("grown from 2 to 4 layers")
+    assert tr.params.layers.wq.shape[0] == 4 and not np.asarray(tr.params.layers.wo[2:]).any()
+    assert np.asarray(tr.params.layers.wq[2:]).std() > 0  # the new layers' other weights are random
+    np.testing.assert_array_equal(np.asarray(tr.params.layers.w_up[:2]), np.asarray(dp.layers.w_up))
+    prompt = [[5, 17, 42, 99, 7, 3, 250, 12]]
+    opts = decode.GenerateOptions(method="ddtree", tree_budget=16, max_new_tokens=24)
+    shallow = decode.generate(target, prompt, opts, draft=(dcfg, dp))
+    deep = decode.generate(target, prompt, opts, draft=(deep_cfg, tr.params))
+    assert deep.output_ids == shallow.output_ids and deep.acceptance_lengths == shallow.acceptance_lengths
+    assert max(shallow.acceptance_lengths[0]) > 1  # the drafter's trees matter here
+    with pytest.raises(ValueError, match="config differs"):  # shallower, and another block size: no growth
+        trainer.Trainer(target, deep_cfg, deep_raw, TC, str(tmp_path / "x")).start(
+            (dataclasses.replace(dcfg, block_size=dcfg.block_size + 1), dp), log=lambda *_: None)
+
+
 def test_the_target_forward_takes_the_kernel_on_one_gpu_only(target, seqs, tmp_path, monkeypatch):
     """The trainer's step runs the target's forward with TrainConfig.target_attention; train_draft picks the tree
     kernel where --attention resolves to a Pallas one and no mesh splits the rows, XLA's attention otherwise."""
@@ -194,9 +218,15 @@ def test_cli_end_to_end(tmp_path, monkeypatch, capsys):
     with open(os.path.join(out, "run.json")) as f:
         assert json.load(f)["training"]["steps"] == 5
     warm = str(tmp_path / "warm")  # a new work directory started from the record's parts
-    assert td.main(argv[:3] + [warm, *argv[4:-2], "--init", results, "--steps", "1", "--evals", "0"]) == 0
+    assert td.main(argv[:3] + [warm, *argv[4:-2], "--init", results, "--steps", "1", "--evals", "0",
+                               "--layers", "2"]) == 0  # and deeper: 1 layer grown to 2
     with open(os.path.join(warm, "run.json")) as f:
-        assert json.load(f)["training"]["steps"] == 1
+        run = json.load(f)
+    assert run["training"]["steps"] == 1 and run["drafter_config"]["num_hidden_layers"] == 2
+    assert weights.load_draft(os.path.join(warm, "drafter"))[0].layers.num_layers == 2
+    shrink = str(tmp_path / "shrink")
+    assert td.main(argv[:3] + [shrink, *argv[4:-2], "--init", os.path.join(warm, "drafter"), "--layers", "1"]) == 2
+    assert "fewer than the --init drafter's 2" in capsys.readouterr().err
     assert td.main(["--target", "/no/such/dir", "--out", out]) == 2
     assert td.main(argv + ["--anchor-half-life", "0"]) == 2
     assert td.main(["--target", fixture_path("target"), "--out", out, "--corpus", "wiki"]) == 2

@@ -7,7 +7,7 @@ checkpoints, a learning-rate schedule that ends where a time-boxed run does, eva
                measured step time (again after each evaluation), so the decay ends where the time does
     state      ``out``/ckpt: orbax checkpoints of {params, opt_state} (the last two), restorable on any machine and
                mesh; a run without one starts from exported drafter weights (``init``: a warm start with a fresh
-               optimiser) or at random
+               optimiser; a shallower drafter grows, ``grow``) or at random
     record     ``out``/history.jsonl: one JSON line per log interval (loss, accuracy per slot, the chain's expected
                acceptance, learning rate, tokens/s) and per evaluation; a tqdm bar on stderr
 """
@@ -63,6 +63,33 @@ def init_params(dcfg, key) -> params_lib.DraftParams:
                                         for path, x in leaves])
 
 
+def grow(init: params_lib.DraftParams, fresh: params_lib.DraftParams) -> params_lib.DraftParams:
+    """A deeper drafter that computes what ``init`` does: ``init``'s layers, then ``fresh``'s last layers (a random
+    drafter of the deeper config) with their attention output and MLP down projections zero, so each added layer
+    starts as the identity on the residual stream and training moves it from there. Every other weight is ``init``'s."""
+    have = init.layers.wq.shape[0]
+    if fresh.layers.wq.shape[0] < have:
+        raise ValueError(f"cannot grow a {have}-layer drafter to {fresh.layers.wq.shape[0]} layers")
+
+    def stack(path, old, new):
+        added = new[have:]
+        if path[-1].name in ("wo", "w_down"):
+            added = jnp.zeros_like(added)
+        return jnp.concatenate([jnp.asarray(old, new.dtype), added])
+
+    layers = jax.tree.map_with_path(stack, init.layers, fresh.layers)
+    return dataclasses.replace(fresh, fc=jnp.asarray(init.fc, fresh.fc.dtype), layers=layers,
+                               hidden_norm=jnp.asarray(init.hidden_norm, fresh.hidden_norm.dtype),
+                               final_norm=jnp.asarray(init.final_norm, fresh.final_norm.dtype))
+
+
+def _deepened(shallow, dcfg) -> bool:
+    """Whether drafter config ``dcfg`` is ``shallow`` with more layers (every other field equal)."""
+    n = dcfg.layers.num_layers
+    return (shallow.layers.num_layers < n and dataclasses.replace(
+        shallow, layers=dataclasses.replace(shallow.layers, num_layers=n), layer_types=dcfg.layer_types) == dcfg)
+
+
 def optimizer(tc: TrainConfig) -> optax.GradientTransformation:
     """AdamW's direction (clipped gradients, decoupled weight decay); the step scales it by the learning rate."""
     return optax.chain(optax.clip_by_global_norm(tc.clip), optax.scale_by_adam(),
@@ -115,7 +142,8 @@ class Trainer:
     # ------------------------------------------------------------------ state
     def start(self, init: tuple | None = None, log: Callable[[str], object] = print) -> str:
         """Resume from ``out``/ckpt if it holds a checkpoint, else start from ``init`` (DraftConfig, DraftParams:
-        exported weights, a fresh optimiser) or at random. Returns how it started."""
+        exported weights, a fresh optimiser; a drafter like the one trained but shallower grows into it, ``grow``) or
+        at random. Returns how it started."""
         self.params = self._place(init_params(self.dcfg, jax.random.key(self.tc.seed)))
         self.opt_state = self._place(self.tx.init(self.params))
         self.ckpts = _Checkpoints(os.path.join(self.out, "ckpt"))
@@ -129,10 +157,16 @@ class Trainer:
                     self.history = [h for h in map(json.loads, f) if h.get("step", 0) <= latest]
             how = f"resumed from step {latest}"
         elif init is not None:
-            if init[0] != self.dcfg:
+            warm = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), init[1])
+            if _deepened(init[0], self.dcfg):
+                self.params = self._place(grow(warm, self.params))
+                how = (f"warm start from exported weights, grown from {init[0].layers.num_layers} to "
+                       f"{self.dcfg.layers.num_layers} layers")
+            elif init[0] != self.dcfg:
                 raise ValueError("the warm-start drafter's config differs from the one being trained")
-            self.params = self._place(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), init[1]))
-            how = "warm start from exported weights"
+            else:
+                self.params = self._place(warm)
+                how = "warm start from exported weights"
         else:
             how = "random initialisation"
         with open(hist, "w") as f:  # the history of the state being continued, nothing past it
