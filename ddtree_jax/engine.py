@@ -77,6 +77,10 @@ JOIN_AHEAD = 4
 # what one of a single row does, and a large target's reads its weights once for them all: under load the requests
 # joining a step were prefilled one by one (10-14% of the time at 16-32 requests on an H100, the device busy with them).
 PREFILL_TOGETHER = 4
+# Seconds the engine thread waits, at most, for the step queued after the one it just read to reach the device before
+# it works on the one read (Engine._run): their Python would otherwise share the GIL with that step's launch (its
+# joiners' inserts, its call) while the device has nothing to run
+LAUNCH_WAIT_S = 0.005
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +220,7 @@ class Engine:
         self._handoffs = contextlib.ExitStack()  # autorun.quick_handoffs from start to stop: steps beside the host
         self._busy = 0.0  # time.monotonic() of the last step (idle timings wait IDLE_S after it)
         self._timing_ahead = False  # the last step dispatched times its program: no admission beside it
+        self._launched = threading.Event()  # the last step dispatched's: set as the step thread hands it to the device
         self.waiting: collections.deque[Job] = collections.deque()
         self._cancels: set[str] = set()
         self._lock = threading.Lock()
@@ -445,10 +450,13 @@ class Engine:
         inflight = None  # the Future of the step on the step thread, not yet delivered
         waited = 0.0  # seconds of this pass spent waiting for the device (a step's result, timings on free slots)
 
-        def result(future: concurrent.futures.Future) -> Stepped:
+        def result(future: concurrent.futures.Future, handoff: bool = False) -> Stepped:
+            """The step of ``future``; with ``handoff`` (a step is queued after it) once that one is launched too."""
             nonlocal waited
             t = time.perf_counter()
             step = future.result()
+            if handoff:
+                self._launched.wait(LAUNCH_WAIT_S)
             waited += time.perf_counter() - t
             return step
 
@@ -482,7 +490,7 @@ class Engine:
                 if self.active_slots:
                     queued = self._dispatch()
                     if inflight is not None:  # the step before it, delivered while this one runs
-                        self._finish(result(inflight), shared=shared)
+                        self._finish(result(inflight, handoff=True), shared=shared)
                     inflight = queued
                     self._busy = time.monotonic()
                 if later is not None:  # the live slots' tokens of the step finished above, the next one queued
@@ -633,25 +641,33 @@ class Engine:
             rows = np.arange(len(self.slots), dtype=np.int32)
         jobs = [(s, self.slots[s]) for s in live]
         joining, self._joining = self._joining, []
-        return self._steps.submit(self._device_step, program, rows, jobs, reason, self.programs.quiet(), joining)
+        self._launched = launched = threading.Event()
+        return self._steps.submit(self._device_step, program, rows, jobs, reason, self.programs.quiet(), joining,
+                                  launched)
 
     def _device_step(self, program: Program, rows: np.ndarray, jobs, reason: str, quiet: bool,
-                     joining: Sequence[tuple] = ()) -> Stepped:
+                     joining: Sequence[tuple] = (), launched: threading.Event | None = None) -> Stepped:
         """On the step thread: insert the requests admitted beside the step before (``joining``: (Job, prefilled
         state, row, slot)), run ``rounds_per_step`` rounds of ``program`` on ``rows`` and read its Snapshot (every
         slot's, in slot order). Its windows start at :attr:`_starts`, which it then moves to their ends. A joiner whose
         prefill or insert fails is left out (its slot keeps its dead content, done on the device), for
-        :meth:`_finish` to end with an error: one request's failure is not the server's."""
+        :meth:`_finish` to end with an error: one request's failure is not the server's. Sets ``launched`` as it
+        calls the program (or as it fails before), for the engine thread, which waits for it before its work on the
+        step before."""
         failed, t_wait = [], time.perf_counter()
-        for job, one, row, slot in joining:
-            try:
-                jax.block_until_ready(one)  # its prefill's error is its own, before it reaches the shared state
-                self._insert(job, one, row, slot)
-            except Exception as e:  # noqa: BLE001
-                log.exception("admission of %s failed", job.id)
-                failed.append((job, f"admission failed: {type(e).__name__}: {e}"))
-        starts = self._starts.copy()
-        jax.block_until_ready(self.state)  # the admissions' prefills and inserts: not this step's time
+        try:
+            for job, one, row, slot in joining:
+                try:
+                    jax.block_until_ready(one)  # its prefill's error is its own, before it reaches the shared state
+                    self._insert(job, one, row, slot)
+                except Exception as e:  # noqa: BLE001
+                    log.exception("admission of %s failed", job.id)
+                    failed.append((job, f"admission failed: {type(e).__name__}: {e}"))
+            starts = self._starts.copy()
+            jax.block_until_ready(self.state)  # the admissions' prefills and inserts: not this step's time
+        finally:
+            if launched is not None:
+                launched.set()
         t0 = time.perf_counter()
         waited = t0 - t_wait
         self.state, part = self.programs.call(program, self.state, rows, starts[rows])

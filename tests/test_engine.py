@@ -188,6 +188,44 @@ def test_a_step_runs_while_the_one_before_it_is_delivered(engine, reference_runs
     assert [t for _, ev in events for t in ev.token_ids] == run["ar"][n: n + 40]
 
 
+def test_a_step_is_read_only_once_the_next_one_is_launched(engine, reference_runs, monkeypatch):
+    """The engine thread's work on a step it read (statistics, the policy, deliveries: Python, under the GIL) waits
+    until the step queued after it has been handed to the device, whose launch on the step thread needs the GIL too:
+    here each step's launch takes 30 ms of the step thread's time, and every step but the last is still read only
+    as the next one's call begins (without the wait: 30 ms before); the tokens are AR's, each once."""
+    run = reference_runs[2]
+    calls, finished, events, done = [], [], [], threading.Event()
+
+    def sink(ev):
+        events.append(ev)
+        if ev.finish_reason:
+            done.set()
+
+    def slow_launch(device_step):
+        def step(*args):
+            time.sleep(0.03)
+            return device_step(*args)
+        return step
+
+    def finish(fn):
+        def read(step, *args, **kw):
+            finished.append(time.perf_counter())
+            return fn(step, *args, **kw)
+        return read
+
+    monkeypatch.setattr(engines, "LAUNCH_WAIT_S", 10.0)
+    monkeypatch.setattr(engine.programs, "call", blocking_like_a_gpu(engine.programs.call, calls, 0.02))
+    monkeypatch.setattr(engine, "_device_step", slow_launch(engine._device_step))
+    monkeypatch.setattr(engine, "_finish", finish(engine._finish))
+    engine.submit(run["prompt"], greedy(40), sink)
+    assert done.wait(120)
+    assert len(calls) >= 4 and len(finished) == len(calls)
+    for k in range(len(calls) - 1):  # the last step has none after it; its launch set just before its call
+        assert calls[k + 1][0] < finished[k] + 0.01, (k, calls, finished)
+    n = len(run["prompt"])
+    assert [t for ev in events for t in ev.token_ids] == run["ar"][n: n + 40]
+
+
 def test_requests_joining_and_ending_do_not_stop_the_steps_for_delivery(engine, reference_runs, monkeypatch):
     """When requests end on the device and others join, the engine keeps a step queued or running: a long request
     streamed beside a queue of two-token requests (two ending and two joining every step) still gets most of its
