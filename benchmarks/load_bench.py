@@ -21,7 +21,9 @@ compiled at its start and end).
 
 Writes to OUT_DIR: CONFIG.json (the loadtest's JSON list, the levels that finished), CONFIG.server.log,
 CONFIG.loadtest.log, run.json (parameters, startup times, failures) and summary.md (a Markdown table, throughput
-relative to ar's, the forms auto ran).
+relative to ar's, the forms auto ran). With --py-spy C (py-spy installed: ``pip install py-spy``), each server's
+threads are sampled during its level C (``py-spy record --threads --gil``, SIGINT at the level's end) into
+CONFIG.c<C>.speedscope.json: where the engine, step and HTTP threads spend the host's time under load.
 
     python benchmarks/load_bench.py OUT_DIR                   # H200: random:qwen3-8b, ar, dflash, ddtree (auto)
     python benchmarks/load_bench.py OUT_DIR --target default --methods ar,ddtree,ddtree:16,ddtree:32,ddtree:64 \\
@@ -110,6 +112,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run every configuration's server at once and each level on each in turn (order reversed "
                         "every other level), so that a level's ratios do not carry the machine's drift between "
                         "configurations run minutes apart; --restart is ignored, --time-limit is shared")
+    p.add_argument("--py-spy", type=int, default=None, metavar="C",
+                   help="sample each server's threads with py-spy during its level of concurrency C (the profile: "
+                        "CONFIG.cC.speedscope.json; needs py-spy on PATH) (default: none)")
     p.add_argument("--summarize", action="store_true", help="only (re)write summary.md from OUT's JSON files")
     return p.parse_args(argv)
 
@@ -251,12 +256,20 @@ class Served:
         self.llog.write(f"$ {' '.join(lcmd[1:])}\n")
         self.llog.flush()
         since, compiled = round(time.monotonic() - self.up, 1), (_health(self.url) or {}).get("programs_compiled")
+        spy = self._py_spy(c)
         try:
             r = subprocess.run(lcmd, cwd=REPO, env=_env(args), stdout=subprocess.PIPE, stderr=self.llog, text=True,
                                timeout=left)
         except subprocess.TimeoutExpired:
             info["failures"].append(f"concurrency {c}: cut after {left:.0f}s (the configuration's time share)")
             return
+        finally:
+            if spy is not None:  # py-spy writes its profile on SIGINT
+                spy.send_signal(signal.SIGINT)
+                try:
+                    spy.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    spy.kill()
         if r.returncode != 0:
             info["failures"].append(f"concurrency {c}: loadtest exited with {r.returncode} (see the log)")
             return
@@ -275,6 +288,21 @@ class Served:
               f"{level.get('reason_rounds')}, {level['errors']} errors", file=sys.stderr, flush=True)
         with open(os.path.join(args.out, f"{self.name}.json"), "w") as f:
             json.dump(sorted(self.results, key=lambda x: x["concurrency"]), f, indent=1)
+
+    def _py_spy(self, c: int) -> subprocess.Popen | None:
+        """With --py-spy C, at level C: ``py-spy record`` of the server's threads, running until SIGINT."""
+        if self.args.py_spy != c or self.proc is None:
+            return None
+        out = os.path.join(self.args.out, f"{self.name}.c{c}.speedscope.json")
+        cmd = ["py-spy", "record", "--pid", str(self.proc.pid), "--threads", "--gil", "--rate", "250",
+               "--format", "speedscope", "--output", out]
+        self.llog.write(f"$ {' '.join(cmd)}\n")
+        self.llog.flush()
+        try:
+            return subprocess.Popen(cmd, stdout=self.llog, stderr=self.llog)
+        except OSError as e:
+            self.info["failures"].append(f"py-spy: {e}")
+            return None
 
     def stop(self) -> None:
         self.info["server_exit"] = _stop(self.proc) if self.proc is not None else None

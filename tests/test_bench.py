@@ -327,14 +327,19 @@ def test_busy_time_merges_overlapping_kernels():
     assert analysis.busy_and_gaps([(0, 10), (2, 3)]) == (10, [])
 
 
+def _script(name: str):
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_load_bench_interleave_runs_each_level_on_every_server_in_alternating_order(monkeypatch):
     """benchmarks/load_bench.py --interleave: every configuration's server starts (each given 1/N of an
     accelerator's memory), then each level runs on every server that came up, the order reversed every other level;
     a server that failed to start runs no level; all are stopped and their logs closed."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "load_bench.py"
-    loaded = importlib.util.spec_from_file_location("load_bench", script)
-    module = importlib.util.module_from_spec(loaded)
-    loaded.loader.exec_module(module)
+    module = _script("load_bench")
     calls = []
 
     class Fake:
@@ -368,10 +373,7 @@ def test_load_bench_interleave_runs_each_level_on_every_server_in_alternating_or
 def test_load_bench_summary_keeps_a_repeated_level(tmp_path):
     """--concurrency 8,1,8: summary.md shows both runs of level 8 in run order, each against ar's run of the same
     rank (the summary once keyed rows by concurrency and dropped the first)."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "load_bench.py"
-    loaded = importlib.util.spec_from_file_location("load_bench", script)
-    lb = importlib.util.module_from_spec(loaded)
-    loaded.loader.exec_module(lb)
+    lb = _script("load_bench")
 
     def level(c, tps):
         return {"concurrency": c, "requests": 4, "errors": 0, "requests_per_s": 1.0, "output_tokens_per_s": tps,
@@ -384,3 +386,49 @@ def test_load_bench_summary_keeps_a_repeated_level(tmp_path):
     text = lb.summarize(str(tmp_path))
     rows = [line.split(" | ")[:7] for line in text.splitlines() if line.startswith("| ddtree |")]
     assert [(r[1], r[5], r[6]) for r in rows] == [("1", "60.0", "1.50"), ("8", "50.0", "0.50"), ("8", "180.0", "0.90")]
+
+
+def test_load_bench_py_spy_samples_the_server_at_its_level_only(tmp_path, monkeypatch):
+    """--py-spy C: at level C (and no other) py-spy records the server's process, GIL-holding stacks of every
+    thread, into CONFIG.cC.speedscope.json; a py-spy that cannot start is a recorded failure, not the run's."""
+    lb = _script("load_bench")
+    started = []
+
+    class Popen:
+        def __init__(self, cmd, **kw):
+            started.append(cmd)
+
+    monkeypatch.setattr(lb.subprocess, "Popen", Popen)
+    args = argparse.Namespace(out=str(tmp_path), py_spy=32)
+    served = lb.Served.__new__(lb.Served)
+    served.args, served.name, served.info = args, "ddtree-16", {"failures": []}
+    served.proc = argparse.Namespace(pid=4242)
+    served.llog = open(tmp_path / "log", "w")
+    assert served._py_spy(16) is None and not started
+    assert isinstance(served._py_spy(32), Popen)
+    cmd = started[0]
+    assert cmd[:4] == ["py-spy", "record", "--pid", "4242"] and "--gil" in cmd and "--threads" in cmd
+    assert cmd[cmd.index("--output") + 1] == str(tmp_path / "ddtree-16.c32.speedscope.json")
+
+    def missing(cmd, **kw):
+        raise FileNotFoundError("py-spy")
+
+    monkeypatch.setattr(lb.subprocess, "Popen", missing)
+    assert served._py_spy(32) is None and served.info["failures"] == ["py-spy: py-spy"]
+    served.llog.close()
+
+
+def test_profile_summary_counts_each_function_once_a_sample():
+    """benchmarks/profile_summary.py: per thread, the seconds sampled and each matching function's inclusive time,
+    a function on a stack twice (recursion, or two of its lines) counted once; other files' functions left out."""
+    ps = _script("profile_summary")
+    frames = [{"name": "_run", "file": "/x/ddtree_jax/engine.py", "line": 1},
+              {"name": "_finish", "file": "/x/ddtree_jax/engine.py", "line": 2},
+              {"name": "_finish", "file": "/x/ddtree_jax/engine.py", "line": 3},
+              {"name": "wait", "file": "/usr/lib/threading.py", "line": 4}]
+    profile = {"shared": {"frames": frames}, "profiles": [
+        {"name": "engine", "samples": [[0, 1, 2], [0, 3], [0]], "weights": [0.5, 0.25, 0.25]}]}
+    text = ps.summarize(profile)
+    assert "### engine: 1.00 s holding the GIL" in text
+    assert "| _run (engine.py) | 1.00 | 100% |" in text and "| _finish (engine.py) | 0.50 | 50% |" in text
+    assert "wait" not in text
