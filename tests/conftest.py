@@ -61,7 +61,9 @@ def pytest_configure(config):
 # compilation of the top-p programs in test_forms_and_slot_batches_run_only_the_live_slots crashed the worker (a
 # segmentation fault or an abort inside XLA's compilation or jax's cache write of the program; 3 of 7 full runs on 2
 # cores, 2026-12-07, jaxlib 0.11.2), and xdist then stalled until CI's limit. The module alone, and that test alone,
-# never crashed (4 runs); the cause, something in the process's history, is not found.
+# never crashed (4 runs). Reproduced in the old order under glibc's MALLOC_CHECK_=3, which found no heap damage before
+# it; the core dump shows the fault inside libgcc's unwinder called from jaxlib's serialize (a C++ exception or stack
+# trace being unwound there); the cause is not found.
 LONGEST_FIRST = (
     "test_engine.py",  # 70 beside a full run, about 300 alone: first, in a fresh worker (above)
     "test_sharding.py",  # 200: one 8-device subprocess, besides the worker
