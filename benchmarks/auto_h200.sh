@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # --tree-budget auto on one GPU (docs/ADAPTIVE.md), in one call of under 9 minutes per part.
-# Usage: benchmarks/auto_h200.sh OUTDIR PART        (from the repo root; PYTHONPATH=. is set here)
+# Usage: benchmarks/auto_h200.sh OUTDIR PART [LOAD_BENCH_FLAGS...]   (from the repo root; PYTHONPATH=. is set here;
+#        the flags go to load_bench.py in the parts that run it, e.g. --py-spy 32)
 #   PART 8b    serve random:qwen3-8b --max-batch 32: ar and ddtree (auto) at concurrency 1,2,4,8,16,32,64
 #              (4 requests a client, at least 8, 64 tokens each, prompt 128: the levels are cut to fit), each after
 #              every program compiled; start-up to /health on an empty cache, and ddtree's second start on the
@@ -32,7 +33,7 @@ case "$PART" in
     else methods=ar,dflash; extra=(); dir=load_8b_dflash; fi
     python3 benchmarks/load_bench.py "$OUT/$dir" --target random:qwen3-8b --methods $methods \
       --max-batch 32 --concurrency 1,2,4,8,16,32,64 --requests-per-client 4 --min-requests 8 --max-tokens 64 \
-      --prompt-len 128 --wait-compiled 200 "${extra[@]}" --time-limit 470
+      --prompt-len 128 --wait-compiled 200 "${extra[@]}" --time-limit 470 "${@:3}"
     ;;
   pair)
     timeout 360 python3 -m ddtree_jax.bench pair --prompts 8 --max-new-tokens 128 \
@@ -44,7 +45,7 @@ case "$PART" in
     if [ "$PART" = pair-load ]; then methods=ar,ddtree:16,ddtree:32; dir=load_pair; else methods=ddtree; dir=load_pair_auto; fi
     python3 benchmarks/load_bench.py "$OUT/$dir" --target default \
       --methods $methods --max-batch 32 --concurrency 1,4,16,32 \
-      --requests-per-client 32 --min-requests 32 --max-tokens 128 --wait-compiled 300 --time-limit 540
+      --requests-per-client 32 --min-requests 32 --max-tokens 128 --wait-compiled 300 --time-limit 540 "${@:3}"
     rm -rf "$OUT/$dir/cache/jit"  # the compilation cache: too many files to bring back from a device call
     ;;
   calls)
