@@ -115,6 +115,15 @@ def test_models_mode_writes_the_issue_records(tmp_path):
                                                          else weight_layout.GPU_LAYOUT) == projection.LAYOUTS[r["method"]]
 
 
+def _script(name: str):
+    """benchmarks/NAME.py loaded as a module in this process."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_interleaved_ab_script(tmp_path):
     """benchmarks/ab_interleaved.py on the tiny shape (CPU): each variant's layouts, tuning, module constants, XLA
     options and auto's forms as asked (auto's round at the fixed budget's form: the same tokens), one timing per pair
@@ -150,9 +159,7 @@ def test_interleaved_ab_script(tmp_path):
                          ("x:forms=ar+tree", "forms=ar+tree: unknown form 'tree'")):
         bad = subprocess.run(args[:-8] + ["--variant", variant], capture_output=True, text=True, env=env, timeout=120)
         assert bad.returncode == 2 and msg in bad.stderr.strip().splitlines()[-1], bad.stderr
-    loaded = importlib.util.spec_from_file_location("ab_interleaved", script)  # the same parser, in this process
-    module = importlib.util.module_from_spec(loaded)
-    loaded.loader.exec_module(module)
+    module = _script("ab_interleaved")  # the same parser, in this process
     with pytest.raises(argparse.ArgumentTypeError, match="sampling='yes': expected 0 or 1"):
         module.variant("x:sampling=yes")
     with pytest.raises(argparse.ArgumentTypeError, match="filtering='2': expected 0 or 1"):
@@ -185,10 +192,7 @@ def test_auto_overhead_script(tmp_path):
     variant's decode traced; a malformed variant is refused."""
     from ddtree_jax import autorun
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "auto_overhead.py"
-    loaded = importlib.util.spec_from_file_location("auto_overhead", script)
-    module = importlib.util.module_from_spec(loaded)
-    loaded.loader.exec_module(module)
+    module = _script("auto_overhead")
     out = tmp_path / "ao.json"
     assert module.main(["--model", "tiny", "--budget", "4", "--tokens", "6", "--prompt-len", "8", "--reps", "1",
                         "--variant", "one:forms=4,group=2,max=2,si=0.005", "--variant", "two:forms=4+8", "--json",
@@ -222,10 +226,7 @@ def test_call_cost_script(tmp_path):
     """benchmarks/call_cost.py on the tiny shape (CPU, in this process): every mode timed at its round counts (those
     above --max-rounds cut to it), each call's Snapshot ready no sooner than the call returned, the worker modes' wall
     time a call recorded, and CPython's switch interval restored afterwards."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "call_cost.py"
-    loaded = importlib.util.spec_from_file_location("call_cost", script)
-    module = importlib.util.module_from_spec(loaded)
-    loaded.loader.exec_module(module)
+    module = _script("call_cost")
     before, out = sys.getswitchinterval(), tmp_path / "cc.json"
     assert module.main([str(out), "--model", "tiny", "--calls", "3", "--max-rounds", "4"]) == 0
     assert sys.getswitchinterval() == before
@@ -325,14 +326,6 @@ def test_busy_time_merges_overlapping_kernels():
     """The profile summaries' busy time: overlapping kernels counted once, the idle gaps between them listed."""
     assert analysis.busy_and_gaps([(0, 10), (5, 12), (12, 14), (20, 25)]) == (19, [6])
     assert analysis.busy_and_gaps([(0, 10), (2, 3)]) == (10, [])
-
-
-def _script(name: str):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_load_bench_interleave_runs_each_level_on_every_server_in_alternating_order(monkeypatch):
