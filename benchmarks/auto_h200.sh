@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # --tree-budget auto on one GPU (docs/ADAPTIVE.md), in one call of under 9 minutes per part.
 # Usage: benchmarks/auto_h200.sh OUTDIR PART [LOAD_BENCH_FLAGS...]   (from the repo root; PYTHONPATH=. is set here;
-#        the flags go to load_bench.py in the parts that run it, e.g. --py-spy 32)
+#        the flags go to load_bench.py in the parts that run it, e.g. --py-spy 1,32)
 #   PART 8b    serve random:qwen3-8b --max-batch 32: ar and ddtree (auto) at concurrency 1,2,4,8,16,32,64
 #              (4 requests a client, at least 8, 64 tokens each, prompt 128: the levels are cut to fit), each after
 #              every program compiled; start-up to /health on an empty cache, and ddtree's second start on the

@@ -21,9 +21,10 @@ compiled at its start and end).
 
 Writes to OUT_DIR: CONFIG.json (the loadtest's JSON list, the levels that finished), CONFIG.server.log,
 CONFIG.loadtest.log, run.json (parameters, startup times, failures) and summary.md (a Markdown table, throughput
-relative to ar's, the forms auto ran). With --py-spy C (py-spy installed: ``pip install py-spy``), each server's
-threads are sampled during its level C (``py-spy record --threads --gil``, SIGINT at the level's end) into
-CONFIG.c<C>.speedscope.json: where the engine, step and HTTP threads spend the host's time under load.
+relative to ar's, the forms auto ran). With --py-spy C,... (py-spy installed: ``pip install py-spy``), each
+server's threads are sampled during its levels C (``py-spy record --threads --gil --nonblocking``, SIGINT at the
+level's end) into CONFIG.c<C>.speedscope.json: where the engine, step and HTTP threads spend the host's time under
+load.
 
     python benchmarks/load_bench.py OUT_DIR                   # H200: random:qwen3-8b, ar, dflash, ddtree (auto)
     python benchmarks/load_bench.py OUT_DIR --target default --methods ar,ddtree,ddtree:16,ddtree:32,ddtree:64 \\
@@ -112,9 +113,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run every configuration's server at once and each level on each in turn (order reversed "
                         "every other level), so that a level's ratios do not carry the machine's drift between "
                         "configurations run minutes apart; --restart is ignored, --time-limit is shared")
-    p.add_argument("--py-spy", type=int, default=None, metavar="C",
-                   help="sample each server's threads with py-spy during its level of concurrency C (the profile: "
-                        "CONFIG.cC.speedscope.json; needs py-spy on PATH) (default: none)")
+    p.add_argument("--py-spy", type=_ints, default=[], metavar="C,...",
+                   help="sample each server's threads with py-spy during its levels of these concurrencies (the "
+                        "profile of level C: CONFIG.cC.speedscope.json; needs py-spy on PATH) (default: none)")
     p.add_argument("--summarize", action="store_true", help="only (re)write summary.md from OUT's JSON files")
     return p.parse_args(argv)
 
@@ -290,12 +291,12 @@ class Served:
             json.dump(sorted(self.results, key=lambda x: x["concurrency"]), f, indent=1)
 
     def _py_spy(self, c: int) -> subprocess.Popen | None:
-        """With --py-spy C, at level C: ``py-spy record`` of the server's threads, running until SIGINT."""
-        if self.args.py_spy != c or self.proc is None:
+        """At a level of --py-spy: ``py-spy record`` of the server's threads, running until SIGINT."""
+        if c not in self.args.py_spy or self.proc is None:
             return None
         out = os.path.join(self.args.out, f"{self.name}.c{c}.speedscope.json")
-        cmd = ["py-spy", "record", "--pid", str(self.proc.pid), "--threads", "--gil", "--rate", "250",
-               "--format", "speedscope", "--output", out]
+        cmd = ["py-spy", "record", "--pid", str(self.proc.pid), "--threads", "--gil", "--nonblocking",
+               "--rate", "250", "--format", "speedscope", "--output", out]
         self.llog.write(f"$ {' '.join(cmd)}\n")
         self.llog.flush()
         try:

@@ -382,7 +382,7 @@ def test_load_bench_summary_keeps_a_repeated_level(tmp_path):
 
 
 def test_load_bench_py_spy_samples_the_server_at_its_level_only(tmp_path, monkeypatch):
-    """--py-spy C: at level C (and no other) py-spy records the server's process, GIL-holding stacks of every
+    """--py-spy 1,32: at levels 1 and 32 (and no other) py-spy records the server's process, GIL-holding stacks of every
     thread, into CONFIG.cC.speedscope.json; a py-spy that cannot start is a recorded failure, not the run's."""
     lb = _script("load_bench")
     started = []
@@ -392,13 +392,13 @@ def test_load_bench_py_spy_samples_the_server_at_its_level_only(tmp_path, monkey
             started.append(cmd)
 
     monkeypatch.setattr(lb.subprocess, "Popen", Popen)
-    args = argparse.Namespace(out=str(tmp_path), py_spy=32)
+    args = argparse.Namespace(out=str(tmp_path), py_spy=[1, 32])
     served = lb.Served.__new__(lb.Served)
     served.args, served.name, served.info = args, "ddtree-16", {"failures": []}
     served.proc = argparse.Namespace(pid=4242)
     served.llog = open(tmp_path / "log", "w")
     assert served._py_spy(16) is None and not started
-    assert isinstance(served._py_spy(32), Popen)
+    assert isinstance(served._py_spy(32), Popen) and isinstance(served._py_spy(1), Popen)
     cmd = started[0]
     assert cmd[:4] == ["py-spy", "record", "--pid", "4242"] and "--gil" in cmd and "--threads" in cmd
     assert cmd[cmd.index("--output") + 1] == str(tmp_path / "ddtree-16.c32.speedscope.json")
