@@ -85,6 +85,34 @@ def test_pair_mode_on_the_fixture_pair(tmp_path, capsys, monkeypatch):
     assert bench.main(["pair", "--target", str(tmp_path / "nope")]) == 2
 
 
+def test_pair_mode_keeps_the_prompts_done_when_cut_short(tmp_path, capsys, monkeypatch):
+    """``bench pair --json`` writes its record after every prompt: a run cut short (here the second prompt's
+    benchmark fails; on a device, a call's time limit) leaves the first prompt's methods, counted in prompts_done, and
+    each prompt's line of progress on stderr."""
+    from tests.conftest import fixture_path
+
+    from ddtree_jax.training import evaluate
+
+    calls, benchmark = [], evaluate.benchmark
+
+    def cut(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # as a time limit's signal would
+        return benchmark(*a, **kw)
+
+    monkeypatch.setattr(evaluate, "benchmark", cut)
+    out = tmp_path / "pair.json"
+    code = bench.main(["pair", "--target", fixture_path("target"), "--draft", fixture_path("draft"), "--budgets", "4",
+                       "--prompts", "2", "--max-new-tokens", "4", "--dtype", "float32", "--json", str(out)])
+    assert code != 0  # interrupted: one line, no traceback
+    res = json.loads(out.read_text())
+    assert res["prompts"] == 2 and res["prompts_done"] == 1
+    assert list(res["methods"]) == ["ar", "dflash", "ddtree-4"] and res["methods"]["ar"]["tokens_per_s"] > 0
+    err = capsys.readouterr().err
+    assert "prompt 1/2: ar " in err and "prompt 2/2" not in err
+
+
 def test_models_mode_writes_the_issue_records(tmp_path):
     """``bench models`` on the tiny shape (CPU): one record per method with the fields the results files hold
     (model, method, budget, batch, prompt_len, ms_per_round, breakdown_ms, roofline_ms, date, command), AR against

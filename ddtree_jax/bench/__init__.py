@@ -223,7 +223,9 @@ def build_parser() -> cli.ArgumentParser:
     q.add_argument("--check", action="store_true",
                    help="also compare every method's tokens with ar's and replay each round's tree walk on the host "
                         "from a traced run (columns same-as-ar, first divergence, walk mismatches)")
-    q.add_argument("--json", default=None, help="write the results (a JSON object) to this file")
+    q.add_argument("--json", default=None,
+                   help="write the results (a JSON object) to this file, again after every prompt (prompts_done: "
+                        "how many it covers), so that a run cut short keeps what it measured")
 
     j = sub.add_parser("project", help="projected speedup over AR: the paper's acceptance lengths x our round costs",
                        description="Projected speedup over AR of dflash and ddtree per dataset: the DDTree paper's "

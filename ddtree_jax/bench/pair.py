@@ -15,7 +15,6 @@ from ddtree_jax.bench.records import command, now, write_json
 def run(args) -> int:
     """training.evaluate.benchmark on held-out prompts, one at a time (batch 1) or as one batch; per method the mean
     acceptance length over all rounds and the mean decode tokens/s, compilation excluded."""
-    import jax
     import jax.numpy as jnp
 
     from ddtree_jax import defaults, weights
@@ -50,6 +49,35 @@ def run(args) -> int:
         if AUTO in args.budgets:
             run["ddtree-auto"] = _auto_run(target, draft, g, args, stop, run["ar"]["tokens_per_s"], ar_ids)
         runs.append(run)
+        table = _table(runs, args)
+        cli.info(f"prompt {len(runs)}/{len(groups)}: " + ", ".join(
+            f"{name} {row['tokens_per_s'] or 0:.1f} tok/s"
+            + (f" (τ {row['mean_acceptance_length']:.2f})" if row["mean_acceptance_length"] else "")
+            for name, row in run.items()))
+        if args.json:  # after every prompt: a run cut short (a device call's time limit) keeps what it measured
+            write_json(args.json, _record(table, runs, groups, prompts, args, target_path, draft_path))
+    extra = f" {'min':>4} {'same-as-ar':>10} {'diverges at':>11} {'walk mismatches':>15}" if args.check else ""
+    print(f"{'method':<12} {'acceptance':>10} {'tok/s':>8} {'vs ar':>6}{extra}")
+    for name, row in table.items():
+        acc = "-" if row["mean_acceptance_length"] is None or name == "ar" else f"{row['mean_acceptance_length']:.2f}"
+        line = f"{name:<12} {acc:>10} {row['tokens_per_s']:>8.1f} {row['speedup']:>5.2f}x"
+        if args.check and name != "ar":
+            div = "-" if row["first_divergence"] is None else str(row["first_divergence"])
+            line += (f" {row['min_acceptance_length']:>4} {row['same_as_ar']:>4}/{len(prompts):<5} {div:>11} "
+                     f"{row['walk_mismatches']:>6}/{row['traced_rounds']:<8}")
+        print(line)
+    if "ddtree-auto" in table:
+        print("ddtree-auto's rounds: " + ", ".join(f"{f} x{n}" for f, n in table["ddtree-auto"]["forms"].items())
+              + f"; device calls a decode: {statistics.fmean(table['ddtree-auto']['calls']):.1f}")
+        print("ddtree-auto's costs, ms a round (median over prompts, as timed before its decodes / as they left them): "
+              + ", ".join(f"{f} {statistics.median(c['timed']):.3f} / {statistics.median(c['decode']):.3f}"
+                          for f, c in table["ddtree-auto"]["costs_ms"].items()))
+    return 0
+
+
+def _table(runs: list[dict], args) -> dict:
+    """Per method, over the prompts run so far: the mean acceptance length over all rounds, the mean decode tokens/s
+    and its ratio to AR's; auto's forms, calls and costs; with --check, the checks summed."""
     table = {}
     for name in runs[0]:
         acc = [r[name]["mean_acceptance_length"] for r in runs if r[name]["mean_acceptance_length"] is not None]
@@ -76,30 +104,18 @@ def run(args) -> int:
     for name, row in table.items():
         ar = table["ar"]["tokens_per_s"]
         row["speedup"] = row["tokens_per_s"] / ar if ar and row["tokens_per_s"] else None
-    out = {"date": now(), "command": command(), "device": jax.devices()[0].device_kind,
-           "backend": jax.default_backend(), "target": target_path, "draft": draft_path, "dtype": args.dtype,
-           "prompts": len(prompts), "batch": len(prompts) if args.batched else 1,
-           "max_new_tokens": args.max_new_tokens, "attention": args.attention,
-           "tuning": dataclasses.asdict(args.tuning), "methods": table}
-    extra = f" {'min':>4} {'same-as-ar':>10} {'diverges at':>11} {'walk mismatches':>15}" if args.check else ""
-    print(f"{'method':<12} {'acceptance':>10} {'tok/s':>8} {'vs ar':>6}{extra}")
-    for name, row in table.items():
-        acc = "-" if row["mean_acceptance_length"] is None or name == "ar" else f"{row['mean_acceptance_length']:.2f}"
-        line = f"{name:<12} {acc:>10} {row['tokens_per_s']:>8.1f} {row['speedup']:>5.2f}x"
-        if args.check and name != "ar":
-            div = "-" if row["first_divergence"] is None else str(row["first_divergence"])
-            line += (f" {row['min_acceptance_length']:>4} {row['same_as_ar']:>4}/{len(prompts):<5} {div:>11} "
-                     f"{row['walk_mismatches']:>6}/{row['traced_rounds']:<8}")
-        print(line)
-    if "ddtree-auto" in table:
-        print("ddtree-auto's rounds: " + ", ".join(f"{f} x{n}" for f, n in table["ddtree-auto"]["forms"].items())
-              + f"; device calls a decode: {statistics.fmean(table['ddtree-auto']['calls']):.1f}")
-        print("ddtree-auto's costs, ms a round (median over prompts, as timed before its decodes / as they left them): "
-              + ", ".join(f"{f} {statistics.median(c['timed']):.3f} / {statistics.median(c['decode']):.3f}"
-                          for f, c in table["ddtree-auto"]["costs_ms"].items()))
-    if args.json:
-        write_json(args.json, out)
-    return 0
+    return table
+
+
+def _record(table: dict, runs: list, groups: list, prompts: list, args, target_path: str, draft_path: str) -> dict:
+    """The JSON record of ``bench pair``: the run's conditions, the prompts done so far and the table."""
+    import jax
+
+    return {"date": now(), "command": command(), "device": jax.devices()[0].device_kind,
+            "backend": jax.default_backend(), "target": target_path, "draft": draft_path, "dtype": args.dtype,
+            "prompts": len(prompts), "prompts_done": sum(len(g) for g in groups[: len(runs)]),
+            "batch": len(prompts) if args.batched else 1, "max_new_tokens": args.max_new_tokens,
+            "attention": args.attention, "tuning": dataclasses.asdict(args.tuning), "methods": table}
 
 
 def _auto_run(target, draft, prompts, args, stop, ar_tokens_per_s, ar_ids) -> dict:
