@@ -45,6 +45,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import json
 import logging
 import os
 import threading
@@ -100,6 +101,7 @@ class EngineConfig:
     tuning: Tuning = Tuning()  # how the rounds run on the device (ddtree_jax.tuning)
     compile_threads: int | None = None  # background compilation threads while idle, one while serving (None:
     # programs.COMPILE_THREADS)
+    step_log: str | None = None  # a file: one JSON line per device step (Engine._log_step), for performance analysis
 
 
 # ----------------------------------------------------------------------------------------- device
@@ -126,6 +128,7 @@ class Stepped:
     starts: np.ndarray  # [B] each slot's first undelivered index: where its Snapshot window starts
     snap: decode.Snapshot  # [B], on the host
     elapsed: float  # seconds from its dispatch to its Snapshot read
+    started: float = 0.0  # time.time() of its dispatch
     failed: list = dataclasses.field(default_factory=list)  # (Job, error) of joiners whose admission failed
     waited: float = 0.0  # seconds the step thread waited before it for the state changes queued since the last step
 
@@ -217,7 +220,8 @@ class Engine:
         self._joining: list[tuple] = []  # (Job, prefilled state, row, slot) joining the next step
         self._starts = np.zeros(b, np.int32)  # per slot, where the next step's window starts (the step thread's)
         self._steps = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddtree-step")
-        self._handoffs = contextlib.ExitStack()  # autorun.quick_handoffs from start to stop: steps beside the host
+        # from start to stop: autorun.quick_handoffs (the steps beside the host's work), the step log
+        self._running = contextlib.ExitStack()
         self._busy = 0.0  # time.monotonic() of the last step (idle timings wait IDLE_S after it)
         self._timing_ahead = False  # the last step dispatched times its program: no admission beside it
         self._launched = threading.Event()  # the last step dispatched's: set as the step thread hands it to the device
@@ -233,6 +237,7 @@ class Engine:
         self._stopping = False
         self.failure: str | None = None  # set when the loop died
         self.ready = False
+        self._step_log = None  # the open EngineConfig.step_log, from start to stop
 
     # ------------------------------------------------------------------ public API
     @property
@@ -368,7 +373,9 @@ class Engine:
         first request compiles the first program and the prefill)."""
         if warmup:
             self.warmup()
-        self._handoffs.enter_context(autorun.quick_handoffs())
+        if self.config.step_log:
+            self._step_log = self._running.enter_context(open(self.config.step_log, "a", buffering=1))
+        self._running.enter_context(autorun.quick_handoffs())
         self._thread = threading.Thread(target=self._run, name="ddtree-engine", daemon=True)
         self._thread.start()
         self.programs.start(self.config.compile_threads)
@@ -386,7 +393,7 @@ class Engine:
             self._thread.join(timeout)
         self.programs.join(timeout)
         self._steps.shutdown(wait=True)
-        self._handoffs.close()
+        self._running.close()
         self.ready = False
         self.costs.save()
         programs.thaw()  # this engine, a reference cycle, can be collected
@@ -668,7 +675,7 @@ class Engine:
         finally:
             if launched is not None:
                 launched.set()
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.time()
         waited = t0 - t_wait
         self.state, part = self.programs.call(program, self.state, rows, starts[rows])
         part = jax.device_get(part)
@@ -680,7 +687,8 @@ class Engine:
             for full, x in zip(jax.tree.leaves(snap), jax.tree.leaves(part)):
                 full[rows] = x
         self._starts[rows] = np.maximum(starts[rows], part.end)
-        return Stepped(program, jobs, reason, quiet and self.programs.quiet(), starts, snap, elapsed, failed, waited)
+        return Stepped(program, jobs, reason, quiet and self.programs.quiet(), starts, snap, elapsed, started, failed,
+                       waited)
 
     def _finish(self, step: Stepped, defer: bool = False, shared: bool = False) -> Callable[[], None] | None:
         """Count a step that ran (metrics, its program's cost unless admissions' prefills ran beside it (``shared``),
@@ -701,11 +709,26 @@ class Engine:
             for s in live:
                 self.policy.observe(s, program.form, snap.new_stats[s])
         self.metrics.stepped(self, program, live, snap, step.reason, step.elapsed, step.waited)
+        if self._step_log is not None:
+            self._log_step(step, len(live), rounds, shared)
         if not defer:
             self._deliver(step.starts, snap, step.jobs)
             return None
         self._deliver(step.starts, snap, [(s, job) for s, job in step.jobs if snap.done[s]])
         return functools.partial(self._deliver, step.starts, snap, [(s, j) for s, j in step.jobs if not snap.done[s]])
+
+    def _log_step(self, step: Stepped, live: int, rounds: int, shared: bool) -> None:
+        """A line of EngineConfig.step_log: when the step was dispatched (``t``, Unix seconds) and its seconds from
+        dispatch to Snapshot read (``elapsed``), its program (form, slot batch, variant) and why it ran, its rounds
+        (the most any sequence ran), the live sequences and the tokens they committed, whether joining requests'
+        prefills were queued beside it (``shared``: not its program's time alone) or a compilation ran (``quiet``
+        false), and the seconds the step thread waited for admissions before it."""
+        snap = step.snap
+        self._step_log.write(json.dumps({
+            "t": round(step.started, 6), "elapsed": round(step.elapsed, 6), "form": step.program.form,
+            "batch": step.program.size, "variant": step.program.variant, "reason": step.reason, "rounds": rounds,
+            "live": live, "tokens": int(snap.new_tokens.sum()), "shared": shared, "quiet": step.quiet,
+            "waited": round(step.waited, 6)}) + "\n")
 
     def _deliver(self, starts: np.ndarray, snap: decode.Snapshot, jobs: list) -> None:
         """Each of ``jobs`` ((slot, Job) a step ran for) still in its slot: its new tokens from ``snap``."""

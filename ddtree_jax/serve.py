@@ -152,6 +152,11 @@ def build_parser() -> cli.ArgumentParser:
                         "each for 1, 2 and 4 requests prefilled together) before /health turns 200; by default only "
                         "the shortest bucket's for one request is, and the engine compiles the others while it is "
                         "idle (one no idle moment reached compiles on first use, pausing the batch once)")
+    b.add_argument("--step-log", metavar="FILE", default=None,
+                   help="append one JSON line per device step to FILE: when it was dispatched and how long it took, "
+                        "its program (form, slot batch, sampling variant) and why it ran, its rounds, live "
+                        "requests and tokens, whether admissions ran beside it (docs/SERVING.md#load-tests; "
+                        "benchmarks/step_summary.py summarises it) (default: none)")
 
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
@@ -197,6 +202,8 @@ def plan(args: argparse.Namespace) -> Plan:
         cli.warn("--forms is ignored without --tree-budget auto and a drafter")
     if args.port > 65535:
         raise cli.UsageError(f"--port {args.port} is not a port number (0..65535)")
+    if args.step_log and not os.path.isdir(os.path.dirname(os.path.abspath(args.step_log))):
+        raise cli.UsageError(f"--step-log {args.step_log}: no such directory")
     target_path = draft_path = dcfg = None
     if shape is not None:
         tcfg, dcfg = shapes.model_configs(shapes.SHAPES[shape])
@@ -240,7 +247,7 @@ def plan(args: argparse.Namespace) -> Plan:
     ecfg = engines.EngineConfig(method=method, tree_budget=budget, max_batch=args.max_batch, max_len=max_len,
                                 rounds_per_step=args.rounds_per_step, max_queue=args.max_queue,
                                 attention=args.attention, batch_buckets=buckets, forms=args.forms or (),
-                                tuning=args.tuning, compile_threads=args.compile_threads)
+                                tuning=args.tuning, compile_threads=args.compile_threads, step_log=args.step_log)
     return Plan(target_path, draft_path, args.dtype, name, ecfg, args.mesh, tok, eos, args.host, args.port,
                 args.log_level, args.warmup_all, shape, not args.no_disk_cache)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import sys
 import threading
 import time
@@ -678,6 +679,27 @@ def test_a_stopped_engine_is_freed(target, drafter):
     del eng
     gc.collect()
     assert gone() is None
+
+
+def test_the_step_log_has_a_line_per_step(target, drafter, tmp_path):
+    """EngineConfig.step_log (serve --step-log): one JSON line per device step, in order, with its program, rounds,
+    live requests and committed tokens: the steps' tokens add up to the request's."""
+    log = tmp_path / "steps.jsonl"
+    cfg = engines.EngineConfig(method="ddtree", forms=("ar", "4"), max_batch=2, max_len=MAX_LEN, batch_buckets=(1,),
+                               step_log=str(log))
+    eng = engines.Engine(target, drafter, cfg).start()
+    try:
+        assert len(eng.generate([1, 2, 3], greedy(12), timeout=120).token_ids) == 12
+    finally:
+        eng.stop()
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert lines and sum(x["tokens"] for x in lines) == 12  # the request's tokens, each committed by a step
+    assert all(x["form"] in ("ar", "4") and x["batch"] in (1, 2) and x["variant"] in programs.VARIANTS for x in lines)
+    assert all(x["elapsed"] > 0 and x["reason"] in ("policy", "probe", "timing") for x in lines)
+    # a step queued while the one before ended the request runs no round: logged too
+    assert all((x["live"], x["rounds"] > 0) in ((1, True), (0, False)) for x in lines) and lines[0]["live"] == 1
+    assert [x["t"] for x in lines] == sorted(x["t"] for x in lines)
+    assert len(lines) == sum(eng.step_programs.values())  # every step the engine counted
 
 
 def test_programs_are_timed_one_at_a_time_never_timed_first(target, drafter):

@@ -530,6 +530,8 @@ def test_cli_bad_flags_are_one_line_errors(capsys, tmp_path):
                     "--forms", "dflash takes the forms ar and chain")
     _one_line_error(capsys, ["--target", TARGET, "--tree-budget", "many"], "--tree-budget")
     _one_line_error(capsys, ["--target", TARGET, "--forms", "ar,tree"], "--forms", "unknown form 'tree'")
+    _one_line_error(capsys, ["--target", TARGET, "--step-log", str(tmp_path / "no" / "steps.jsonl")], "--step-log",
+                    "no such directory")
 
 
 def test_cli_help_explains_every_flag(capsys):
@@ -537,7 +539,8 @@ def test_cli_help_explains_every_flag(capsys):
     out = capsys.readouterr().out
     for flag in ("--target", "--draft", "--method", "--tree-budget", "--mesh", "--max-batch", "--max-len",
                  "--host", "--port", "--dtype", "--attention", "--max-queue", "--rounds-per-step",
-                 "--served-model-name", "--log-level", "--warmup-all", "--batch-buckets", "--forms", "--no-disk-cache"):
+                 "--served-model-name", "--log-level", "--warmup-all", "--batch-buckets", "--forms", "--no-disk-cache",
+                 "--step-log"):
         assert re.search(rf"^\s+{flag}\b.*\n?.*\w", out, re.M), flag
     assert "random:SHAPE" in out and "qwen3-8b" in out
     assert serve.parse_mesh("2x4") == (2, 4)
@@ -550,8 +553,9 @@ def test_random_target_plan_needs_no_files():
     assert p.model_name == "random:tiny" and p.engine_config.method == "dflash"
     p = serve.plan(serve.build_parser().parse_args(["--target", "random:tiny", "--batch-buckets", "4,1,4",
                                                     "--tuning", "layout=stacked,decode_attention=0",
-                                                    "--compile-threads", "2"]))
+                                                    "--compile-threads", "2", "--step-log", "steps.jsonl"]))
     assert p.engine_config.batch_buckets == (1, 4) and p.engine_config.compile_threads == 2
+    assert p.engine_config.step_log == "steps.jsonl"
     assert p.engine_config.tuning == Tuning(layout="stacked", decode_attention=False)
     assert serve.plan(serve.build_parser().parse_args(["--target", "random:tiny"])).engine_config.method == "ddtree"
 
