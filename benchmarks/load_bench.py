@@ -116,6 +116,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--py-spy", type=_ints, default=[], metavar="C,...",
                    help="sample each server's threads with py-spy during its levels of these concurrencies (the "
                         "profile of level C: CONFIG.cC.speedscope.json; needs py-spy on PATH) (default: none)")
+    p.add_argument("--step-logs", action="store_true",
+                   help="each server logs its device steps (serve --step-log) into CONFIG.steps.jsonl, and each "
+                        "level records its Unix start and end (started_at, ended_at): benchmarks/step_summary.py "
+                        "OUT/CONFIG.steps.jsonl OUT/CONFIG.json breaks each level down by program")
     p.add_argument("--summarize", action="store_true", help="only (re)write summary.md from OUT's JSON files")
     return p.parse_args(argv)
 
@@ -165,6 +169,8 @@ def server_command(args, config: str, port: int) -> list[str]:
            "--log-level", "warning"]
     if args.draft and method != "ar":
         cmd += ["--draft", args.draft]
+    if args.step_logs:
+        cmd += ["--step-log", os.path.join(os.path.abspath(args.out), f"{config.replace(':', '-')}.steps.jsonl")]
     return cmd + (["--tree-budget", budget] if budget else []) + args.server_arg
 
 
@@ -257,7 +263,7 @@ class Served:
         self.llog.write(f"$ {' '.join(lcmd[1:])}\n")
         self.llog.flush()
         since, compiled = round(time.monotonic() - self.up, 1), (_health(self.url) or {}).get("programs_compiled")
-        spy = self._py_spy(c)
+        spy, started_at = self._py_spy(c), time.time()
         try:
             r = subprocess.run(lcmd, cwd=REPO, env=_env(args), stdout=subprocess.PIPE, stderr=self.llog, text=True,
                                timeout=left)
@@ -278,7 +284,7 @@ class Served:
         # when it ran: seconds after /health turned 200, and the programs compiled then and at its end (levels run
         # with --wait-compiled 0 show what requests pay while the server compiles)
         level.update(since_health_s=since, programs_compiled=[compiled, (_health(self.url) or {}).get(
-            "programs_compiled")])
+            "programs_compiled")], started_at=round(started_at, 3), ended_at=round(time.time(), 3))
         self.results.append(level)
         info["levels"].append(c)
         if level["errors"]:
