@@ -13,7 +13,8 @@
 #              round loop (benchmarks/switch_cost.py, Qwen3-8B). -> OUTDIR/pair.json, OUTDIR/switch/switch_cost.json
 #   PART pair-load  serve the default pair under load on held-out prompts: ar, ddtree 16 and 32 at concurrency
 #              1,4,16,32 (32 requests a client: levels of several seconds, past the first steps' transients), each
-#              after every program compiled and timed -> OUTDIR/load_pair/summary.md (about 7 minutes on an H100)
+#              after every program compiled and timed, each server's steps logged (CONFIG.steps.jsonl:
+#              benchmarks/step_summary.py) -> OUTDIR/load_pair/summary.md (about 7 minutes on an H100)
 #   PART pair-load-auto  the same for ddtree --tree-budget auto alone, whose 33 programs take about 3.5 minutes to
 #              compile and time on an H100 (too long to share pair-load's call): run it next, on the same machine
 #              -> OUTDIR/load_pair_auto/summary.md
@@ -45,7 +46,8 @@ case "$PART" in
     if [ "$PART" = pair-load ]; then methods=ar,ddtree:16,ddtree:32; dir=load_pair; else methods=ddtree; dir=load_pair_auto; fi
     python3 benchmarks/load_bench.py "$OUT/$dir" --target default \
       --methods $methods --max-batch 32 --concurrency 1,4,16,32 \
-      --requests-per-client 32 --min-requests 32 --max-tokens 128 --wait-compiled 300 --time-limit 540 "${@:3}"
+      --requests-per-client 32 --min-requests 32 --max-tokens 128 --wait-compiled 300 --time-limit 540 --step-logs \
+      "${@:3}"
     rm -rf "$OUT/$dir/cache/jit"  # the compilation cache: too many files to bring back from a device call
     ;;
   calls)
