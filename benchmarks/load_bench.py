@@ -117,9 +117,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="sample each server's threads with py-spy during its levels of these concurrencies (the "
                         "profile of level C: CONFIG.cC.speedscope.json; needs py-spy on PATH) (default: none)")
     p.add_argument("--step-logs", action="store_true",
-                   help="each server logs its device steps (serve --step-log) into CONFIG.steps.jsonl, and each "
-                        "level records its Unix start and end (started_at, ended_at): benchmarks/step_summary.py "
-                        "OUT/CONFIG.steps.jsonl OUT/CONFIG.json breaks each level down by program")
+                   help="each server logs its device steps (serve --step-log) into CONFIG.steps.jsonl; with each "
+                        "level's Unix start and end (started_at, ended_at, in every level record) "
+                        "benchmarks/step_summary.py OUT/CONFIG.steps.jsonl OUT/CONFIG.json breaks each level down by "
+                        "program")
     p.add_argument("--summarize", action="store_true", help="only (re)write summary.md from OUT's JSON files")
     return p.parse_args(argv)
 

@@ -128,7 +128,7 @@ class Stepped:
     starts: np.ndarray  # [B] each slot's first undelivered index: where its Snapshot window starts
     snap: decode.Snapshot  # [B], on the host
     elapsed: float  # seconds from its dispatch to its Snapshot read
-    started: float = 0.0  # time.time() of its dispatch
+    started: float  # time.time() of its dispatch
     failed: list = dataclasses.field(default_factory=list)  # (Job, error) of joiners whose admission failed
     waited: float = 0.0  # seconds the step thread waited before it for the state changes queued since the last step
 

@@ -429,6 +429,7 @@ def test_load_bench_py_spy_samples_the_server_at_its_level_only(tmp_path, monkey
     assert isinstance(served._py_spy(32), Popen) and isinstance(served._py_spy(1), Popen)
     cmd = started[0]
     assert cmd[:4] == ["py-spy", "record", "--pid", "4242"] and "--gil" in cmd and "--threads" in cmd
+    assert "--nonblocking" in cmd  # the server is never paused to be sampled
     assert cmd[cmd.index("--output") + 1] == str(tmp_path / "ddtree-16.c32.speedscope.json")
 
     def missing(cmd, **kw):
