@@ -1,16 +1,26 @@
-"""Seconds per round of each compiled program, measured on the device, refined online and kept on disk.
+"""Seconds per round of each compiled program, measured on the device, corrected online and kept on disk.
 
 ``--tree-budget auto`` (ddtree_jax/policy.py) weighs each form's expected tokens against its cost at the live slot
 batch. Costs are never guessed: each program is timed right after it is compiled (a few rounds on a state of its
-shape, the median), then refined by an exponential moving average of the engine's own step timings (elapsed time /
-rounds); the engine times a program again when its cost was timed beside a compilation, read from disk, or has
-aged past ``programs.COST_TTL_S`` (times its ratio to the cheapest's), and ``generate`` times every form afresh
-before each decode.
-They are kept per (model shapes, dtype, device kind, attention) signature and program key in
-``$DDTREE_JAX_CACHE/costs.json`` (default ``~/.cache/ddtree_jax``), so the next start and ``generate`` know them.
+shape, the median); the engine times a program again when its timing ran beside a compilation, came from disk, or has
+aged past ``programs.COST_TTL_S`` (times its ratio to the cheapest's), and ``generate`` times every form afresh before
+each decode.
 
-Each entry also records the context length (committed tokens per sequence) it was measured at; no correction for
-context is applied: the online refinement follows the live contexts.
+A step while serving takes longer than its program's timing (the host's work beside it, the live contexts), by about
+the same time a round whatever the program. So the table keeps one **offset**, an exponential moving average of what
+the steps took beyond their programs' timings (any program's), and a program's cost is its timing plus the offset:
+every program moves with the steps of the one that runs. (A cost per program refined by its own steps set the forms
+that ran, at served speed, against the forms that had not, at their timings: on an H200 under load the table held the
+tree of 64 at slot batch 4 no dearer than the tree of 16, whose few steps had refined it up 22% over its timing, and the
+chain's timing at slot batch 32 18% under what its steps took: benchmarks/results/load_pair_h200.json.) A step chosen
+to time its program gives its timing less the offset.
+
+They are kept per (model shapes, dtype, device kind, attention) signature and program key in
+``$DDTREE_JAX_CACHE/costs.json`` (default ``~/.cache/ddtree_jax``), so the next start and ``generate`` know them; the
+offset, a property of the load of the moment, is not kept.
+
+Each entry also records the context length (committed tokens per sequence) it was timed at; no correction for
+context is applied: the offset follows the live contexts.
 """
 
 from __future__ import annotations
@@ -22,8 +32,8 @@ import os
 import tempfile
 import threading
 
-REFINE = 0.2  # weight of one online timing in the moving average
-OUTLIER = 3.0  # an online timing further than this factor from the estimate is clipped to it (a host hiccup)
+REFINE = 0.2  # weight of one step in the offset's moving average
+OUTLIER = 3.0  # a step further than this factor from its program's cost is clipped to it (a host hiccup)
 
 
 def signature(*parts) -> str:
@@ -44,19 +54,19 @@ def default_path() -> str:
 
 @dataclasses.dataclass
 class Cost:
-    seconds: float  # per round
-    context: int  # committed tokens per sequence when measured
-    samples: int = 1
-    timed: float = 0.0  # seconds a round as last timed (before the online refinement; 0: not known)
+    seconds: float  # per round, as timed
+    context: int  # committed tokens per sequence when timed
 
 
 class CostTable:
-    """Costs of one signature: program key -> :class:`Cost`. ``path`` None keeps them in memory only. Thread-safe."""
+    """Timings of one signature (program key -> :class:`Cost`) and the steps' offset over them. ``path`` None keeps
+    them in memory only. Thread-safe."""
 
     def __init__(self, sig: str, path: str | None = None):
         self.signature, self.path = sig, path
         self._lock = threading.Lock()
         self._costs: dict[str, Cost] = {}
+        self.offset = 0.0  # seconds a round the steps took beyond their programs' timings (moving average)
         self._dirty = False
         if path is not None:
             try:
@@ -64,40 +74,48 @@ class CostTable:
             except TypeError:  # a file of another layout: timed anew
                 self._costs = {}
 
+    def _cost(self, timed: float) -> float:
+        return max(timed + self.offset, timed / OUTLIER)
+
+    def _less_offset(self, step: float) -> float:
+        """The timing a step's seconds a round give (at least a step / OUTLIER)."""
+        return max(float(step) - self.offset, float(step) / OUTLIER)
+
     def get(self, key: str) -> float | None:
+        """The program's cost: seconds a round, its timing plus the offset (at least its timing / OUTLIER)."""
         with self._lock:
             c = self._costs.get(key)
-            return None if c is None else c.seconds
+            return None if c is None else self._cost(c.seconds)
 
     def seconds(self) -> dict[str, float]:
-        """Every known cost: program key -> seconds a round (one read of the table)."""
+        """Every known cost (:meth:`get`): program key -> seconds a round (one read of the table)."""
+        with self._lock:
+            return {k: self._cost(c.seconds) for k, c in self._costs.items()}
+
+    def timings(self) -> dict[str, float]:
+        """Each program's timing, without the offset: program key -> seconds a round."""
         with self._lock:
             return {k: c.seconds for k, c in self._costs.items()}
 
-    def timings(self) -> dict[str, float]:
-        """Each program's last timing (free slots, or a step chosen to time it), before the online refinement moved
-        it: beside :meth:`seconds`, how far the steps corrected it. Program key -> seconds a round."""
+    def measured(self, key: str, seconds: float, context: int, step: bool = False) -> None:
+        """A fresh timing of the program (free slots after its compilation; or, with ``step``, a step chosen to time
+        it, whose time holds the offset): replaces what was known."""
         with self._lock:
-            return {k: c.timed for k, c in self._costs.items() if c.timed > 0}
-
-    def measured(self, key: str, seconds: float, context: int) -> None:
-        """A fresh timing of the program (after its compilation): replaces what was known."""
-        with self._lock:
-            self._costs[key] = Cost(float(seconds), int(context), timed=float(seconds))
+            self._costs[key] = Cost(self._less_offset(seconds) if step else float(seconds), int(context))
             self._dirty = True
 
     def observe(self, key: str, seconds: float, context: int) -> None:
-        """An online timing (a step's elapsed time / its rounds): moves the estimate by ``REFINE``."""
+        """A step of the program took ``seconds`` a round: moves the offset by ``REFINE`` of its excess over the
+        program's cost (the step clipped to OUTLIER times it). A program not timed yet takes it as its timing."""
         with self._lock:
             c = self._costs.get(key)
             if c is None:
-                self._costs[key] = Cost(float(seconds), int(context), timed=float(seconds))
-            else:
-                s = min(max(seconds, c.seconds / OUTLIER), c.seconds * OUTLIER)
-                c.seconds += REFINE * (s - c.seconds)
-                c.context = int(context)
-                c.samples += 1
-            self._dirty = True
+                self._costs[key] = Cost(self._less_offset(seconds), int(context))
+                self._dirty = True
+                return
+            cost = self._cost(c.seconds)
+            s = min(max(seconds, cost / OUTLIER), cost * OUTLIER)
+            self.offset += REFINE * (s - cost)
 
     def save(self) -> None:
         """Merge this signature's costs into the file (atomically; other signatures kept). No-op in memory."""

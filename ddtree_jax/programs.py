@@ -38,9 +38,9 @@ log = logging.getLogger("ddtree_jax.engine")
 
 VARIANTS = ("greedy", "sampling", "filtering")  # a program's sampling support, least general first (spec.Spec)
 # Seconds of steps (the engine's busy time: Programs.busy) a cost is trusted without a new timing, times its ratio to
-# the cheapest program's at its slot batch. Under load only the chosen program's steps refine its own cost; a cost
-# timed once in a slower phase (2-4x on 2 CPU cores: the HTTP stack, the load generator, the machine itself) would keep
-# a faster program unchosen for good. Past this, the next step that may run it times it (Programs.choose). A program
+# the cheapest program's at its slot batch. Under load the steps move only the offset all costs share (costs.py): a
+# program timed once in a slower phase (2-4x on 2 CPU cores: the HTTP stack, the load generator, the machine itself)
+# would stay out for good. Past this, the next step that may run it times it (Programs.choose). A program
 # k times the cheapest's cost is timed once in k x COST_TTL_S, so each form's timings add at most one cheapest step's
 # time in COST_TTL_S (0.1-0.2 s on 2 CPU cores: about 1% a form; a few ms on a GPU). Idle time does not age a cost:
 # aged by the wall clock, every form was timed again at once when requests came after a pause (a quarter of the
@@ -307,22 +307,21 @@ class Programs(collections.abc.Mapping):
     def stepped(self, program: Program, elapsed: float, rounds: int, context: int, quiet: bool,
                 shared: bool = False) -> None:
         """A step of ``program`` took ``elapsed`` seconds for ``rounds`` rounds at ``context`` tokens (``quiet``: no
-        compilation ran meanwhile): its seconds a round become its cost when :meth:`choose` picked it to be timed,
-        else refine it. A step beside a compilation (2x slower on 2 CPU cores) leaves the cost alone and marks the
-        program to be timed again. A step beside admissions' prefills (``shared``: on a GPU their kernels run between
-        its rounds) does not refine a cost (the engine runs a step chosen to time its program with no admission beside
-        it)."""
+        compilation ran meanwhile): its seconds a round, less the table's offset, become its timing when
+        :meth:`choose` picked it to be timed, else move the offset (``costs.CostTable.observe``: every program's
+        cost). A step beside a compilation (2x slower on 2 CPU cores) leaves the table alone and marks the program to
+        be timed again. A step beside admissions' prefills (``shared``: on a GPU their kernels run between its rounds)
+        does not move the offset (the engine runs a step chosen to time its program with no admission beside it)."""
         self.busy += elapsed
         seconds = elapsed / rounds
         timing, program.timing = program.timing, False
         if not quiet:
             program.clean = False
         elif timing or self.costs.get(program.cost_key) is None:
-            self.costs.measured(program.cost_key, seconds, context)
+            self.costs.measured(program.cost_key, seconds, context, step=True)
             program.clean, program.timed_at = True, self.busy
         elif not shared:
             self.costs.observe(program.cost_key, seconds, context)
-            program.timed_at = self.busy
 
     # ------------------------------------------------------------------ choosing and running
     def call(self, program: Program, state, rows: np.ndarray, starts: np.ndarray):
@@ -338,7 +337,8 @@ class Programs(collections.abc.Mapping):
         the compiled ones holding them in a variant their requests allow, one that needs timing at the smallest such
         slot batch (:meth:`needing_timing`; or, no compilation running, the cheapest variant of a form whose cost is
         older than ``COST_TTL_S`` of busy time times its ratio to the cheapest's there: its step times it,
-        :meth:`stepped`), else ``chooser``'s choice."""
+        :meth:`stepped`), else ``chooser``'s choice among each form's smallest slot batch holding the live slots and
+        the whole batch."""
         hot = [p for p in params if p.temperature > 0]
         need = "filtering" if any(accept.filters(p.top_p, p.top_k) for p in hot) else "sampling" if hot else "greedy"
         if need not in self._wanted:
@@ -361,6 +361,14 @@ class Programs(collections.abc.Mapping):
             c = self.costs.get(p.cost_key)
             if c is not None and ((p.form, p.size) not in best or c < best[p.form, p.size][0]):
                 best[p.form, p.size] = (c, p)
+        # of each form, its smallest slot batch holding the live slots and the whole batch (which runs in place, with
+        # no gather): a larger gathered one does the same work on more rows, whatever its timing says (a timing lower
+        # than the smallest's is noise, and the argmax over noisy costs goes to it: a lone request on an H200 ran 40%
+        # of its steps at slot batches 2-8)
+        least: dict[str, int] = {}
+        for form, size in best:
+            least[form] = min(least.get(form, size), size)
+        best = {k: v for k, v in best.items() if k[1] in (least[k[0]], self.batch)}
         if not best:  # nothing timed yet at these sizes (steps that ran no round)
             return min(ok, key=lambda p: (p.size, _rank(p)))
         here = [cp for (_, size), cp in best.items() if size == smallest]

@@ -730,6 +730,32 @@ def test_programs_are_timed_one_at_a_time_never_timed_first(target, drafter):
     assert known.cost_key in timed and progs.costs.get(known.cost_key) != 1.0 and known.clean
 
 
+def test_a_step_runs_each_forms_smallest_slot_batch_or_the_whole_batch(target, drafter):
+    """A gathered program does the same work at a larger slot batch on more rows: of each form the policy weighs the
+    smallest slot batch holding the live slots, whatever a larger one's timing says (a lower one is noise), and the
+    whole batch, which runs in place with no gather and may be cheaper."""
+    cfg = engines.EngineConfig(method="ddtree", forms=("ar",), max_batch=4, max_len=MAX_LEN, batch_buckets=(1, 2))
+    eng = engines.Engine(target, drafter, cfg)
+    eng.warmup()
+    progs = eng.programs
+    by_size = {p.size: p for p in progs.values() if p.variant == "greedy"}
+    assert sorted(by_size) == [1, 2, 4]
+    for p in by_size.values():
+        progs.compile(p)
+        p.tried = p.clean = p.checked = True
+        p.timed_at = progs.busy
+    params = [greedy(8)]
+
+    def chosen(**seconds):
+        for size, sec in seconds.items():
+            progs.costs.measured(by_size[int(size[1:])].cost_key, sec, 64)
+        return progs.choose([0], params, eng.policy).size
+
+    assert chosen(s1=2e-3, s2=1e-3, s4=3e-3) == 1  # slot batch 2 timed under 1: never chosen for one request
+    assert chosen(s1=2e-3, s2=1e-3, s4=1.5e-3) == 4  # the whole batch, in place, timed under 1: chosen
+    assert progs.choose([0, 1], params * 2, eng.policy).size == 2  # two live requests: slot batch 2 is the least
+
+
 def test_under_load_steps_time_the_programs_they_need(target, drafter):
     """With requests live the engine times nothing on free slots (that held them); a program of the live slot batch
     whose cost needs timing runs the next step, whose timing becomes its cost. A cost above the same form's at a
@@ -767,8 +793,8 @@ def test_under_load_steps_time_the_programs_they_need(target, drafter):
 
 
 def test_a_cost_older_than_its_ttl_is_timed_again_by_a_step(target, drafter):
-    """Under load only the chosen program's steps refine its cost: a cost timed once in a slower phase (the server's
-    table on 2 CPU cores held AR at 98.6 ms a round, 22-25 alone) kept a faster program unchosen for good. A cost is
+    """Under load the steps move only the offset every cost holds: a program timed once in a slower phase (the
+    server's table on 2 CPU cores held AR at 98.6 ms a round, 22-25 alone) would stay out for good. A cost is
     trusted for programs.COST_TTL_S of the engine's busy time times its ratio to the cheapest's; after that the next
     step that may run its program does, and its timing replaces the cost."""
     cfg = engines.EngineConfig(method="ddtree", forms=("ar", "chain", "4"), max_batch=1, max_len=MAX_LEN,
@@ -782,7 +808,7 @@ def test_a_cost_older_than_its_ttl_is_timed_again_by_a_step(target, drafter):
             eng.costs.measured(p.cost_key, 1000.0, 64)
             p.timed_at = eng.programs.busy
         assert len(eng.generate([1, 2, 3], greedy(12), timeout=120).token_ids) == 12
-        assert eng.step_programs["4", 1, "greedy"] == 0 and eng.costs.get(p.cost_key) == 1000.0
+        assert eng.step_programs["4", 1, "greedy"] == 0 and eng.costs.timings()[p.cost_key] == 1000.0
         busy = eng.programs.busy
         time.sleep(1.0)  # idle: the clock that ages costs is the steps' time (a pause does not re-time every form)
         assert eng.programs.busy == busy > 0
@@ -798,21 +824,23 @@ def test_a_cost_older_than_its_ttl_is_timed_again_by_a_step(target, drafter):
 
 def test_a_step_beside_admissions_leaves_its_cost_alone(engine):
     """Requests join beside the step in flight, their prefills queued while it runs (on a GPU their kernels run
-    between its rounds), so that step's time is not its program's alone: it does not refine the program's cost; a
-    step alone does (by costs.REFINE, the step clipped to costs.OUTLIER times the cost). A step chosen to time its
-    program times it (the engine runs such a step with no admission beside it:
-    test_a_step_that_times_its_program_runs_with_no_admission_beside_it)."""
+    between its rounds), so that step's time is not its program's alone: it does not move the costs; a step alone does
+    (the offset every cost holds, by costs.REFINE of the step's excess, the step clipped to costs.OUTLIER times the
+    cost). A step chosen to time its program times it, less the offset (the engine runs such a step with no admission
+    beside it: test_a_step_that_times_its_program_runs_with_no_admission_beside_it)."""
     p = engine.first
     with engine._lock:
-        cost = engine.costs.get(p.cost_key)
+        cost, offset = engine.costs.get(p.cost_key), engine.costs.offset
         engine.programs.stepped(p, 100 * cost, 1, 64, quiet=True, shared=True)
         assert engine.costs.get(p.cost_key) == cost
         engine.programs.stepped(p, 100 * cost, 1, 64, quiet=True)
         assert engine.costs.get(p.cost_key) == pytest.approx(cost * (1 + costs.REFINE * (costs.OUTLIER - 1)))
+        moved = engine.costs.offset
         p.timing = True
-        engine.programs.stepped(p, 2 * cost, 1, 64, quiet=True, shared=True)
-        assert engine.costs.get(p.cost_key) == pytest.approx(2 * cost) and not p.timing
-        engine.costs.measured(p.cost_key, cost, 64)
+        engine.programs.stepped(p, 2 * cost + moved, 1, 64, quiet=True, shared=True)
+        assert engine.costs.timings()[p.cost_key] == pytest.approx(2 * cost) and not p.timing
+        engine.costs.offset = offset
+        engine.costs.measured(p.cost_key, cost - offset, 64)
 
 
 def test_forms_and_slot_batches_run_only_the_live_slots(target, drafter, tokenizer, reference_runs, monkeypatch):
