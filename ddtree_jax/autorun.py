@@ -225,9 +225,9 @@ class AutoRun:
         """Run and time every form before decoding, on a fresh state whose caches hold the prompts' lengths: a
         program's first execution in a process loads it onto the device (tens of ms a form on a GPU), which would
         otherwise fall inside the decode. Every form is timed afresh (``MEASURE_CALLS`` calls when the cost table does
-        not know it, one when it does; the median counts), so that the costs compared are this moment's: the decode
-        refines only the forms it runs, and a cost kept from a run in a slower phase of a shared machine would keep
-        its form out for good (on 2 CPU cores a tree of 4 kept at 52 ms a round, against 33 measured, made later
+        not know it, one when it does; the median counts), so that the costs compared are this moment's: the decode's
+        groups move only the offset all forms share (costs.CostTable.observe), and a timing kept from a run in a
+        slower phase of a shared machine would keep its form out for good (on 2 CPU cores a tree of 4 kept at 52 ms a round, against 33 measured, made later
         runs take trees of 8 at 1.14-1.30x AR instead of 1.48x). The forms' calls are interleaved, in alternating
         order (A B, B A, ...), so that a drift of the device's speed while they are timed (a GPU's clocks rising
         from idle) falls on every form alike rather than on the ones timed first. Before each timed call, an untimed

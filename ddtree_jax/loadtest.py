@@ -18,8 +18,8 @@ chat template) or token ids (``/v1/completions``). Reported per level:
     reason_rounds        (--tree-budget auto) sequence rounds by why their program ran (policy, probe, timing)
     round_ms             at the level's end, the policy's cost of a round ('FORM@BATCH/VARIANT': ms) of each program
                          at the slot batches the level stepped, from /metrics (what its choices weighed)
-    timed_ms             ... and each one's last timing, before the steps refined it (a program the policy rarely
-                         runs keeps its timing)
+    timed_ms             ... and each one's timing, without the offset the steps add to every cost
+                         (ddtree_jax/costs.py)
     expected_tokens      (--tree-budget auto) the policy's expected tokens a round per sequence of each form, the
                          mean over the level's choices, from /metrics (beside round_ms: why it chose what it did)
     engine tpot          the engine's own time per token of one sequence, from /metrics: its rounds' mean wall time

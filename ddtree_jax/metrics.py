@@ -185,8 +185,8 @@ class _GcClock:
 
 class _Costs:
     """``ddtree_program_round_seconds{form, batch, variant}``: the cost table the policy weighs, seconds a round of each
-    compiled program that has one (timed on free slots, by steps, refined online: ``ddtree_jax.costs``), and
-    ``ddtree_program_timed_round_seconds``, each one's last timing before the refinement; read when scraped."""
+    compiled program that has one (its timing, on free slots or by a step, plus the steps' offset:
+    ``ddtree_jax.costs``), and ``ddtree_program_timed_round_seconds``, its timing alone; read when scraped."""
 
     def __init__(self, engine: "Engine"):
         self.engine = engine
@@ -197,9 +197,9 @@ class _Costs:
         labels = ["form", "batch", "variant"]
         g = GaugeMetricFamily("ddtree_program_round_seconds", "The policy's cost of one round of each compiled "
                               "program (form x slot batch x sampling variant), seconds", labels=labels)
-        t = GaugeMetricFamily("ddtree_program_timed_round_seconds", "The last timing of one round of each compiled "
-                              "program (on free slots, or a step chosen to time it), before the steps refined it "
-                              "into ddtree_program_round_seconds, seconds", labels=labels)
+        t = GaugeMetricFamily("ddtree_program_timed_round_seconds", "The timing of one round of each compiled "
+                              "program (on free slots, or a step chosen to time it, less the steps' offset), which "
+                              "with the offset is ddtree_program_round_seconds, seconds", labels=labels)
         cost, timed = self.engine.costs.seconds(), self.engine.costs.timings()
         for p in list(self.engine.programs.values()):
             if p.fn is not None and p.cost_key in cost:
