@@ -808,7 +808,7 @@ def test_a_cost_older_than_its_ttl_is_timed_again_by_a_step(target, drafter):
             eng.costs.measured(p.cost_key, 1000.0, 64)
             p.timed_at = eng.programs.busy
         assert len(eng.generate([1, 2, 3], greedy(12), timeout=120).token_ids) == 12
-        assert eng.step_programs["4", 1, "greedy"] == 0 and eng.costs.timings()[p.cost_key] == 1000.0
+        assert eng.step_programs["4", 1, "greedy"] == 0 and eng.costs.entries()[p.cost_key][1] == 1000.0
         busy = eng.programs.busy
         time.sleep(1.0)  # idle: the clock that ages costs is the steps' time (a pause does not re-time every form)
         assert eng.programs.busy == busy > 0
@@ -838,7 +838,7 @@ def test_a_step_beside_admissions_leaves_its_cost_alone(engine):
         moved = engine.costs.offset
         p.timing = True
         engine.programs.stepped(p, 2 * cost + moved, 1, 64, quiet=True, shared=True)
-        assert engine.costs.timings()[p.cost_key] == pytest.approx(2 * cost) and not p.timing
+        assert engine.costs.entries()[p.cost_key][1] == pytest.approx(2 * cost) and not p.timing
         engine.costs.offset = offset
         engine.costs.measured(p.cost_key, cost - offset, 64)
 
