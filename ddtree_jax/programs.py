@@ -363,7 +363,7 @@ class Programs(collections.abc.Mapping):
                 best[p.form, p.size] = (c, p)
         # of each form, its smallest slot batch holding the live slots and the whole batch (which runs in place, with
         # no gather): a larger gathered one does the same work on more rows, whatever its timing says (a timing lower
-        # than the smallest's is noise, and the argmax over noisy costs goes to it: a lone request on an H200 ran 40%
+        # than the smallest's is noise, and the argmax over noisy costs goes to it: a lone request on an H200 ran 42%
         # of its steps at slot batches 2-8)
         least: dict[str, int] = {}
         for form, size in best:
