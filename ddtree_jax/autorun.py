@@ -227,11 +227,11 @@ class AutoRun:
         otherwise fall inside the decode. Every form is timed afresh (``MEASURE_CALLS`` calls when the cost table does
         not know it, one when it does; the median counts), so that the costs compared are this moment's: the decode's
         groups move only the offset all forms share (costs.CostTable.observe), and a timing kept from a run in a
-        slower phase of a shared machine would keep its form out for good (on 2 CPU cores a tree of 4 kept at 52 ms a round, against 33 measured, made later
-        runs take trees of 8 at 1.14-1.30x AR instead of 1.48x). The forms' calls are interleaved, in alternating
-        order (A B, B A, ...), so that a drift of the device's speed while they are timed (a GPU's clocks rising
-        from idle) falls on every form alike rather than on the ones timed first. Before each timed call, an untimed
-        call of one round loads the program."""
+        slower phase of a shared machine would keep its form out for good (on 2 CPU cores a tree of 4 kept at 52 ms
+        a round, against 33 measured, made later runs take trees of 8 at 1.14-1.30x AR instead of 1.48x). The forms'
+        calls are interleaved, in alternating order (A B, B A, ...), so that a drift of the device's speed while they
+        are timed (a GPU's clocks rising from idle) falls on every form alike rather than on the ones timed first.
+        Before each timed call, an untimed call of one round loads the program."""
         t0 = time.perf_counter()
         dummy = self.fresh()
         everyone, length = jnp.ones((self.batch,), bool), jnp.asarray(lens, jnp.int32)
