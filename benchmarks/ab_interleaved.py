@@ -5,7 +5,7 @@ against the first variant, and how many pairs the variant won.
 
 A variant is NAME:FIELD=VALUE,... with fields ``draft`` (the drafter's layout, tuning.LAYOUTS; default
 weight_layout.DRAFT_GPU_LAYOUT), ``layout`` (the target's; default weight_layout.GPU_LAYOUT, weight_layout.GPU_AR_LAYOUT
-for ar), ``sampling`` and ``filtering`` (0 or 1: the Spec's flags; default what the sequences' --temperature / --top-p /
+for ar and for forms that include ar, as a run lays them out: weight_layout.layout_method), ``sampling`` and ``filtering`` (0 or 1: the Spec's flags; default what the sequences' --temperature / --top-p /
 --top-k need, as spec.make_spec sets them), the fields of the Spec's ``Tuning`` but its layout (ddtree_jax.tuning:
 qkv_write, add_norm, decode_attention, verify_align, layer_unroll, prefill_chunk; e.g. qkv_write=0 for XLA's ops instead
 of that kernel), module constants of the package read when tracing (``pallas_kernels.M.NAME=VALUE`` or
@@ -14,8 +14,11 @@ pallas_kernels.decode_attention.BLOCK=128; commas inside brackets or braces belo
 ddtree_jax.model.SPLIT_ROWS=(64,384) or pallas_kernels.tree_attention._CTA_US={1:3.8,2:6.0}), ``forms`` (a
 ``--tree-budget auto`` run among these forms, '+'-separated, e.g. forms=ar+chain+16+32+64+128+256, taking the
 method's form at --budget in every round: what auto's own bookkeeping costs, its tree built at the largest budget
-for the predictions, against a fixed budget's round) and any XLA option (added to decode.XLA_OPTIONS, as
-``bench models --ab``).
+for the predictions, against a fixed budget's round), ``smallest`` (with ``forms``: the run's smallest slot batch,
+default --batch; its State is laid out for the forms allowed there, as a server's for its slot batch 1), ``form``
+(with ``forms``: the form every round takes, default the method's; e.g. --method ar --variant
+auto:forms=ar+chain+16,form=ar for the AR step of a ddtree run, which keeps its drafter's context) and any XLA
+option (added to decode.XLA_OPTIONS, as ``bench models --ab``). Each variant's record has its cache's capacity.
 
     PYTHONPATH=. python benchmarks/ab_interleaved.py --model qwen3-8b --method ddtree --budget 64 --pairs 12 \\
         --variant base: --variant tom:layout=stacked-out-major-fused --json $OUT/ab.json [--profile $OUT/prof] \\
@@ -82,7 +85,7 @@ def variant(text: str) -> tuple[str, dict]:
     "constants", "options": XLA options})."""
     name, colon, rest = text.partition(":")
     pieces = [x for x in re.split(r",(?![^(){}\[\]]*[)}\]])", rest) if x]  # commas inside (...) / [...] / {...} stay
-    own = ("draft=", "layout=", "sampling=", "filtering=", "forms=")
+    own = ("draft=", "layout=", "sampling=", "filtering=", "forms=", "smallest=", "form=")
     tuned = tuple(f"{k}=" for k in (*tuning.SWITCHES, *tuning.COUNTS))
     fields = dict(x.split("=", 1) for x in pieces if x.startswith(own))
     fields["tuning"] = ",".join(x for x in pieces if x.startswith(tuned))
@@ -106,6 +109,11 @@ def variant(text: str) -> tuple[str, dict]:
             fields["forms"] = policy.parse_forms(fields["forms"].split("+"))
         except ValueError as e:
             raise argparse.ArgumentTypeError(f"forms={fields['forms']}: {e}") from None
+    if not fields.get("smallest", "1").isdigit() or int(fields.get("smallest", "1")) < 1 or (
+            "smallest" in fields and "forms" not in fields):
+        raise argparse.ArgumentTypeError(f"smallest={fields['smallest']}: a positive slot batch, with forms=")
+    if "form" in fields and ("forms" not in fields or fields["form"] not in fields["forms"]):
+        raise argparse.ArgumentTypeError(f"form={fields['form']}: one of the variant's forms=")
     return name, fields
 
 
@@ -138,15 +146,18 @@ def main() -> None:
     spec = timing.make_spec(tcfg, dcfg, args.method, args.budget, "auto", **sample)
     n = jnp.int32(args.rounds)
 
-    def spec_and_state(forms):
-        """The variant's Spec (a fixed budget's, or auto's among ``forms`` at the method's form) and a state of random
-        prompts laid out for it (the same prompts for every variant)."""
+    def spec_and_state(forms, smallest, form):
+        """The variant's Spec (a fixed budget's, or auto's among ``forms`` at the method's form, its State laid out
+        for slot batch ``smallest``) and a state of random prompts laid out for it (the same prompts for every
+        variant)."""
         s = spec
         if forms:
-            opts = spec_lib.GenerateOptions(method=args.method, max_new_tokens=args.max_new_tokens,
+            method = "ddtree" if policy.trees(forms) else "dflash" if policy.CHAIN in forms else args.method
+            opts = spec_lib.GenerateOptions(method=method, max_new_tokens=args.max_new_tokens,
                                             tree_budget=spec_lib.AUTO, forms=forms, **sample)
-            form = policy.AR if args.method == "ar" else policy.CHAIN if args.method == "dflash" else str(args.budget)
-            s = spec_lib.make_spec(tcfg, dcfg, opts, batch=args.batch).with_form(form, args.batch)
+            form = form or (policy.AR if args.method == "ar" else policy.CHAIN if args.method == "dflash"
+                            else str(args.budget))
+            s = spec_lib.make_spec(tcfg, dcfg, opts, batch=smallest).with_form(form, args.batch)
         _, capacity, out_len = decode.layout(s, [args.prompt] * args.batch, args.max_new_tokens)
         return s, timing.make_state(s, shape.vocab, args.batch, args.prompt, capacity, out_len, jnp.bfloat16, **sample)
     laid: dict[tuple, object] = {}
@@ -159,14 +170,14 @@ def main() -> None:
 
     runs = {}
     for name, fields in args.variant:
-        own = GPU_AR_LAYOUT if args.method == "ar" else GPU_LAYOUT
+        own = GPU_AR_LAYOUT if args.method == "ar" or policy.AR in fields.get("forms", ()) else GPU_LAYOUT
         tl, dl = fields.get("layout", own), fields.get("draft", DRAFT_GPU_LAYOUT)
         opts = fields["options"]
         flags = {k: fields[k] == "1" for k in ("sampling", "filtering") if k in fields}
-        base, state = spec_and_state(fields.get("forms"))
+        base, state = spec_and_state(fields.get("forms"), int(fields.get("smallest", args.batch)), fields.get("form"))
         vspec = dataclasses.replace(base, tuning=tuning.parse(fields["tuning"], base.tuning), **flags)
         tp = lay(tp0, tl)
-        dp = lay(dp0, dl) if args.method != "ar" else None
+        dp = lay(dp0, dl) if base.draft is not None else None
         t0 = time.perf_counter()
         jax.clear_caches()  # else run_rounds' trace is reused: the module constants are read when tracing
         with constants_set(fields["constants"]):
@@ -178,7 +189,7 @@ def main() -> None:
                 f.write(compiled.as_text())
         state = jax.block_until_ready(compiled(tp, dp, timing.reset(state, args.prompt), jnp.int32(2)))  # warm
         runs[name] = dict(compiled=compiled, state=state, tp=tp, dp=dp, layout=tl, draft_layout=dl, options=opts,
-                          forms=list(fields.get("forms", ())),
+                          forms=list(fields.get("forms", ())), capacity=int(state.cache.capacity),
                           tuning=dataclasses.asdict(vspec.tuning), sampling=vspec.sampling, filtering=vspec.filtering,
                           constants=fields["constants"], compile_s=cs, ms=[])
         print(f"{name}: layout {tl}, draft {dl}, options {opts}, {vspec.tuning}, constants {fields['constants']}, "
@@ -220,7 +231,8 @@ def main() -> None:
             "sampling": r["sampling"], "filtering": r["filtering"],
             "compile_s": r["compile_s"], "median_ms": statistics.median(r["ms"]), "ms": r["ms"],
             "median_diff_ms_vs_first": statistics.median(diffs), "pairs_faster_than_first": sum(d < 0 for d in diffs),
-            "forms": r["forms"], "same_tokens_as_first": same(tokens[name], tokens[names[0]]),
+            "forms": r["forms"], "cache_capacity": r["capacity"],
+            "same_tokens_as_first": same(tokens[name], tokens[names[0]]),
         }
         print(f"{name:>12}: median {statistics.median(r['ms']):.3f} ms/round, paired diff vs {names[0]} "
               f"{statistics.median(diffs):+.3f} ms (faster in {sum(d < 0 for d in diffs)} of {len(diffs)}), "

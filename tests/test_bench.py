@@ -178,6 +178,7 @@ def test_interleaved_ab_script(tmp_path):
     assert got["variants"]["tuned"]["constants"] == {"pallas_kernels.decode_attention.BLOCK": 32}
     assert base["constants"] == {}
     assert got["variants"]["auto"]["forms"] == ["ar", "chain", "4", "8"] and base["forms"] == []
+    assert got["variants"]["auto"]["cache_capacity"] >= base["cache_capacity"] > 16  # its scratch fits the tree of 8
     assert got["variants"]["tuned"]["sampling"] and not base["sampling"] and not base["filtering"]
     hlo = {name: gzip.open(tmp_path / "hlo" / f"{name}.hlo.txt.gz", "rt").read() for name in ("base", "dom", "tuned")}
     assert all(text.startswith("HloModule") for text in hlo.values())  # --hlo: each variant's optimized HLO module
@@ -192,6 +193,13 @@ def test_interleaved_ab_script(tmp_path):
         module.variant("x:sampling=yes")
     with pytest.raises(argparse.ArgumentTypeError, match="filtering='2': expected 0 or 1"):
         module.variant("x:filtering=2")
+    _, laid = module.variant("x:forms=ar+chain+4,smallest=1,form=ar")  # auto's AR step, its State laid out for 1
+    assert laid["forms"] == ("ar", "chain", "4") and laid["smallest"] == "1" and laid["form"] == "ar"
+    for bad, msg in (("x:smallest=2", "smallest=2: a positive slot batch, with forms="),
+                     ("x:forms=ar+4,smallest=0", "smallest=0: a positive slot batch"),
+                     ("x:forms=ar+4,form=8", "form=8: one of the variant's forms=")):
+        with pytest.raises(argparse.ArgumentTypeError, match=msg):
+            module.variant(bad)
     for bad_unroll in ("0", "two"):
         with pytest.raises(argparse.ArgumentTypeError, match="layer_unroll=.*: expected a positive integer"):
             module.variant(f"x:layer_unroll={bad_unroll}")
