@@ -218,6 +218,7 @@ class Engine:
         # (prompt bucket, requests prefilled together) whose prefill no admission has compiled (Engine._idle_work)
         self._cold = [(bucket, n) for bucket in self.layout.buckets() for n in self._together]
         self._joining: list[tuple] = []  # (Job, prefilled state, row, slot) joining the next step
+        self._in_flight: dict[int, Job] = {}  # slot -> Job of the live slots of the last step dispatched
         self._starts = np.zeros(b, np.int32)  # per slot, where the next step's window starts (the step thread's)
         self._steps = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddtree-step")
         # from start to stop: autorun.quick_handoffs (the steps beside the host's work), the step log
@@ -482,7 +483,7 @@ class Engine:
                     cancels, self._cancels = self._cancels, set()
                     self.programs.serving(bool(self.active_slots or self.waiting))
                 t0, waited, later, shared = time.perf_counter(), 0.0, None, False
-                if inflight is not None and (cancels or self._ended or not self.active_slots):
+                if inflight is not None and (cancels or self._ended or not self._stepping(in_flight=True)):
                     later = self._finish(result(inflight), defer=True)  # the state changes below need it back
                     inflight = None
                 if inflight is None:
@@ -494,7 +495,7 @@ class Engine:
                     t = time.perf_counter()
                     self._idle_work()
                     waited += time.perf_counter() - t  # timings and compilations while idle: not the steps' host work
-                if self.active_slots:
+                if self._stepping(in_flight=inflight is not None):
                     queued = self._dispatch()
                     if inflight is not None:  # the step before it, delivered while this one runs
                         self._finish(result(inflight, handoff=True), shared=shared)
@@ -631,6 +632,17 @@ class Engine:
             return None
         return max(0.0, self._busy + IDLE_S - time.monotonic())
 
+    def _stepping(self, in_flight: bool) -> bool:
+        """Whether a live slot may have rounds left after the step in flight (``in_flight``; without one, whether a
+        slot is live). Each round commits a token at least and a sequence ends once its cache holds its limit, so a
+        sequence that step runs, whose cache held at least its delivered output less one token, ends in it when that
+        plus ``rounds_per_step`` reaches its limit: a step queued behind it for such sequences alone would run no
+        round (a device call and a Snapshot read for nothing, after each lone request)."""
+        k = self.config.rounds_per_step
+        ending = self._in_flight if in_flight else {}
+        return any(job is not None and not (ending.get(s) is job and job.emitted - 1 + k >= job.limit)
+                   for s, job in enumerate(self.slots))
+
     def _dispatch(self) -> concurrent.futures.Future:
         """Choose the next step's program (:meth:`programs.Programs.choose`) for the live slots and queue it on the
         step thread (:meth:`_device_step`); its result goes to :meth:`_finish`."""
@@ -647,6 +659,7 @@ class Engine:
         if program.size == len(self.slots):
             rows = np.arange(len(self.slots), dtype=np.int32)
         jobs = [(s, self.slots[s]) for s in live]
+        self._in_flight = dict(jobs)
         joining, self._joining = self._joining, []
         self._launched = launched = threading.Event()
         return self._steps.submit(self._device_step, program, rows, jobs, reason, self.programs.quiet(), joining,

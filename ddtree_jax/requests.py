@@ -83,6 +83,11 @@ class Job:
     first_token_at: float | None = None
     finished: bool = False
 
+    @property
+    def limit(self) -> int:
+        """The output buffer's length at which the device ends the sequence: the prompt and max_tokens."""
+        return len(self.prompt_ids) + self.params.max_tokens
+
     def push(self, new: list[int], *, final: bool) -> tuple[list[int], bool]:
         """Append tokens and their text, cut at a stop string; (the tokens taken, whether a stop string was hit)."""
         stops = self.params.stop
