@@ -176,6 +176,8 @@ def main() -> None:
         flags = {k: fields[k] == "1" for k in ("sampling", "filtering") if k in fields}
         base, state = spec_and_state(fields.get("forms"), int(fields.get("smallest", args.batch)), fields.get("form"))
         vspec = dataclasses.replace(base, tuning=tuning.parse(fields["tuning"], base.tuning), **flags)
+        if vspec.tree == "root" and vspec.draft is not None:  # AR steps hand over a call's rounds, as decode.group's
+            vspec = dataclasses.replace(vspec, hand_over_rows=min(args.rounds, vspec.path_len))
         tp = lay(tp0, tl)
         dp = lay(dp0, dl) if base.draft is not None else None
         t0 = time.perf_counter()

@@ -81,11 +81,12 @@ def run_rounds(spec: Spec, target: TargetParams, drafter: DraftParams | None, st
 
 
 def _ar_steps(spec: Spec, target: TargetParams, drafter: DraftParams, state: State, most: Array):
-    """Up to ``spec.path_len`` AR steps (at most ``most``, while a sequence runs), then one :func:`hand_over` of their
-    tokens' tap features, collected in a buffer [B, path_len, taps*D]: the drafter's input projection and K/V
-    products read their weights once for up to path_len steps, not once a step. The same features at the same
-    positions as a hand-over a step: the drafter's context stays complete. (state, steps run)."""
-    b, rows = state.bonus.shape[0], spec.path_len
+    """Up to R = ``spec.path_len`` AR steps (``spec.hand_over_rows`` if fewer; at most ``most``, while a sequence runs),
+    then one :func:`hand_over` of their tokens' tap features, collected in a buffer [B, R, taps*D]: the drafter's input
+    projection and K/V products read their weights once for up to R steps, not once a step, over B x R rows whatever
+    the steps run. The same features at the same positions as a hand-over a step: the drafter's context stays
+    complete. (state, steps run)."""
+    b, rows = state.bonus.shape[0], min(spec.path_len, spec.hand_over_rows or spec.path_len)
     buffer = jnp.zeros((b, rows, spec.draft.num_taps * spec.target.hidden_size), state.dcache.k.dtype)
 
     def cond(carry):
@@ -126,6 +127,8 @@ def group(spec: Spec, target, drafter, state: State, starts: Array, rounds: Arra
     whose window holds each sequence's output from ``starts`` [B] (the first undelivered index) on. Traced, not
     jitted: :data:`run_group` jits it alone, ``slots.run_group_rows`` on some rows of a batch."""
     n_out0, rounds0, stats0 = state.n_out, state.n_rounds, state.stats
+    if spec.tree == "root" and spec.draft is not None:  # AR steps hand the drafter at most ``most`` steps at once
+        spec = dataclasses.replace(spec, hand_over_rows=min(most, spec.path_len))
     state = run_rounds(spec, target, drafter, state, jnp.minimum(rounds, most))
     width = most * spec.commit_len + 1
     idx = jnp.minimum(starts[:, None] + jnp.arange(width)[None], state.out.shape[1] - 1)

@@ -73,6 +73,8 @@ class Spec:
     predict: tuple[int, ...] = ()  # tree budgets whose expected acceptance a round records (State.stats' columns)
     build_budget: int = 0  # (auto, with a drafter) the best-first tree is built at this budget for the predictions;
     # a best_first round verifies its top ``budget`` nodes (a prefix: parents first), a chain round the chain
+    hand_over_rows: int = 0  # (AR steps with a drafter) steps whose tap features one hand-over gives the drafter, at
+    # most (0: path_len); decode.group sets its call's rounds, so a call of fewer steps projects no padding rows
 
     @property
     def verify_len(self) -> int:

@@ -171,8 +171,9 @@ def test_ar_steps_stop_at_the_round_count_beyond_path_len(target, drafter, refer
 def test_ar_steps_hand_the_drafter_their_tokens_once_per_path_len_steps(target, drafter):
     """The AR form of a speculative run, compiled as the engine compiles its group of rounds: the drafter's input
     projection (and so its K/V products and cache writes) runs outside the loop of AR steps, once for up to path_len
-    steps, where the target's logits run every step; its optimized HLO copies neither KV cache; its Snapshot's window
-    is AR's (a token a round)."""
+    steps, where the target's logits run every step, over the group's rows (3 steps: not path_len's 16, whose padding
+    rows cost a large drafter's projections every call); its optimized HLO copies neither KV cache; its Snapshot's
+    window is AR's (a token a round)."""
     (tcfg, tparams), (dcfg, dparams) = target, drafter
     b, most = 2, 3
     opts = decode.GenerateOptions(method="ddtree", max_new_tokens=16)
@@ -187,6 +188,8 @@ def test_ar_steps_hand_the_drafter_their_tokens_once_per_path_len_steps(target, 
         return max(depths)
 
     assert loop_depth("bcf,fd->bcd") < loop_depth("...d,dv->...v")  # the drafter's fc against the target's logits
+    features = dcfg.num_taps * tcfg.hidden_size  # the hand-over's buffer of tap features: [B, steps, taps x D]
+    assert f"[{b},{most},{features}]" in hlo and f"[{b},{spec.path_len},{features}]" not in hlo
     for kv in (state.cache.k, state.dcache.k):
         whole = "[" + ",".join(map(str, kv.shape)) + "]"
         assert not [line for line in hlo.splitlines() if " copy(" in line and whole in line.split(" copy(")[0]]
