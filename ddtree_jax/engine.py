@@ -633,11 +633,12 @@ class Engine:
         return max(0.0, self._busy + IDLE_S - time.monotonic())
 
     def _stepping(self, in_flight: bool) -> bool:
-        """Whether a live slot may have rounds left after the step in flight (``in_flight``; without one, whether a
-        slot is live). Each round commits a token at least and a sequence ends once its cache holds its limit, so a
-        sequence that step runs, whose cache held at least its delivered output less one token, ends in it when that
-        plus ``rounds_per_step`` reaches its limit: a step queued behind it for such sequences alone would run no
-        round (a device call and a Snapshot read for nothing, after each lone request)."""
+        """Whether a live slot may still have rounds to run once the step in flight has run (``in_flight``; with none
+        in flight, whether a slot is live). A sequence ends once its cache holds its limit (Job.limit) and every round
+        commits a token at least; when that step was chosen its cache held its delivered output less one token or
+        more, so it surely ends in the step when that plus ``rounds_per_step`` reaches its limit. A step queued for
+        such sequences alone would run no round (a device call and a Snapshot read for nothing, after each lone
+        request)."""
         k = self.config.rounds_per_step
         ending = self._in_flight if in_flight else {}
         return any(job is not None and not (ending.get(s) is job and job.emitted - 1 + k >= job.limit)
