@@ -705,9 +705,9 @@ def test_the_step_log_has_a_line_per_step(target, drafter, tmp_path):
 @pytest.mark.parametrize("max_tokens", [12, 10])
 def test_no_step_is_queued_behind_one_that_surely_ends_the_requests(target, drafter, tmp_path, max_tokens):
     """AR steps commit one token a round: a lone request of 12 (or 10) tokens takes three steps of 4 rounds, and the
-    engine, which queues each step before reading the one in flight, queues no fourth for it: the third surely ends it
-    (its cache then holds its limit), so a fourth would run no round. (The second request reads the first's last step
-    queued, if any.)"""
+    engine, which queues each step before reading the one in flight, queues no step after the third for it: the third
+    surely ends it (its cache then holds its limit), so one more would be a device call of no round. (The second
+    request reads the first's last step queued, if any.)"""
     log = tmp_path / "steps.jsonl"
     cfg = engines.EngineConfig(method="ddtree", forms=("ar",), max_batch=2, max_len=MAX_LEN, batch_buckets=(1,),
                                rounds_per_step=4, step_log=str(log))
