@@ -33,7 +33,7 @@ ROOT_ONLY_SAMPLES = SAMPLES // 8
 SEED0 = 1234
 BUDGET = 8
 MIN_EXPECTED = 5.0  # cells expected at least this often are bins of their own; the rest is one bin
-OPTIMISED = {"xla_backend_optimization_level": 2}  # XLA's default
+OPTIMISED = {"xla_backend_optimization_level": 2, "xla_llvm_disable_expensive_passes": False}  # XLA's defaults
 
 CASES = {"t1": (1.0, 1.0), "t0.7-p0.9": (0.7, 0.9)}  # (temperature, top_p)
 

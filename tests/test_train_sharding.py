@@ -51,9 +51,11 @@ def _script(out_path: str) -> None:
 def test_data_parallel_training_matches_one_device(tmp_path):
     import numpy as np
 
+    from tests.conftest import FAST_COMPILE
+
     out = str(tmp_path / "report.json")
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}"
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), out], env=env, cwd=REPO, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
