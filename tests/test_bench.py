@@ -272,6 +272,21 @@ def test_call_cost_script(tmp_path):
     assert all(c["ready_ms"] >= c["call_returned_ms"] > 0 for m in calls.values() for c in m.values())
 
 
+def test_gather_cost_script(tmp_path):
+    """benchmarks/gather_cost.py on the tiny shape (CPU, in this process): both calls timed each pass, the bytes the
+    gather moves from the caches' capacity; a slot batch no smaller than the one it is gathered from is refused."""
+    module = _script("gather_cost")
+    out = tmp_path / "g.json"
+    module.main(["--model", "tiny", "--batch", "2", "--of", "4", "--prompt", "16", "--max-len", "64", "--rounds", "2",
+                 "--pairs", "2", "--json", str(out)])
+    got = json.loads(out.read_text())
+    assert set(got["median_ms_a_round"]) == {"in place", "gathered"}
+    assert all(len(v) == 2 for v in got["ms_a_round"].values())
+    assert got["capacity"] >= 64 and got["gathered_bytes_a_call"] == 4 * 2 * got["cache_bytes_per_sequence"] > 0
+    with pytest.raises(SystemExit):
+        module.main(["--model", "tiny", "--batch", "4", "--of", "4"])
+
+
 def test_the_recorded_h200_results_hold_issue_5s_fields_and_grid():
     """benchmarks/results/h200.json as issue 5 asks: every record has its fields (budget null exactly for ar and
     dflash, a roofline for every ar record); the current layout covers both models at prompts 512 and 2k, batches 1
