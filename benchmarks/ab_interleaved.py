@@ -4,21 +4,22 @@ falls on every variant alike. Reports each variant's median ms per round, the me
 against the first variant, and how many pairs the variant won.
 
 A variant is NAME:FIELD=VALUE,... with fields ``draft`` (the drafter's layout, tuning.LAYOUTS; default
-weight_layout.DRAFT_GPU_LAYOUT), ``layout`` (the target's; default weight_layout.GPU_LAYOUT, weight_layout.GPU_AR_LAYOUT
-for ar and for forms that include ar, as a run lays them out: weight_layout.layout_method), ``sampling`` and ``filtering`` (0 or 1: the Spec's flags; default what the sequences' --temperature / --top-p /
---top-k need, as spec.make_spec sets them), the fields of the Spec's ``Tuning`` but its layout (ddtree_jax.tuning:
-qkv_write, add_norm, decode_attention, verify_align, layer_unroll, prefill_chunk; e.g. qkv_write=0 for XLA's ops instead
-of that kernel), module constants of the package read when tracing (``pallas_kernels.M.NAME=VALUE`` or
-``ddtree_jax.M.NAME=VALUE``, a Python literal, set while the variant is traced and compiled, e.g.
-pallas_kernels.decode_attention.BLOCK=128; commas inside brackets or braces belong to the value, e.g.
-ddtree_jax.model.SPLIT_ROWS=(64,384) or pallas_kernels.tree_attention._CTA_US={1:3.8,2:6.0}), ``forms`` (a
-``--tree-budget auto`` run among these forms, '+'-separated, e.g. forms=ar+chain+16+32+64+128+256, taking the
-method's form at --budget in every round: what auto's own bookkeeping costs, its tree built at the largest budget
-for the predictions, against a fixed budget's round), ``smallest`` (with ``forms``: the run's smallest slot batch,
-default --batch; its State is laid out for the forms allowed there, as a server's for its slot batch 1), ``form``
-(with ``forms``: the form every round takes, default the method's; e.g. --method ar --variant
-auto:forms=ar+chain+16,form=ar for the AR step of a ddtree run, which keeps its drafter's context) and any XLA
-option (added to decode.XLA_OPTIONS, as ``bench models --ab``). Each variant's record has its cache's capacity.
+weight_layout.DRAFT_GPU_LAYOUT), ``layout`` (the target's; default weight_layout.GPU_LAYOUT,
+weight_layout.GPU_AR_LAYOUT where a run takes AR's layout: weight_layout.layout_method), ``sampling`` and ``filtering``
+(0 or 1: the Spec's flags; default what the sequences' --temperature / --top-p / --top-k need, as spec.make_spec sets
+them), the fields of the Spec's ``Tuning`` but its layout (ddtree_jax.tuning: qkv_write, add_norm, decode_attention,
+verify_align, layer_unroll, prefill_chunk; e.g. qkv_write=0 for XLA's ops instead of that kernel), module constants of
+the package read when tracing (``pallas_kernels.M.NAME=VALUE`` or ``ddtree_jax.M.NAME=VALUE``, a Python literal, set
+while the variant is traced and compiled, e.g. pallas_kernels.decode_attention.BLOCK=128; commas inside brackets or
+braces belong to the value, e.g. ddtree_jax.model.SPLIT_ROWS=(64,384) or
+pallas_kernels.tree_attention._CTA_US={1:3.8,2:6.0}), ``forms`` (a ``--tree-budget auto`` run among these forms,
+'+'-separated, e.g. forms=ar+chain+16+32+64+128+256, taking the method's form at --budget in every round: what auto's
+own bookkeeping costs, its tree built at the largest budget for the predictions, against a fixed budget's round),
+``smallest`` (with ``forms``: the run's smallest slot batch, default --batch; its State is laid out for the forms
+allowed there, as a server's for its slot batch 1), ``form`` (with ``forms``: the form every round takes, default the
+method's; e.g. --method ar --variant auto:forms=ar+chain+16,form=ar for the AR step of a ddtree run, which keeps its
+drafter's context) and any XLA option (added to decode.XLA_OPTIONS, as ``bench models --ab``). Each variant's record
+has its cache's capacity.
 
     PYTHONPATH=. python benchmarks/ab_interleaved.py --model qwen3-8b --method ddtree --budget 64 --pairs 12 \\
         --variant base: --variant tom:layout=stacked-out-major-fused --json $OUT/ab.json [--profile $OUT/prof] \\
@@ -47,7 +48,7 @@ from ddtree_jax import bench, cli, decode, policy, tuning
 from ddtree_jax import spec as spec_lib
 from ddtree_jax.bench import analysis, records, timing
 from ddtree_jax.shapes import SHAPES, build_params, model_configs
-from ddtree_jax.weight_layout import DRAFT_GPU_LAYOUT, GPU_AR_LAYOUT, GPU_LAYOUT, device_layout
+from ddtree_jax.weight_layout import DRAFT_GPU_LAYOUT, GPU_AR_LAYOUT, GPU_LAYOUT, device_layout, layout_method
 
 
 PACKAGES = ("pallas_kernels.", "ddtree_jax.")
@@ -147,10 +148,11 @@ def main() -> None:
     n = jnp.int32(args.rounds)
 
     def spec_and_state(forms, smallest, form):
-        """The variant's Spec (a fixed budget's, or auto's among ``forms`` at the method's form, its State laid out
-        for slot batch ``smallest``) and a state of random prompts laid out for it (the same prompts for every
-        variant)."""
+        """The variant's options, Spec (a fixed budget's, or auto's among ``forms`` at the method's form, its State
+        laid out for slot batch ``smallest``) and a state of random prompts laid out for it (the same prompts for
+        every variant)."""
         s = spec
+        opts = spec_lib.GenerateOptions(method=args.method, tree_budget=args.budget, **sample)
         if forms:
             method = "ddtree" if policy.trees(forms) else "dflash" if policy.CHAIN in forms else args.method
             opts = spec_lib.GenerateOptions(method=method, max_new_tokens=args.max_new_tokens,
@@ -159,7 +161,8 @@ def main() -> None:
                             else str(args.budget))
             s = spec_lib.make_spec(tcfg, dcfg, opts, batch=smallest).with_form(form, args.batch)
         _, capacity, out_len = decode.layout(s, [args.prompt] * args.batch, args.max_new_tokens)
-        return s, timing.make_state(s, shape.vocab, args.batch, args.prompt, capacity, out_len, jnp.bfloat16, **sample)
+        state = timing.make_state(s, shape.vocab, args.batch, args.prompt, capacity, out_len, jnp.bfloat16, **sample)
+        return opts, s, state
     laid: dict[tuple, object] = {}
 
     def lay(params, layout):
@@ -170,14 +173,14 @@ def main() -> None:
 
     runs = {}
     for name, fields in args.variant:
-        own = GPU_AR_LAYOUT if args.method == "ar" or policy.AR in fields.get("forms", ()) else GPU_LAYOUT
+        run_opts, base, state = spec_and_state(fields.get("forms"), int(fields.get("smallest", args.batch)),
+                                               fields.get("form"))
+        own = GPU_AR_LAYOUT if layout_method(run_opts) == "ar" else GPU_LAYOUT  # as a run lays its weights out
         tl, dl = fields.get("layout", own), fields.get("draft", DRAFT_GPU_LAYOUT)
         opts = fields["options"]
         flags = {k: fields[k] == "1" for k in ("sampling", "filtering") if k in fields}
-        base, state = spec_and_state(fields.get("forms"), int(fields.get("smallest", args.batch)), fields.get("form"))
         vspec = dataclasses.replace(base, tuning=tuning.parse(fields["tuning"], base.tuning), **flags)
-        if vspec.tree == "root" and vspec.draft is not None:  # AR steps hand over a call's rounds, as decode.group's
-            vspec = dataclasses.replace(vspec, hand_over_rows=min(args.rounds, vspec.path_len))
+        vspec = vspec.per_call(args.rounds)  # as decode.group's calls run it
         tp = lay(tp0, tl)
         dp = lay(dp0, dl) if base.draft is not None else None
         t0 = time.perf_counter()

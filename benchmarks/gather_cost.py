@@ -55,6 +55,8 @@ def main(argv=None) -> None:
     n, r = args.batch, jnp.int32(args.rounds)
     own = timing.make_state(spec, shape.vocab, n, args.prompt, layout.capacity, layout.out_len, jnp.bfloat16)
     whole = timing.make_state(spec, shape.vocab, args.of, args.prompt, layout.capacity, layout.out_len, jnp.bfloat16)
+    caches = [own.cache] + ([own.dcache] if own.dcache is not None else [])
+    kv = sum(c.k.nbytes + c.v.nbytes for c in caches) // n  # a sequence's K and V, target's and drafter's
     rows = jnp.arange(n, dtype=jnp.int32) * (args.of // n)
     starts = jnp.full((n,), args.prompt, jnp.int32)
     calls = {
@@ -73,9 +75,6 @@ def main(argv=None) -> None:
             states[name], _ = jax.block_until_ready(call(fn, state))
             if i:
                 ms[name].append(1e3 * (time.perf_counter() - t0) / args.rounds)
-    kv = 2 * tcfg.num_layers * layout.capacity * tcfg.num_kv_heads * tcfg.head_dim * 2  # bf16 K and V
-    if dp is not None:
-        kv += 2 * dcfg.layers.num_layers * layout.capacity * dcfg.layers.num_kv_heads * dcfg.layers.head_dim * 2
     out = {"model": args.model, "method": args.method, "budget": args.budget if args.method == "ddtree" else None,
            "batch": n, "of": args.of, "prompt": args.prompt, "capacity": layout.capacity, "rounds": args.rounds,
            "pairs": args.pairs, "device": jax.devices()[0].device_kind, "date": records.now(),

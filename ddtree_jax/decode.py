@@ -127,8 +127,7 @@ def group(spec: Spec, target, drafter, state: State, starts: Array, rounds: Arra
     whose window holds each sequence's output from ``starts`` [B] (the first undelivered index) on. Traced, not
     jitted: :data:`run_group` jits it alone, ``slots.run_group_rows`` on some rows of a batch."""
     n_out0, rounds0, stats0 = state.n_out, state.n_rounds, state.stats
-    if spec.tree == "root" and spec.draft is not None:  # AR steps hand the drafter at most ``most`` steps at once
-        spec = dataclasses.replace(spec, hand_over_rows=min(most, spec.path_len))
+    spec = spec.per_call(most)
     state = run_rounds(spec, target, drafter, state, jnp.minimum(rounds, most))
     width = most * spec.commit_len + 1
     idx = jnp.minimum(starts[:, None] + jnp.arange(width)[None], state.out.shape[1] - 1)

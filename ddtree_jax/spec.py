@@ -134,6 +134,13 @@ class Spec:
         """This program's form, as policy.py names it: "ar", "chain" or the tree budget."""
         return {"root": policy.AR, "chain": policy.CHAIN}.get(self.tree, str(self.budget))
 
+    def per_call(self, rounds: int) -> "Spec":
+        """This program as a device call of at most ``rounds`` rounds runs it (decode.group): AR steps with a drafter
+        hand it their features at most that many steps at once (``hand_over_rows``), not path_len's padding rows."""
+        if self.tree != "root" or self.draft is None:
+            return self
+        return dataclasses.replace(self, hand_over_rows=min(rounds, self.path_len))
+
     def with_form(self, form: str, batch: int = 1) -> "Spec":
         """The program of ``form`` in this run (auto) at slot batch ``batch``: the same State layout; when there are
         predictions to record (``predict``), the tree built for them at :func:`build_budget`."""
