@@ -4,8 +4,9 @@ Per level (with the level records of CONFIG.json, its window from started_at to 
 untimed warm-up request too; else the whole log as one):
 its steps and rounds, the share of the level's wall time the steps took, the device's idle time between a step's end
 and the next one's dispatch, then per program (form@slot batch): its steps, the steps beside admissions' prefills
-(``shared``), the mean live requests and tokens a step, and its milliseconds a round, all steps and the clean ones
-(no prefill beside, no compilation running): what the policy's cost table should hold. Prints Markdown.
+(``shared``), the mean live requests and tokens a step, its milliseconds a round, all steps and the clean ones
+(no prefill beside, no compilation running): what the policy's cost table should hold, and the median milliseconds
+a step's program call took to return (launch: the host's share of a step; logs without it show -). Prints Markdown.
 
     python benchmarks/step_summary.py OUT/ddtree.steps.jsonl OUT/ddtree.json
 """
@@ -32,8 +33,8 @@ def summarize_level(steps: list[dict], wall: float | None) -> list[str]:
              + (f" of {wall:.2f} s ({busy / wall:.0%})" if wall else "")
              + (f"; between steps {1e3 * statistics.median(gaps):.2f} ms median, {1e3 * statistics.fmean(gaps):.2f} "
                 f"mean" if gaps else ""), "",
-             "| program | steps | beside prefills | live | tokens a step | ms a round | clean ms a round |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| program | steps | beside prefills | live | tokens a step | ms a round | clean ms a round | launch ms |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     by: dict[str, list[dict]] = collections.defaultdict(list)
     for s in ran:
         by[f"{s['form']}@{s['batch']}"].append(s)
@@ -42,7 +43,8 @@ def summarize_level(steps: list[dict], wall: float | None) -> list[str]:
         clean = [s["elapsed"] / s["rounds"] for s in group if not s["shared"] and s["quiet"]]
         lines.append(f"| {name} | {len(group)} | {sum(s['shared'] for s in group)} | "
                      f"{statistics.fmean(s['live'] for s in group):.1f} | "
-                     f"{statistics.fmean(s['tokens'] for s in group):.1f} | {_ms(per_round)} | {_ms(clean)} |")
+                     f"{statistics.fmean(s['tokens'] for s in group):.1f} | {_ms(per_round)} | {_ms(clean)} | "
+                     f"{_ms([s['launch'] for s in group if 'launch' in s])} |")
     return lines + [""]
 
 

@@ -131,6 +131,7 @@ class Stepped:
     started: float  # time.time() of its dispatch
     failed: list = dataclasses.field(default_factory=list)  # (Job, error) of joiners whose admission failed
     waited: float = 0.0  # seconds the step thread waited before it for the state changes queued since the last step
+    launch: float = 0.0  # seconds of ``elapsed`` until its program's call returned (the host's launch, GIL waits in it)
 
 
 class Engine:
@@ -692,6 +693,7 @@ class Engine:
         t0, started = time.perf_counter(), time.time()
         waited = t0 - t_wait
         self.state, part = self.programs.call(program, self.state, rows, starts[rows])
+        launch = time.perf_counter() - t0
         part = jax.device_get(part)
         elapsed = time.perf_counter() - t0
         if program.size == len(self.slots):
@@ -702,7 +704,7 @@ class Engine:
                 full[rows] = x
         self._starts[rows] = np.maximum(starts[rows], part.end)
         return Stepped(program, jobs, reason, quiet and self.programs.quiet(), starts, snap, elapsed, started, failed,
-                       waited)
+                       waited, launch)
 
     def _finish(self, step: Stepped, defer: bool = False, shared: bool = False) -> Callable[[], None] | None:
         """Count a step that ran (metrics, its program's cost unless admissions' prefills ran beside it (``shared``),
@@ -736,13 +738,14 @@ class Engine:
         dispatch to Snapshot read (``elapsed``), its program (form, slot batch, variant) and why it ran, its rounds
         (the most any sequence ran), the live sequences and the tokens they committed, whether joining requests'
         prefills were queued beside it (``shared``: not its program's time alone) or a compilation ran (``quiet``
-        false), and the seconds the step thread waited for admissions before it."""
+        false), the seconds the step thread waited for admissions before it, and the seconds of ``elapsed`` its
+        program's call took to return (``launch``: the host's launch, waits for the GIL included)."""
         snap = step.snap
         self._step_log.write(json.dumps({
             "t": round(step.started, 6), "elapsed": round(step.elapsed, 6), "form": step.program.form,
             "batch": step.program.size, "variant": step.program.variant, "reason": step.reason, "rounds": rounds,
             "live": live, "tokens": int(snap.new_tokens.sum()), "shared": shared, "quiet": step.quiet,
-            "waited": round(step.waited, 6)}) + "\n")
+            "waited": round(step.waited, 6), "launch": round(step.launch, 6)}) + "\n")
 
     def _deliver(self, starts: np.ndarray, snap: decode.Snapshot, jobs: list) -> None:
         """Each of ``jobs`` ((slot, Job) a step ran for) still in its slot: its new tokens from ``snap``."""

@@ -481,19 +481,20 @@ def test_profile_summary_counts_each_function_once_a_sample():
 
 def test_step_summary_splits_the_steps_by_level_and_program():
     """benchmarks/step_summary.py: the steps inside each level's window only; per program its steps, those beside
-    prefills, and the median ms a round of all its steps and of the clean ones; the device's idle time between steps;
-    a step of no round counted apart."""
+    prefills, the median ms a round of all its steps and of the clean ones, and the median launch a step; the device's
+    idle time between steps; a step of no round counted apart."""
     ss = _script("step_summary")
 
     def step(t, elapsed, form="16", batch=4, rounds=4, shared=False, live=4, tokens=40):
         return {"t": t, "elapsed": elapsed, "form": form, "batch": batch, "variant": "greedy", "reason": "policy",
-                "rounds": rounds, "live": live, "tokens": tokens, "shared": shared, "quiet": True, "waited": 0.0}
+                "rounds": rounds, "live": live, "tokens": tokens, "shared": shared, "quiet": True, "waited": 0.0,
+                "launch": elapsed / 4}
 
     steps = [step(0.0, 0.5), step(10.0, 0.008), step(10.01, 0.012, shared=True), step(10.022, 0.010, form="64"),
              step(10.034, 0.001, rounds=0, live=0, tokens=0), step(20.0, 0.5)]
     text = ss.summarize(steps, [{"concurrency": 4, "started_at": 9.0, "ended_at": 11.0}])
     assert "### concurrency 4" in text and "4 steps (1 of no round), 12 rounds, 120 tokens" in text
     assert "(2%)" in text  # 31 ms of steps in the level's 2 s
-    assert "| 16@4 | 2 | 1 | 4.0 | 40.0 | 2.500 | 2.000 |" in text  # all: median of 2 and 3 ms; clean: 2 ms
+    assert "| 16@4 | 2 | 1 | 4.0 | 40.0 | 2.500 | 2.000 | 2.500 |" in text  # all: median of 2 and 3 ms; clean: 2 ms
     assert "| 64@4 | 1 | 0 |" in text
     assert "between steps 2.00 ms median" in text

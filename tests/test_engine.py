@@ -696,6 +696,7 @@ def test_the_step_log_has_a_line_per_step(target, drafter, tmp_path):
     assert lines and sum(x["tokens"] for x in lines) == 12  # the request's tokens, each committed by a step
     assert all(x["form"] in ("ar", "4") and x["batch"] in (1, 2) and x["variant"] in programs.VARIANTS for x in lines)
     assert all(x["elapsed"] > 0 and x["reason"] in ("policy", "probe", "timing") for x in lines)
+    assert all(0 < x["launch"] <= x["elapsed"] for x in lines)  # the program's call returns before its result is read
     # a step queued while the one before ended the request runs no round: logged too
     assert all((x["live"], x["rounds"] > 0) in ((1, True), (0, False)) for x in lines) and lines[0]["live"] == 1
     assert [x["t"] for x in lines] == sorted(x["t"] for x in lines)
