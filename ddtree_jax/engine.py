@@ -1,8 +1,8 @@
 """Continuous batching over the on-device round loop: a fixed set of slots, a queue, an engine thread.
 
 The engine owns one batch :class:`round.State` of ``max_batch`` slots, each sized for ``max_len``
-tokens (prompt + generated), and compiled groups of ``rounds_per_step`` rounds (``programs.py``: one per form,
-slot batch and sampling variant) that return what the host needs. Its thread loops::
+tokens (prompt + generated), and compiled groups of rounds (``programs.py``: one per form, slot batch and sampling
+variant) that return what the host needs. Its thread loops::
 
     cancel   requests whose client went away end; their slots are marked done on device
     admit    waiting requests enter free slots: those of one prompt bucket prefilled together (decode.prefill,
@@ -10,7 +10,8 @@ slot batch and sampling variant) that return what the host needs. Its thread loo
              into its slot (by the step thread, before the next step, while a step is in flight)
     time     a newly compiled program whose cost is unknown runs a few rounds on free slots (autorun.rewind)
     step     the chosen program (policy.Policy: the most expected tokens per second among the compiled ones) runs
-             ``rounds_per_step`` rounds for the live slots (done slots are skipped on device), then one small
+             its rounds for the live slots (``rounds_per_step``, more at small slot batches while the step stays
+             within ``step_ms``: programs.Programs.rounds; done slots are skipped on device), then one small
              device->host copy (:class:`decode.Snapshot`: each slot's new tokens, lengths, done flags, statistics)
     deliver  each slot's new tokens -> text (stop strings cut here) -> its request's sink; a request that
              ended frees its slot before its last event is sent
@@ -90,7 +91,10 @@ class EngineConfig:
     tree_budget: int | str = DEFAULT_TREE_BUDGET  # "auto": each step's form chosen by policy.Policy
     max_batch: int = 8  # slots decoded together
     max_len: int = 2048  # prompt + generated tokens per sequence
-    rounds_per_step: int = 4  # rounds per device call: streaming granularity vs. host round trips
+    rounds_per_step: int = 4  # rounds per device call at least: streaming granularity vs. host round trips
+    # a step at a small slot batch runs more rounds (up to programs.MAX_STEP_ROUNDS at slot batch 1) while it stays
+    # within step_ms by its cost: each call's fixed cost spread over more rounds. 0: every step runs rounds_per_step
+    step_ms: float = 20.0
     max_queue: int = 256  # requests that may wait while every slot is busy; more get QueueFull
     attention: str = "auto"
     # smaller slot batches besides max_batch: a step runs on one that holds the live requests (gathered from and
@@ -168,8 +172,8 @@ class Engine:
                                  f"({sharding.padded_batch(1, mesh)})")
         self.tcfg, self.tparams = target
         dcfg, dparams = draft if draft is not None else (None, None)
-        if config.max_batch < 1 or config.rounds_per_step < 1 or config.max_queue < 0:
-            raise ValueError("max_batch and rounds_per_step must be at least 1, max_queue at least 0")
+        if config.max_batch < 1 or config.rounds_per_step < 1 or config.max_queue < 0 or not config.step_ms >= 0:
+            raise ValueError("max_batch and rounds_per_step must be at least 1, max_queue and step_ms at least 0")
         if config.max_len < 2:
             raise ValueError(f"max_len must be at least 2, got {config.max_len}")
         data = sharding.padded_batch(1, mesh)
@@ -220,6 +224,7 @@ class Engine:
         self._cold = [(bucket, n) for bucket in self.layout.buckets() for n in self._together]
         self._joining: list[tuple] = []  # (Job, prefilled state, row, slot) joining the next step
         self._in_flight: dict[int, Job] = {}  # slot -> Job of the live slots of the last step dispatched
+        self._in_flight_rounds = config.rounds_per_step  # the rounds of the last step dispatched
         self._starts = np.zeros(b, np.int32)  # per slot, where the next step's window starts (the step thread's)
         self._steps = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddtree-step")
         # from start to stop: autorun.quick_handoffs (the steps beside the host's work), the step log
@@ -233,7 +238,8 @@ class Engine:
         self._wake = threading.Condition(self._lock)
         self.programs = Programs(table, first, weights=(self.tparams, self.dparams), shapes=shapes, batch=b,
                                  rounds_per_step=config.rounds_per_step, max_len=config.max_len,
-                                 path_len=self.spec.path_len, cost_table=self.costs, lock=self._lock, wake=self._wake)
+                                 path_len=self.spec.path_len, cost_table=self.costs, lock=self._lock, wake=self._wake,
+                                 step_s=config.step_ms / 1e3)
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -637,10 +643,10 @@ class Engine:
         """Whether a live slot may still have rounds to run once the step in flight has run (``in_flight``; with none
         in flight, whether a slot is live). A sequence ends once its cache holds its limit (Job.limit) and every round
         commits a token at least; when that step was chosen its cache held its delivered output less one token or
-        more, so it surely ends in the step when that plus ``rounds_per_step`` reaches its limit. A step queued for
+        more, so it surely ends in the step when that plus the step's rounds reaches its limit. A step queued for
         such sequences alone would run no round (a device call and a Snapshot read for nothing, after each lone
         request)."""
-        k = self.config.rounds_per_step
+        k = self._in_flight_rounds
         ending = self._in_flight if in_flight else {}
         return any(job is not None and not (ending.get(s) is job and job.emitted - 1 + k >= job.limit)
                    for s, job in enumerate(self.slots))
@@ -662,15 +668,19 @@ class Engine:
             rows = np.arange(len(self.slots), dtype=np.int32)
         jobs = [(s, self.slots[s]) for s in live]
         self._in_flight = dict(jobs)
+        rounds = self.programs.rounds(program)
+        if any(job.emitted == len(job.prompt_ids) for _, job in jobs):  # a request's first step: its first token soon
+            rounds = min(rounds, self.config.rounds_per_step)
+        self._in_flight_rounds = rounds
         joining, self._joining = self._joining, []
         self._launched = launched = threading.Event()
-        return self._steps.submit(self._device_step, program, rows, jobs, reason, self.programs.quiet(), joining,
-                                  launched)
+        return self._steps.submit(self._device_step, program, rows, rounds, jobs, reason, self.programs.quiet(),
+                                  joining, launched)
 
-    def _device_step(self, program: Program, rows: np.ndarray, jobs, reason: str, quiet: bool,
+    def _device_step(self, program: Program, rows: np.ndarray, rounds: int, jobs, reason: str, quiet: bool,
                      joining: Sequence[tuple] = (), launched: threading.Event | None = None) -> Stepped:
         """On the step thread: insert the requests admitted beside the step before (``joining``: (Job, prefilled
-        state, row, slot)), run ``rounds_per_step`` rounds of ``program`` on ``rows`` and read its Snapshot (every
+        state, row, slot)), run ``rounds`` rounds of ``program`` on ``rows`` and read its Snapshot (every
         slot's, in slot order). Its windows start at :attr:`_starts`, which it then moves to their ends. A joiner whose
         prefill or insert fails is left out (its slot keeps its dead content, done on the device), for
         :meth:`_finish` to end with an error: one request's failure is not the server's. Sets ``launched`` as it
@@ -692,7 +702,7 @@ class Engine:
                 launched.set()
         t0, started = time.perf_counter(), time.time()
         waited = t0 - t_wait
-        self.state, part = self.programs.call(program, self.state, rows, starts[rows])
+        self.state, part = self.programs.call(program, self.state, rows, starts[rows], rounds)
         launch = time.perf_counter() - t0
         part = jax.device_get(part)
         elapsed = time.perf_counter() - t0

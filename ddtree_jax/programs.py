@@ -1,6 +1,6 @@
 """The serving engine's compiled programs: which exist, compiling them in the background, timing them, choosing one.
 
-A :class:`Program` is one compiled (form, slot batch, sampling variant) group of ``rounds_per_step`` rounds
+A :class:`Program` is one compiled (form, slot batch, sampling variant) group of rounds, up to ``most`` a step
 (:func:`table` lists them). :class:`Programs` holds them as a mapping from (form, size, variant) and:
 
     compile  background threads compile the wanted ones in :func:`_rank`'s order (:meth:`Programs.start`)
@@ -50,7 +50,8 @@ COST_TTL_S = 20.0
 
 @dataclasses.dataclass(eq=False)
 class Program:
-    """One compiled (form, slot batch, variant) of the engine: a group of ``rounds_per_step`` rounds."""
+    """One compiled (form, slot batch, variant) of the engine: a group of up to ``most`` rounds (a step runs
+    :meth:`Programs.rounds` of them)."""
 
     form: str
     size: int  # slot batch: the whole batch, or the rows gathered for a smaller one
@@ -62,6 +63,7 @@ class Program:
     checked: bool = False  # timed again once because its cost exceeded the same form's at a larger slot batch
     timing: bool = False  # chosen for a step that times it (Programs.stepped)
     timed_at: float = -float("inf")  # Programs.busy at its cost's last timing (COST_TTL_S)
+    most: int = 1  # the rounds a step of it may run, compiled in (Programs.most)
 
     @property
     def cost_key(self) -> str:
@@ -121,25 +123,36 @@ def table(spec: Spec, forms: Sequence[str], sizes: Sequence[int], dcfg, max_batc
 # which compiled 0.6x as many programs meanwhile (benchmarks/results/compile_stall_h100.json).
 COMPILE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
 
+# The most rounds a step runs, at slot batch 1 (at slot batch n, MAX_STEP_ROUNDS // n, at least rounds_per_step): a
+# device call has a fixed cost (launch, Snapshot read), about 1.1 ms on an H100 with the default pair, whose AR step
+# served at one request in calls of 4 rounds took 1.057 ms a round against 0.783 in bench's one call a decode
+# (docs/SERVING.md). A step runs as many of them as fit in the engine's step_s by its cost (Programs.rounds): more
+# rounds a step spread that cost, and delay a joining request's insert (and a step's tokens) by up to a step.
+MAX_STEP_ROUNDS = 16
+
 
 class Programs(collections.abc.Mapping):
     """The engine's programs by (form, slot batch, variant) (:func:`table`), their compilation, timing and choice.
 
     weights: (target params, draft params or None) as the engine holds them on the device; shapes: the slot batch
     State's shapes and shardings (what a program is compiled for); batch: the slot batch's size (max_batch);
-    max_len: tokens per slot; path_len: the most tokens a round commits; cost_table: the engine's seconds per round
-    (costs.CostTable); lock: the engine's lock; wake: the engine thread's condition on it, notified when a
-    compilation ends (the engine thread may time the new program).
+    max_len: tokens per slot; path_len: the most tokens a round commits; rounds_per_step: the rounds of a step at
+    least; step_s: the seconds a step of more rounds may last (:meth:`rounds`; 0: every step runs rounds_per_step);
+    cost_table: the engine's seconds per round (costs.CostTable); lock: the engine's lock; wake: the engine thread's
+    condition on it, notified when a compilation ends (the engine thread may time the new program).
     """
 
     def __init__(self, programs: dict[tuple[str, int, str], Program], first: Program, *, weights: tuple,
                  shapes: State, batch: int, rounds_per_step: int, max_len: int, path_len: int,
-                 cost_table: costs.CostTable, lock: threading.Lock, wake: threading.Condition):
+                 cost_table: costs.CostTable, lock: threading.Lock, wake: threading.Condition, step_s: float = 0.0):
         self._programs = programs
         self.first = first
         self.tparams, self.dparams = weights
         self._shapes = shapes
         self.batch, self.rounds_per_step, self.max_len, self.path_len = batch, rounds_per_step, max_len, path_len
+        self.step_s = step_s
+        for p in programs.values():
+            p.most = max(rounds_per_step, MAX_STEP_ROUNDS // p.size) if step_s > 0 else rounds_per_step
         self.costs = cost_table
         self._lock = lock
         self._wake = wake
@@ -203,10 +216,10 @@ class Programs(collections.abc.Mapping):
         args = (self.tparams, self.dparams, self._shapes)
         starts, count = jax.ShapeDtypeStruct((program.size,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32)
         if program.size == b:
-            lowered = decode.run_group.lower(spec, *args, starts, count, self.rounds_per_step)
+            lowered = decode.run_group.lower(spec, *args, starts, count, program.most)
         else:
             rows = jax.ShapeDtypeStruct((program.size,), jnp.int32)
-            lowered = slots.run_group_rows.lower(spec, *args, rows, starts, count, self.rounds_per_step)
+            lowered = slots.run_group_rows.lower(spec, *args, rows, starts, count, program.most)
         t0 = time.perf_counter()
         program.fn = lowered.compile(decode.XLA_OPTIONS)
         freeze()
@@ -289,11 +302,13 @@ class Programs(collections.abc.Mapping):
             mask = np.zeros(self.batch, bool)
             mask[rows] = True
             # rounds of at most path_len tokens from there stay within max_len
-            length = max(1, min(context, self.max_len - self.rounds_per_step * self.path_len - 1))
+            length = max(1, min(context, self.max_len - program.most * self.path_len - 1))
             args = (jnp.asarray(mask), jnp.full((self.batch,), length, jnp.int32),
                     jnp.full((self.batch,), self.max_len, jnp.int32))
-            sec, state = autorun.measure(lambda st: self.call(program, st, rows, np.zeros(len(rows), np.int32)),
-                                         state, lambda st: autorun.rewind(st, *args))
+            rounds = self.rounds(program)  # as its steps run it: a timing of other calls would carry other call costs
+            sec, state = autorun.measure(
+                lambda st: self.call(program, st, rows, np.zeros(len(rows), np.int32), rounds), state,
+                lambda st: autorun.rewind(st, *args))
             state = slots.mark_done(state, jnp.asarray(mask))
             if sec is not None:
                 self.costs.measured(program.cost_key, sec, length)
@@ -324,9 +339,18 @@ class Programs(collections.abc.Mapping):
             self.costs.observe(program.cost_key, seconds, context)
 
     # ------------------------------------------------------------------ choosing and running
-    def call(self, program: Program, state, rows: np.ndarray, starts: np.ndarray):
-        """Run ``program`` on ``rows`` of the slot batch (all of them at max_batch): (state, its Snapshot)."""
-        rounds = np.int32(self.rounds_per_step)  # host values, not jnp's: no eager device op a step
+    def rounds(self, program: Program) -> int:
+        """The rounds a step of ``program`` runs: as many as fit in ``step_s`` by its cost, between rounds_per_step
+        and its ``most`` (rounds_per_step while its cost is unknown)."""
+        cost = self.costs.get(program.cost_key) if self.step_s > 0 else None
+        if not cost:
+            return self.rounds_per_step
+        return int(min(program.most, max(self.rounds_per_step, self.step_s // cost)))
+
+    def call(self, program: Program, state, rows: np.ndarray, starts: np.ndarray, rounds: int):
+        """Run ``rounds`` (at most its ``most``) rounds of ``program`` on ``rows`` of the slot batch (all of them at
+        max_batch): (state, its Snapshot)."""
+        rounds = np.int32(rounds)  # host values, not jnp's: no eager device op a step
         if program.size == self.batch:
             return program.fn(self.tparams, self.dparams, state, np.asarray(starts, np.int32), rounds)
         return program.fn(self.tparams, self.dparams, state, np.asarray(rows, np.int32), np.asarray(starts, np.int32),

@@ -130,8 +130,12 @@ def build_parser() -> cli.ArgumentParser:
     b.add_argument("--max-queue", type=cli.nonneg_int, default=256, metavar="N",
                    help="requests that may wait for a slot; more get 429 (default: 256)")
     b.add_argument("--rounds-per-step", type=cli.positive_int, default=4, metavar="K",
-                   help="rounds per device call between host visits: new tokens stream, requests join and "
+                   help="rounds per device call between host visits, at least: new tokens stream, requests join and "
                         "finished slots free every K rounds (default: 4)")
+    b.add_argument("--step-ms", type=cli.nonneg_float, default=20.0, metavar="MS",
+                   help="a step at a small slot batch runs more rounds (up to 16 at one request) while it lasts at "
+                        "most MS by its measured cost, spreading each device call's fixed cost; 0: every step "
+                        "runs K rounds (default: 20)")
     b.add_argument("--batch-buckets", type=_buckets, default=None, metavar="N,N,...|none",
                    help="smaller slot batches besides --max-batch, e.g. 1,4,16, or none: a step runs on one that "
                         "holds the live requests (their rows gathered out of the slots), so few requests do not pay "
@@ -245,7 +249,7 @@ def plan(args: argparse.Namespace) -> Plan:
         eos = eos[:MAX_STOP_IDS]
     name = args.served_model_name or (args.target if shape else os.path.basename(os.path.normpath(args.target)))
     ecfg = engines.EngineConfig(method=method, tree_budget=budget, max_batch=args.max_batch, max_len=max_len,
-                                rounds_per_step=args.rounds_per_step, max_queue=args.max_queue,
+                                rounds_per_step=args.rounds_per_step, step_ms=args.step_ms, max_queue=args.max_queue,
                                 attention=args.attention, batch_buckets=buckets, forms=args.forms or (),
                                 tuning=args.tuning, compile_threads=args.compile_threads, step_log=args.step_log)
     return Plan(target_path, draft_path, args.dtype, name, ecfg, args.mesh, tok, eos, args.host, args.port,

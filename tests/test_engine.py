@@ -710,7 +710,7 @@ def test_no_step_is_queued_behind_one_that_surely_ends_the_requests(target, draf
     second request reads the first's last step queued, if any.)"""
     log = tmp_path / "steps.jsonl"
     cfg = engines.EngineConfig(method="ddtree", forms=("ar",), max_batch=2, max_len=MAX_LEN, batch_buckets=(1,),
-                               rounds_per_step=4, step_log=str(log))
+                               rounds_per_step=4, step_ms=0, step_log=str(log))
     eng = engines.Engine(target, drafter, cfg).start()
     try:
         for max_tokens in (12, 10):
@@ -719,6 +719,28 @@ def test_no_step_is_queued_behind_one_that_surely_ends_the_requests(target, draf
         eng.stop()
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert [(x["live"], x["rounds"]) for x in lines] == [(1, 4), (1, 4), (1, 4), (1, 4), (1, 4), (1, 2)]
+
+
+def test_a_lone_request_runs_longer_steps_after_its_first(target, drafter, tmp_path, monkeypatch):
+    """With step_ms, a step at slot batch 1 runs as many rounds as fit by its cost, up to MAX_STEP_ROUNDS; the steps
+    queued before a request's first tokens are delivered run rounds_per_step, so that they arrive as soon as before.
+    Costs set here (1 ms a round at slot batch 1: 16 fit in 20 ms): a lone AR request of 40 tokens takes steps of 4 and 4 rounds,
+    then 16 and 16 (the last cut at its limit)."""
+    log = tmp_path / "steps.jsonl"
+    cfg = engines.EngineConfig(method="ddtree", forms=("ar",), max_batch=2, max_len=MAX_LEN, batch_buckets=(1,),
+                               rounds_per_step=4, step_ms=20, step_log=str(log))
+    eng = engines.Engine(target, drafter, cfg).start()
+    try:
+        wait_until(lambda: eng.programs_ready == 2 and not eng._untimed())
+        for p in eng.programs.values():
+            eng.costs.measured(p.cost_key, 1e-3 * p.size, 64)  # slot batch 1 the cheaper
+        monkeypatch.setattr(eng.costs, "observe", lambda *a: None)
+        monkeypatch.setattr(programs, "COST_TTL_S", 1e9)  # no step times its program again
+        assert len(eng.generate([1, 2, 3], greedy(40), timeout=120).token_ids) == 40
+    finally:
+        eng.stop()
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(x["batch"], x["rounds"]) for x in lines if x["live"]] == [(1, 4), (1, 4), (1, 16), (1, 16)]
 
 
 def test_programs_are_timed_one_at_a_time_never_timed_first(target, drafter):
@@ -921,6 +943,33 @@ def test_a_round_that_commits_nothing_ends_the_request_with_an_error(target, dra
         assert res.finish_reason == "error" and "decode fault" in res.error
     finally:
         eng.stop()
+
+
+def test_a_step_runs_more_rounds_where_they_fit_in_step_ms():
+    """Programs.rounds: a step runs as many rounds as fit in step_s by its program's cost, at least rounds_per_step
+    and at most the program's ``most`` (compiled in: MAX_STEP_ROUNDS // slot batch, at least rounds_per_step);
+    rounds_per_step while its cost is unknown, and always with step_s 0."""
+    lock = threading.Lock()
+    table = {("ar", n, "greedy"): programs.Program("ar", n, "greedy", None) for n in (1, 2, 8)}
+
+    def progs(step_s):
+        return programs.Programs(table, table["ar", 1, "greedy"], weights=(None, None), shapes=None, batch=8,
+                                 rounds_per_step=4, max_len=64, path_len=1, cost_table=costs.CostTable("t"),
+                                 lock=lock, wake=threading.Condition(lock), step_s=step_s)
+
+    p = progs(0.02)
+    assert [table["ar", n, "greedy"].most for n in (1, 2, 8)] == [programs.MAX_STEP_ROUNDS, 8, 4]
+    assert [p.rounds(table["ar", n, "greedy"]) for n in (1, 2, 8)] == [4, 4, 4]  # costs unknown
+    for n, sec in ((1, 1e-3), (2, 1e-3), (8, 1e-3)):
+        p.costs.measured(costs.program_key("ar", n, "greedy"), sec, 64)
+    assert [p.rounds(table["ar", n, "greedy"]) for n in (1, 2, 8)] == [16, 8, 4]  # 20 fit in 20 ms: capped
+    p.costs.measured(costs.program_key("ar", 1, "greedy"), 2.5e-3, 64)
+    assert p.rounds(table["ar", 1, "greedy"]) == 8
+    p.costs.measured(costs.program_key("ar", 1, "greedy"), 9e-3, 64)
+    assert p.rounds(table["ar", 1, "greedy"]) == 4  # 2 fit: rounds_per_step at least
+    fixed = progs(0.0)
+    assert [table["ar", n, "greedy"].most for n in (1, 2, 8)] == [4, 4, 4]
+    assert fixed.rounds(table["ar", 1, "greedy"]) == 4
 
 
 def test_one_compile_thread_works_while_the_engine_serves():
