@@ -3,9 +3,12 @@
 # Usage: benchmarks/auto_h200.sh OUTDIR PART [LOAD_BENCH_FLAGS...]   (from the repo root; PYTHONPATH=. is set here;
 #        the flags go to load_bench.py in the parts that run it, e.g. --py-spy 1,32)
 #   PART 8b    serve random:qwen3-8b --max-batch 32: ar and ddtree (auto) at concurrency 1,2,4,8,16,32,64
-#              (4 requests a client, at least 8, 64 tokens each, prompt 128: the levels are cut to fit), each after
-#              every program compiled; start-up to /health on an empty cache, and ddtree's second start on the
-#              persistent compilation cache. -> OUTDIR/load_8b/summary.md (the first target table)
+#              (4 requests a client, at least 8, 64 tokens each, prompt 128: the levels are cut to fit), both
+#              servers up at once (--interleave: each level on each in turn, so a GPU's drift between servers run
+#              minutes apart stays out of the ratios), after every program compiled; start-up to /health on an
+#              empty cache (both servers starting at once); then ddtree's second start, alone, on the persistent
+#              compilation cache the first filled.
+#              -> OUTDIR/load_8b/summary.md (the issue's first target table), OUTDIR/load_8b/restart/run.json
 #   PART 8b-dflash  the same for ar and dflash (auto), without the second start -> OUTDIR/load_8b_dflash/summary.md
 #   PART pair  the default pair (its converted target must be in $DDTREE_JAX_CACHE, default ~/.cache/ddtree_jax):
 #              bench pair at batch 1 on 8 held-out prompts, 128 tokens, ar / dflash / ddtree 16..256 / auto (on a
@@ -30,11 +33,16 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 case "$PART" in
   8b|8b-dflash)
-    if [ "$PART" = 8b ]; then methods=ar,ddtree; extra=(--restart ddtree); dir=load_8b
-    else methods=ar,dflash; extra=(); dir=load_8b_dflash; fi
+    if [ "$PART" = 8b ]; then methods=ar,ddtree; dir=load_8b; else methods=ar,dflash; dir=load_8b_dflash; fi
     python3 benchmarks/load_bench.py "$OUT/$dir" --target random:qwen3-8b --methods $methods \
       --max-batch 32 --concurrency 1,2,4,8,16,32,64 --requests-per-client 4 --min-requests 8 --max-tokens 64 \
-      --prompt-len 128 --wait-compiled 200 "${extra[@]}" --time-limit 470 "${@:3}"
+      --prompt-len 128 --wait-compiled 250 --interleave --time-limit 430 "${@:3}"
+    if [ "$PART" = 8b ]; then  # a second start: every program from the compilation cache the run above filled
+      python3 benchmarks/load_bench.py "$OUT/$dir/restart" --target random:qwen3-8b --methods ddtree \
+        --max-batch 32 --concurrency 1 --max-tokens 64 --prompt-len 128 --cache-dir "$OUT/$dir/cache" \
+        --wait-compiled 60 --time-limit 100
+    fi
+    rm -rf "$OUT/$dir/cache/jit"  # the compilation cache: too many files to bring back from a device call
     ;;
   pair)
     timeout 360 python3 -m ddtree_jax.bench pair --prompts 8 --max-new-tokens 128 \

@@ -40,6 +40,7 @@ Needs the server's packages (starlette, uvicorn, sse-starlette, prometheus-clien
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import importlib.util
 import json
 import os
@@ -349,12 +350,15 @@ def run_config(args, config: str, deadline: float) -> dict:
 def run_interleaved(args, deadline: float) -> list[dict]:
     """--interleave: every configuration's server at once, then each level run on each server in turn (the order
     reversed at every other level), so that the configurations of a level meet the machine in the same state; the
-    run.json entries. On a GPU each server may take 1/N of its memory (XLA_PYTHON_CLIENT_MEM_FRACTION)."""
+    run.json entries. On a GPU each server may take 1/N of its memory (XLA_PYTHON_CLIENT_MEM_FRACTION). The servers
+    start at once (each one's start-up then shares the machine with the others')."""
     t0 = time.monotonic()
     servers = [Served(args, m) for m in args.methods]
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=f"{0.9 / len(servers):.3f}")
     try:
-        up = [s for s in servers if s.start(deadline, env)]
+        with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
+            started = list(pool.map(lambda s: s.start(deadline, env), servers))
+        up = [s for s, ok in zip(servers, started) if ok]
         for i, c in enumerate(args.concurrency):
             for s in (up if i % 2 == 0 else up[::-1]):
                 s.level(c, deadline)

@@ -380,17 +380,21 @@ def test_busy_time_merges_overlapping_kernels():
 
 
 def test_load_bench_interleave_runs_each_level_on_every_server_in_alternating_order(monkeypatch):
-    """benchmarks/load_bench.py --interleave: every configuration's server starts (each given 1/N of an
+    """benchmarks/load_bench.py --interleave: every configuration's server starts at once (each given 1/N of an
     accelerator's memory), then each level runs on every server that came up, the order reversed every other level;
     a server that failed to start runs no level; all are stopped and their logs closed."""
+    import threading
+
     module = _script("load_bench")
     calls = []
+    together = threading.Barrier(3, timeout=10)  # broken (an error) unless the three starts overlap
 
     class Fake:
         def __init__(self, args, config):
             self.config, self.info = config, {"config": config}
 
         def start(self, deadline, env=None):
+            together.wait()
             calls.append(("start", self.config, env["XLA_PYTHON_CLIENT_MEM_FRACTION"]))
             return self.config != "broken"
 
@@ -407,7 +411,7 @@ def test_load_bench_interleave_runs_each_level_on_every_server_in_alternating_or
     args = argparse.Namespace(methods=["ar", "broken", "ddtree"], concurrency=[1, 2, 4])
     infos = module.run_interleaved(args, deadline=0.0)
     assert [i["config"] for i in infos] == ["ar", "broken", "ddtree"] and all("wall_s" in i for i in infos)
-    assert calls[:3] == [("start", m, "0.300") for m in ("ar", "broken", "ddtree")]
+    assert sorted(calls[:3]) == [("start", m, "0.300") for m in ("ar", "broken", "ddtree")]
     assert [c for c in calls if isinstance(c[0], int)] == [(1, "ar"), (1, "ddtree"), (2, "ddtree"), (2, "ar"),
                                                           (4, "ar"), (4, "ddtree")]
     assert [c for c in calls if c[0] in ("stop", "close")] == [(w, m) for m in ("ar", "broken", "ddtree")
