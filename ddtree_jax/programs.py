@@ -63,7 +63,7 @@ class Program:
     checked: bool = False  # timed again once because its cost exceeded the same form's at a larger slot batch
     timing: bool = False  # chosen for a step that times it (Programs.stepped)
     timed_at: float = -float("inf")  # Programs.busy at its cost's last timing (COST_TTL_S)
-    most: int = 1  # the rounds a step of it may run, compiled in (Programs.most)
+    most: int = 1  # the rounds a step of it may run, compiled in (set by Programs: MAX_STEP_ROUNDS)
 
     @property
     def cost_key(self) -> str:
@@ -124,10 +124,12 @@ def table(spec: Spec, forms: Sequence[str], sizes: Sequence[int], dcfg, max_batc
 COMPILE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
 
 # The most rounds a step runs, at slot batch 1 (at slot batch n, MAX_STEP_ROUNDS // n, at least rounds_per_step): a
-# device call has a fixed cost (launch, Snapshot read), about 1.1 ms on an H100 with the default pair, whose AR step
-# served at one request in calls of 4 rounds took 1.057 ms a round against 0.783 in bench's one call a decode
-# (docs/SERVING.md). A step runs as many of them as fit in the engine's step_s by its cost (Programs.rounds): more
-# rounds a step spread that cost, and delay a joining request's insert (and a step's tokens) by up to a step.
+# device call has a fixed cost (launch, Snapshot read): on an H100 a served step of 4 AR rounds of the default pair's
+# shape took 4.70 ms against 3.22 for 4 of bench's one-call rounds, and steps of up to 16 served 1.45x the tokens/s at
+# one request (benchmarks/results/step_rounds_h100.json). A step runs as many as fit in the engine's step_s by its
+# cost (Programs.rounds): more rounds a step spread that cost, and delay a joining request's insert (and a step's
+# tokens) by up to a step. The cap falls with the slot batch: its rounds cost more, and an AR step's hand-over to
+# the drafter projects ``most`` rows a sequence whatever the step runs (decode.group, Spec.per_call).
 MAX_STEP_ROUNDS = 16
 
 

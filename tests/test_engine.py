@@ -731,7 +731,7 @@ def test_a_lone_request_runs_longer_steps_after_its_first(target, drafter, tmp_p
                                rounds_per_step=4, step_ms=20, step_log=str(log))
     eng = engines.Engine(target, drafter, cfg).start()
     try:
-        wait_until(lambda: eng.programs_ready == 2 and not eng._untimed())
+        wait_until(lambda: eng.programs_ready == 3 and not eng._untimed())  # the first and the greedy two
         for p in eng.programs.values():
             eng.costs.measured(p.cost_key, 1e-3 * p.size, 64)  # slot batch 1 the cheaper
         monkeypatch.setattr(eng.costs, "observe", lambda *a: None)
