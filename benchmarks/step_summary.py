@@ -6,7 +6,8 @@ its steps and rounds, the share of the level's wall time the steps took, the dev
 and the next one's dispatch, then per program (form@slot batch): its steps, the steps beside admissions' prefills
 (``shared``), the mean live requests and tokens a step, its milliseconds a round, all steps and the clean ones
 (no prefill beside, no compilation running): what the policy's cost table should hold, and the median milliseconds
-a step's program call took to return (launch: the host's share of a step; logs without it show -). Prints Markdown.
+a step's program call took to return (launch: the host's share of a step on a CPU, most of it on a GPU, whose call
+returns once its round loop has run; logs without it show -). Prints Markdown.
 
     python benchmarks/step_summary.py OUT/ddtree.steps.jsonl OUT/ddtree.json
 """

@@ -135,7 +135,7 @@ class Stepped:
     started: float  # time.time() of its dispatch
     failed: list = dataclasses.field(default_factory=list)  # (Job, error) of joiners whose admission failed
     waited: float = 0.0  # seconds the step thread waited before it for the state changes queued since the last step
-    launch: float = 0.0  # seconds of ``elapsed`` until its program's call returned (the host's launch, GIL waits in it)
+    launch: float = 0.0  # seconds of ``elapsed`` until its program's call returned (a GPU's: once its loop has run)
 
 
 class Engine:
@@ -749,7 +749,8 @@ class Engine:
         (the most any sequence ran), the live sequences and the tokens they committed, whether joining requests'
         prefills were queued beside it (``shared``: not its program's time alone) or a compilation ran (``quiet``
         false), the seconds the step thread waited for admissions before it, and the seconds of ``elapsed`` its
-        program's call took to return (``launch``: the host's launch, waits for the GIL included)."""
+        program's call took to return (``launch``: the host's share on a CPU; on a GPU the call returns once its round
+        loop has run)."""
         snap = step.snap
         self._step_log.write(json.dumps({
             "t": round(step.started, 6), "elapsed": round(step.elapsed, 6), "form": step.program.form,
