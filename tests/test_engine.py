@@ -724,8 +724,8 @@ def test_no_step_is_queued_behind_one_that_surely_ends_the_requests(target, draf
 def test_a_lone_request_runs_longer_steps_after_its_first(target, drafter, tmp_path, monkeypatch):
     """With step_ms, a step at slot batch 1 runs as many rounds as fit by its cost, up to MAX_STEP_ROUNDS; the steps
     queued before a request's first tokens are delivered run rounds_per_step, so that they arrive as soon as before.
-    Costs set here (1 ms a round at slot batch 1: 16 fit in 20 ms): a lone AR request of 40 tokens takes steps of 4 and 4 rounds,
-    then 16 and 16 (the last cut at its limit)."""
+    Costs set here (1 ms a round at slot batch 1: 16 fit in 20 ms): a lone AR request of 40 tokens takes steps of 4
+    and 4 rounds, then 16 and 16."""
     log = tmp_path / "steps.jsonl"
     cfg = engines.EngineConfig(method="ddtree", forms=("ar",), max_batch=2, max_len=MAX_LEN, batch_buckets=(1,),
                                rounds_per_step=4, step_ms=20, step_log=str(log))
