@@ -86,7 +86,7 @@ def _ar_steps(spec: Spec, target: TargetParams, drafter: DraftParams, state: Sta
     projection and K/V products read their weights once for up to R steps, not once a step, over B x R rows whatever
     the steps run. The same features at the same positions as a hand-over a step: the drafter's context stays
     complete. (state, steps run)."""
-    b, rows = state.bonus.shape[0], min(spec.path_len, spec.hand_over_rows or spec.path_len)
+    b, rows = state.bonus.shape[0], spec.hand_over_rows or spec.path_len  # Spec.per_call caps it at path_len
     buffer = jnp.zeros((b, rows, spec.draft.num_taps * spec.target.hidden_size), state.dcache.k.dtype)
 
     def cond(carry):

@@ -303,11 +303,11 @@ class Programs(collections.abc.Mapping):
             rows = np.asarray(free[: program.size], np.int32)
             mask = np.zeros(self.batch, bool)
             mask[rows] = True
+            rounds = self.rounds(program)  # as its steps run it: a timing of other calls would carry other call costs
             # rounds of at most path_len tokens from there stay within max_len
-            length = max(1, min(context, self.max_len - program.most * self.path_len - 1))
+            length = max(1, min(context, self.max_len - rounds * self.path_len - 1))
             args = (jnp.asarray(mask), jnp.full((self.batch,), length, jnp.int32),
                     jnp.full((self.batch,), self.max_len, jnp.int32))
-            rounds = self.rounds(program)  # as its steps run it: a timing of other calls would carry other call costs
             sec, state = autorun.measure(
                 lambda st: self.call(program, st, rows, np.zeros(len(rows), np.int32), rounds), state,
                 lambda st: autorun.rewind(st, *args))
