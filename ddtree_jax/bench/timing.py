@@ -26,8 +26,9 @@ def _jitted():
     def randomize(state, key, prompt_len: int, vocab: int):
         ks = jax.random.split(key, 6)
 
-        def rnd(k, x):
-            return jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype)
+        def rnd(k, x):  # the prompt's slots alone: states of other capacities hold the same prompts
+            shape = x.shape[:2] + (prompt_len,) + x.shape[3:]
+            return x.at[:, :, :prompt_len].set(jax.random.normal(k, shape, jnp.float32).astype(x.dtype))
 
         full = jnp.full_like(state.cache.length, prompt_len)
         cache = kvcache.KVCache(rnd(ks[0], state.cache.k), rnd(ks[1], state.cache.v), full)
