@@ -7,7 +7,8 @@
 #              servers up at once (--interleave: each level on each in turn, so a GPU's drift between servers run
 #              minutes apart stays out of the ratios), after every program compiled; start-up to /health on an
 #              empty cache (both servers starting at once); then ddtree's second start, alone, on the persistent
-#              compilation cache the first filled.
+#              compilation cache the first filled. Two Qwen3-8B servers need an H200: on an H100 80GB each one's
+#              0.45 of the memory (load_bench --interleave) runs out while it starts (2026-12-08).
 #              -> OUTDIR/load_8b/summary.md (the issue's first target table), OUTDIR/load_8b/restart/run.json
 #   PART 8b-dflash  the same for ar and dflash (auto), without the second start -> OUTDIR/load_8b_dflash/summary.md
 #   PART pair  the default pair (its converted target must be in $DDTREE_JAX_CACHE, default ~/.cache/ddtree_jax):
