@@ -2,7 +2,7 @@
 
     logits  = x @ router                      [N, E] in x's dtype (the weights'), as PyTorch's Linear rounds them
     probs   = softmax(logits) in f32 over all E experts; the k largest (``lax.top_k``: ties to the lower id)
-    weights = those k, divided by their sum when ``norm_topk_prob``
+    weights = those k, divided by their sum when ``norm_topk_prob`` (computed as the softmax of the k largest logits)
     out     = sum over the k of weight * down(silu(gate x) * up x)      f32 [N, D]; no shared expert
 
 The expert matrices are output-major (``params.LayerWeights``: ``experts_gate_up`` [E, 2F, D], gate rows first,
@@ -58,10 +58,11 @@ GATHER_MAX_PAIRS = 16  # (token, slot) pairs up to which the gather form runs by
 def route(x: Array, router: Array, k: int, norm: bool) -> tuple[Array, Array]:
     """x [N, D], router [D, E] -> (weights [N, k] f32, expert ids [N, k] int32), the k best first."""
     logits = jnp.einsum("nd,de->ne", x, router, preferred_element_type=jnp.float32).astype(x.dtype)
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, ids = jax.lax.top_k(probs, k)
-    if norm:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    logits = logits.astype(jnp.float32)
+    if norm:  # the softmax over all E renormalised over the k is the softmax over the k's logits: no pass over E
+        top, ids = jax.lax.top_k(logits, k)  # exp is monotone: the same k, ties (equal logits) to the lower id
+        return jax.nn.softmax(top, axis=-1), ids.astype(jnp.int32)
+    weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
     return weights, ids.astype(jnp.int32)
 
 

@@ -184,6 +184,30 @@ def test_the_kernel_probe_runs_while_a_layer_is_traced(monkeypatch):
 REAL_MISMATCH = moe.kernel_mismatch
 
 
+@pytest.mark.parametrize("norm", [True, False])
+def test_routing_is_transformers_softmax_top_k_and_renormalisation(norm):
+    """moe.route: transformers' routing (softmax over all experts in f32, the k largest, ties to the lower id, divided
+    by their sum when norm_topk_prob) in float64, with bf16 logits that tie (rows of equal router columns)."""
+    rng = np.random.default_rng(7)
+    n, d, e, k = 64, 32, 128, 8
+    x = jnp.asarray(rng.normal(size=(n, d)), jnp.bfloat16)
+    router = rng.normal(size=(d, e)) * 0.2
+    router[:, 40:44] = router[:, 12:13]  # experts 12 and 40-43 tie on every token
+    router = jnp.asarray(router, jnp.bfloat16)
+    weights, ids = moe.route(x, router, k, norm)
+    logits = np.asarray(jnp.einsum("nd,de->ne", x, router, preferred_element_type=jnp.float32).astype(jnp.bfloat16),
+                        np.float64)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    want = np.argsort(-probs, axis=-1, kind="stable")[:, :k]  # the k largest, ties to the lower id
+    top = np.take_along_axis(probs, want, -1)
+    if norm:
+        top /= top.sum(-1, keepdims=True)
+    assert np.array_equal(np.asarray(ids), want) and ids.dtype == jnp.int32
+    assert np.abs(np.asarray(weights) - top).max() < 1e-6 and weights.dtype == jnp.float32
+    assert (np.isin(want, [12, 40, 41, 42, 43]).sum(-1) >= 2).any()  # the ties were among the chosen
+
+
 @pytest.mark.parametrize("pairs", [1, 8, 16])  # one pair, an AR step of 8 experts, two
 def test_the_gather_product_is_the_float64_product(pairs):
     """moe._gather_product (the gather form's batched GEMV) is the float64 product to f32 rounding on random bf16
