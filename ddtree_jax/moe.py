@@ -57,8 +57,8 @@ GATHER_MAX_PAIRS = 16  # (token, slot) pairs up to which the gather form runs by
 
 def route(x: Array, router: Array, k: int, norm: bool) -> tuple[Array, Array]:
     """x [N, D], router [D, E] -> (weights [N, k] f32, expert ids [N, k] int32), the k best first."""
-    logits = jnp.einsum("nd,de->ne", x, router, preferred_element_type=jnp.float32).astype(x.dtype)
-    logits = logits.astype(jnp.float32)
+    logits = jnp.einsum("nd,de->ne", x, router, preferred_element_type=jnp.float32)
+    logits = logits.astype(x.dtype).astype(jnp.float32)  # rounded as PyTorch's Linear rounds them
     if norm:  # the softmax over all E renormalised over the k is the softmax over the k's logits: no pass over E
         top, ids = jax.lax.top_k(logits, k)  # exp is monotone: the same k, ties (equal logits) to the lower id
         return jax.nn.softmax(top, axis=-1), ids.astype(jnp.int32)
