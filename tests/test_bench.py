@@ -272,6 +272,20 @@ def test_call_cost_script(tmp_path):
     assert all(c["ready_ms"] >= c["call_returned_ms"] > 0 for m in calls.values() for c in m.values())
 
 
+def test_policy_cost_script(tmp_path):
+    """benchmarks/policy_cost.py (no device): each slot batch's forms are those auto may take there, its statistics make
+    the policy choose a tree (the path a server with a useful drafter takes), and every call is timed."""
+    from ddtree_jax import policy
+
+    module = _script("policy_cost")
+    assert module.main([str(tmp_path), "--batches", "1,32", "--steps", "3", "--repeats", "1"]) == 0
+    got = json.loads((tmp_path / "policy_cost.json").read_text())["results"]
+    assert [r["batch"] for r in got] == [1, 32]
+    assert got[1]["forms"] == list(policy.allowed(policy.candidates("ddtree", "gpu"), 32, module.BLOCK))
+    assert all(r["choice"] not in ("ar", "chain") for r in got)
+    assert all(r["ms"][k] > 0 for r in got for k in ("observe", "choose", "summary"))
+
+
 def test_gather_cost_script(tmp_path):
     """benchmarks/gather_cost.py on the tiny shape (CPU, in this process): both calls timed each pass, the bytes the
     gather moves from the caches' capacity; a slot batch no smaller than the one it is gathered from is refused."""
