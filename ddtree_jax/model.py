@@ -8,6 +8,7 @@ mask (causal for prefill/AR, ancestor-only for a tree). See ``pallas_kernels.tre
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -341,6 +342,8 @@ def forward(
     if not isinstance(params.layers, (tuple, list)) and params.layers.sparse_pattern:
         params = unstack_layers(params)  # dense and sparse MLPs mixed: an unrolled loop (params module doc)
     b, t = tokens.shape
+    if params.one_row is not None:  # both layouts held: a one-row forward reads the output-major copy
+        params = dataclasses.replace(params, layers=params.one_row if b * t == 1 else params.layers, one_row=None)
     # The residual stream stays in f32; matmul operands are in the weights' dtype.
     x = constrain(jnp.take(params.embed, tokens, axis=0).astype(jnp.float32), ("batch", "seq", "embed"))
     cos, sin = rope_tables(cfg, positions)

@@ -75,6 +75,9 @@ class TargetParams:
     # lm_head is a float32 copy of the tied embedding (weight_layout.device_layout on CPU) for one-row products;
     # products of several rows read the embedding itself (model.logits)
     head_copy: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # the layers again, output-major, read by forwards of one row (an AR step of one sequence) while ``layers`` serve
+    # the others (weight_layout's "-dual" layouts: each product reads the layout it reads fastest); None otherwise
+    one_row: LayerWeights | None = None
 
     def head(self) -> Array:
         """The output projection [D, V] (the transposed embedding when tied)."""

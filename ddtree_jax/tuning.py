@@ -14,9 +14,9 @@ import dataclasses
 
 # weight_layout.device_layout's forms of the weights: "auto" picks one per backend and method; "-out-major" matrices
 # stored [out, in] (else [in, out]); "-fused" q/k/v and gate/up concatenated; "unstacked" per-layer buffers (else
-# [L, ...])
+# [L, ...]); "-dual" a target's layers also held output-major for forwards of one row (a second copy)
 LAYOUTS = ("auto", "stacked", "unstacked", "stacked-out-major", "unstacked-out-major", "stacked-out-major-fused",
-           "unstacked-out-major-fused", "stacked-fused")
+           "unstacked-out-major-fused", "stacked-fused", "stacked-fused-dual")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,8 +26,11 @@ def device_layout(params, backend: str | None = None, layout: str = "auto", meth
 
     ``layout`` (``Tuning.layout``) other than "auto" forces one of ``tuning.LAYOUTS``:
     "-out-major" matrices output-major, else input-major (either turned into the other); "-fused" q/k/v and gate/up
-    concatenated (skipped for weights split across devices; never undone); "unstacked" per-layer buffers. A drafter
-    takes the same forms (its ``fc`` stays input-major). Idempotent: callers
+    concatenated (skipped for weights split across devices; never undone); "unstacked" per-layer buffers; "-dual" a
+    dense target's layers held twice, input-major for every forward of several rows and output-major for those of one
+    row (``TargetParams.one_row``: a second copy of the layers, so that AR steps of one sequence read their row
+    reductions and every other forward its GEMMs; skipped for weights split across devices and for MoE targets). A
+    drafter takes the same forms (its ``fc`` stays input-major; no second copy). Idempotent: callers
     that decode many times lay out once at load for their method (``generate`` then has nothing to do; weights laid
     out for the rounds and then decoded by AR are turned output-major in that call, a copy of every matrix).
 
@@ -46,14 +49,28 @@ def device_layout(params, backend: str | None = None, layout: str = "auto", meth
         layout = None  # as given
     elif layout == "auto":
         layout = (GPU_AR_LAYOUT if method == "ar" else GPU_LAYOUT) if target else DRAFT_GPU_LAYOUT
+    dual = bool(layout) and layout.endswith("-dual") and target and _dense_replicated(params)
+    if dual and params.one_row is not None:
+        return params  # laid out so already
     if backend == "cpu" and target and params.lm_head is None and "out-major" not in (layout or ""):
         params = dataclasses.replace(params, lm_head=params.embed.T.astype(jnp.float32), head_copy=True)
     if layout is None:
         return params
+    if target and params.one_row is not None:  # another layout: the copy goes
+        params = dataclasses.replace(params, one_row=None)
     params = output_major(params) if "out-major" in layout else input_major(params)
-    if layout.endswith("-fused") and _replicated(params.layers):
+    if "-fused" in layout and _replicated(params.layers):
         params = fuse_projections(params)
+    if dual:
+        params = dataclasses.replace(params, one_row=output_major(params).layers)
     return unstack_layers(params) if layout.startswith("unstacked") else params
+
+
+def _dense_replicated(params: TargetParams) -> bool:
+    """Whether a target's layers are stacked, dense (no MoE layer) and whole on each of their devices."""
+    layers = params.layers
+    return (not isinstance(layers, (tuple, list)) and layers.router is None and not layers.sparse_pattern
+            and _replicated(layers))
 
 
 def _replicated(tree) -> bool:

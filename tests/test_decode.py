@@ -300,6 +300,39 @@ def test_gpu_layouts_give_the_same_rounds(target, drafter, reference_runs, layou
     assert decode.device_layout(tp, backend="cpu") is tp and decode.device_layout(dp, backend="cpu") is dp
 
 
+def test_a_dual_layout_gives_one_row_forwards_their_own_output_major_copy(target, drafter, reference_runs):
+    """``stacked-fused-dual``: the target's layers input-major and fused, and again output-major (``one_row``) for
+    forwards of one row. AR steps of one sequence read the copy and nothing else does: with the copy spoiled, AR's
+    tokens change while the ddtree rounds (prefill and verify: several rows each) stay the reference's; with the true
+    copy both are the reference's. Laid out again it is kept; any other layout drops the copy; a drafter, an MoE
+    target and weights split over devices hold none."""
+    from ddtree_jax import params as params_lib, shapes
+
+    run = reference_runs[0]
+    (cfg, tp), (dcfg, dp) = target, drafter
+    dual = decode.device_layout(tp, backend="gpu", layout="stacked-fused-dual")
+    assert not dual.layers.output_major and dual.layers.fused and dual.one_row.output_major and dual.one_row.fused
+    copy = params_lib.output_major(dataclasses.replace(dual, one_row=None)).layers
+    assert all(np.array_equal(np.asarray(x), np.asarray(y))
+               for x, y in zip(jax.tree.leaves(copy), jax.tree.leaves(dual.one_row)))
+    assert decode.device_layout(dual, backend="gpu", layout="stacked-fused-dual") is dual
+    assert decode.device_layout(dual, backend="gpu", layout="stacked-fused").one_row is None
+    assert decode.device_layout(dual, backend="gpu", method="ar").one_row is None  # the GPU default for AR
+    dl = decode.device_layout(dp, backend="gpu", layout="stacked-fused-dual")
+    assert not dl.layers.output_major and dl.layers.fused and not hasattr(dl, "one_row")
+
+    spoiled = dataclasses.replace(dual, one_row=jax.tree.map(jnp.zeros_like, dual.one_row))
+    for laid, ar_is_reference in ((dual, True), (spoiled, False)):
+        res = decode.generate((cfg, laid), [run["prompt"]], options("ddtree", run, tree_budget=16), draft=(dcfg, dl))
+        ref = run["ddtree"]["16"]
+        assert res.output_ids[0] == ref["output"] and res.acceptance_lengths[0] == ref["acceptance_lengths"]
+        res = decode.generate((cfg, laid), [run["prompt"]], options("ar", run))
+        assert (res.output_ids[0] == run["ar"]) == ar_is_reference
+
+    (mcfg, mp), _ = shapes.random_models("tiny-moe", jnp.float32, draft=False)
+    assert decode.device_layout(mp, backend="gpu", layout="stacked-fused-dual").one_row is None
+
+
 @pytest.mark.parametrize("out_major", [True, False])
 def test_fused_projections_are_the_separate_ones(target, out_major):
     """fuse_projections: wq = [q | k | v] along the heads, w_gate = [gate | up] along the features, in either
