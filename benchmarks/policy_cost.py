@@ -14,7 +14,6 @@ tree: the speculative path): the median of --repeats passes of --steps steps eac
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -28,6 +27,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from ddtree_jax import policy  # noqa: E402
+from ddtree_jax.bench import records  # noqa: E402
 
 BLOCK = 16  # the drafter's block (the chain's nodes + 1)
 
@@ -102,9 +102,7 @@ def main(argv=None) -> int:
                                                                                     else argv),
               "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
               "python": sys.version.split()[0], "numpy": np.__version__, "results": results}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "policy_cost.json"), "w") as f:
-        json.dump(record, f, indent=1)
+    records.write_json(os.path.join(args.out, "policy_cost.json"), record)
     return 0
 
 
