@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from ddtree_jax import policy  # noqa: E402
+from ddtree_jax import cli, policy  # noqa: E402
 from ddtree_jax.bench import records  # noqa: E402
 
 BLOCK = 16  # the drafter's block (the chain's nodes + 1)
@@ -36,10 +36,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", help="output directory (created)")
-    p.add_argument("--batches", default="1,8,32", help="slot batches, comma-separated (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=200, help="steps a pass (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=5, help="passes; the median is kept (default: %(default)s)")
-    return p.parse_args(argv)
+    p.add_argument("--batches", type=cli.int_list, default=[1, 8, 32],
+                   help="slot batches, comma-separated (default: 1,8,32)")
+    p.add_argument("--steps", type=cli.positive_int, default=200, help="steps a pass (default: %(default)s)")
+    p.add_argument("--repeats", type=cli.positive_int, default=5,
+                   help="passes; the median is kept (default: %(default)s)")
+    args = p.parse_args(argv)
+    if min(args.batches) < 1:
+        p.error(f"--batches: slot batches are at least 1, got {min(args.batches)}")
+    return args
 
 
 def group_stats(trees: tuple[int, ...], rounds: int, rng: np.random.Generator, batch: int) -> np.ndarray:
@@ -92,7 +97,7 @@ def time_batch(batch: int, steps: int, repeats: int) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    results = [time_batch(int(b), args.steps, args.repeats) for b in args.batches.split(",")]
+    results = [time_batch(b, args.steps, args.repeats) for b in args.batches]
     for r in results:
         ms = r["ms"]
         print(f"slot batch {r['batch']:>3} ({len(r['forms'])} forms, chose {r['choice']}): observe "
