@@ -304,8 +304,8 @@ def test_a_dual_layout_gives_one_row_forwards_their_own_output_major_copy(target
     """``stacked-fused-dual``: the target's layers input-major and fused, and again output-major (``one_row``) for
     forwards of one row. AR steps of one sequence read the copy and nothing else does: with the copy spoiled, AR's
     tokens change while the ddtree rounds (prefill and verify: several rows each) stay the reference's; with the true
-    copy both are the reference's. Laid out again it is kept; any other layout drops the copy; a drafter, an MoE
-    target and weights split over devices hold none."""
+    copy both are the reference's. Laid out again it is kept; any other layout drops the copy; a drafter and an MoE
+    target hold none."""
     from ddtree_jax import params as params_lib, shapes
 
     run = reference_runs[0]
@@ -329,8 +329,8 @@ def test_a_dual_layout_gives_one_row_forwards_their_own_output_major_copy(target
         res = decode.generate((cfg, laid), [run["prompt"]], options("ar", run))
         assert (res.output_ids[0] == run["ar"]) == ar_is_reference
 
-    (mcfg, mp), _ = shapes.random_models("tiny-moe", jnp.float32, draft=False)
-    assert decode.device_layout(mp, backend="gpu", layout="stacked-fused-dual").one_row is None
+    (_, mp), _ = shapes.random_models("tiny-moe", jnp.float32, draft=False)
+    assert decode.device_layout(mp,  backend="gpu", layout="stacked-fused-dual").one_row is None
 
 
 @pytest.mark.parametrize("out_major", [True, False])
