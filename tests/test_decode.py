@@ -330,7 +330,7 @@ def test_a_dual_layout_gives_one_row_forwards_their_own_output_major_copy(target
         assert (res.output_ids[0] == run["ar"]) == ar_is_reference
 
     (_, mp), _ = shapes.random_models("tiny-moe", jnp.float32, draft=False)
-    assert decode.device_layout(mp,  backend="gpu", layout="stacked-fused-dual").one_row is None
+    assert decode.device_layout(mp, backend="gpu", layout="stacked-fused-dual").one_row is None
 
 
 @pytest.mark.parametrize("out_major", [True, False])
